@@ -1,0 +1,8 @@
+"""folio: a small, readable LLM inference engine."""
+
+from folio.engine.llm import LLM
+from folio.outputs import CompletionOutput, RequestOutput
+from folio.sampling_params import SamplingParams
+
+__version__ = "0.1.0"
+__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]

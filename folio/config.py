@@ -1,0 +1,119 @@
+"""Typed configuration for the model, the KV cache and the scheduler, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+
+@dataclass
+class ModelConfig:
+    """Architecture hyper-parameters, filled from config.json or GGUF metadata."""
+
+    architecture: str  # registry key, e.g. "LlamaForCausalLM", "Gemma3ForCausalLM"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    max_position_embeddings: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    hidden_act: str = "silu"
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    # Gemma 3 specifics (ignored by other architectures).
+    sliding_window: int | None = None
+    layer_types: list[str] | None = None  # "sliding_attention" | "full_attention" per layer
+    rope_local_theta: float | None = None  # RoPE base of sliding-window layers
+    query_pre_attn_scalar: float | None = None
+    final_logit_softcapping: float | None = None
+
+    def __post_init__(self) -> None:
+        for name in (
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        if self.layer_types is not None and len(self.layer_types) != self.num_layers:
+            raise ValueError("model config: layer_types must have one entry per layer")
+
+    def is_sliding(self, layer_index: int) -> bool:
+        return bool(self.layer_types and self.layer_types[layer_index] == "sliding_attention")
+
+
+@dataclass
+class CacheConfig:
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of available RAM
+    num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
+
+    def __post_init__(self) -> None:
+        if self.block_size <= 0:
+            raise ValueError(f"block_size must be positive, got {self.block_size}")
+        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
+            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
+        if self.num_blocks is not None and self.num_blocks <= 0:
+            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+
+
+@dataclass
+class SchedulerConfig:
+    max_num_batched_tokens: int = 1024  # token budget of one engine step (prefill chunks + decodes)
+    max_num_seqs: int = 128  # running requests at most
+    max_model_len: int = 4096  # context length served (capped by the model's own)
+
+    def __post_init__(self) -> None:
+        if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0 or self.max_model_len <= 0:
+            raise ValueError("scheduler limits must be positive")
+
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+def parse_dtype(name: str | torch.dtype) -> torch.dtype:
+    if isinstance(name, torch.dtype):
+        return name
+    try:
+        return _DTYPES[name.lower()]
+    except KeyError:
+        raise ValueError(f"unknown dtype {name!r}; choose one of {sorted(_DTYPES)}") from None
+
+
+def parse_memory(value: str | int | None) -> int | None:
+    """'4GiB', '512MB', '2G' or a byte count -> bytes."""
+    if value is None or isinstance(value, int):
+        return value
+    text = value.strip().upper().removesuffix("B").removesuffix("I")
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
+    try:
+        if text and text[-1] in units:
+            return int(float(text[:-1]) * units[text[-1]])
+        return int(float(text))
+    except ValueError:
+        raise ValueError(f"cannot read memory size {value!r}; use e.g. 2GiB or 512MiB") from None

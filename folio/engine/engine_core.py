@@ -1,0 +1,98 @@
+"""The engine loop: schedule -> run the model -> update requests. No tokenizer, no text."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from folio.config import CacheConfig, ModelConfig, SchedulerConfig
+from folio.engine.request import Request
+from folio.engine.scheduler import Scheduler
+from folio.kv_cache.manager import KVCacheManager
+from folio.platform import default_kv_cache_memory
+from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
+
+logger = logging.getLogger("folio")
+
+
+@dataclass
+class StepStats:
+    num_batched_tokens: int
+    num_running: int
+    num_waiting: int
+    num_preempted: int
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model: nn.Module,
+        model_config: ModelConfig,
+        cache_config: CacheConfig,
+        scheduler_config: SchedulerConfig,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        bytes_per_token = kv_bytes_per_token(model_config, dtype)
+        if cache_config.num_blocks is not None:
+            num_blocks = cache_config.num_blocks
+        else:
+            memory = cache_config.kv_cache_memory or default_kv_cache_memory(device)
+            num_blocks = memory // (bytes_per_token * cache_config.block_size)
+            if num_blocks < 1:
+                raise ValueError(
+                    f"kv_cache_memory of {memory} bytes holds no block of {cache_config.block_size} tokens "
+                    f"({bytes_per_token} bytes per token)"
+                )
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size)
+        # A request must always fit the pool alone, or preemption could never make room for it.
+        max_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings, self.kv.capacity_tokens)
+        scheduler_config.max_model_len = max_len
+        self.scheduler_config = scheduler_config
+        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device)
+        self.kv_bytes_per_token = bytes_per_token
+        self.last_step: StepStats | None = None
+        logger.info(
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); context length %d",
+            num_blocks,
+            cache_config.block_size,
+            self.kv.capacity_tokens,
+            num_blocks * cache_config.block_size * bytes_per_token / 2**20,
+            bytes_per_token,
+            max_len,
+        )
+
+    @property
+    def max_model_len(self) -> int:
+        return self.scheduler_config.max_model_len
+
+    def add_request(self, request: Request) -> None:
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty")
+        if request.num_prompt_tokens >= self.max_model_len:
+            raise ValueError(
+                f"the prompt has {request.num_prompt_tokens} tokens but the context length is "
+                f"{self.max_model_len}, leaving no room to generate"
+            )
+        self.scheduler.add_request(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        return self.scheduler.abort_request(request_id)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished
+
+    def step(self) -> list[Request]:
+        """Run one iteration; return requests that got a new token (including ones that finished)."""
+        out = self.scheduler.schedule()
+        self.last_step = StepStats(
+            out.num_batched_tokens, len(self.scheduler.running), len(self.scheduler.waiting), len(out.preempted_ids)
+        )
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        return self.scheduler.update_from_output(out, sampled)

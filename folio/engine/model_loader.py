@@ -1,0 +1,60 @@
+"""Builds a ready model and tokenizer from a GGUF file or a Hugging Face folder."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from folio.config import ModelConfig
+from folio.loaders.gguf_file import GGUFFile
+from folio.loaders.gguf_model import gguf_model_config, iter_gguf_weights
+from folio.loaders.hf_folder import iter_safetensors, read_hf_config
+from folio.loaders.tokenizer import Tokenizer
+from folio.models.registry import model_class
+
+
+@dataclass
+class LoadedModel:
+    model: nn.Module
+    config: ModelConfig
+    tokenizer: Tokenizer
+    path: Path
+    quantization: str  # e.g. "Q4_1" for GGUF files, "none" for 16/32-bit checkpoints
+    load_seconds: float
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+    start = time.perf_counter()
+    if path.is_file():
+        gguf = GGUFFile(path)
+        config = gguf_model_config(gguf)
+        weights = iter_gguf_weights(gguf, config, dtype)
+        tokenizer = Tokenizer.from_gguf(gguf)
+        quantization = gguf.quantization_summary()
+    elif (path / "config.json").exists():
+        config = read_hf_config(path)
+        weights = iter_safetensors(path)
+        tokenizer = Tokenizer.from_hf_folder(path, extra_eos=config.eos_token_ids)
+        quantization = "none"
+    else:
+        raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
+    config.eos_token_ids = sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)
+
+    model = build_model(config, dtype, device)
+    model.load_weights(weights)
+    return LoadedModel(model, config, tokenizer, path, quantization, time.perf_counter() - start)
+
+
+def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:
+    """Instantiate with parameters created directly in `dtype` (weights are filled by load_weights)."""
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        model = model_class(config)(config)
+    finally:
+        torch.set_default_dtype(previous)
+    return model.to(device).eval()

@@ -1,0 +1,134 @@
+"""Iteration-level scheduling with one token budget per step.
+
+There are no prefill or decode phases: every request has `num_computed_tokens` and `num_tokens`, and
+each step gives running requests their next tokens first (1 for a decode, a chunk for a prompt that is
+still being prefilled), then admits waiting requests while budget, sequence slots and KV blocks last.
+When a running request needs a block and none is free, the most recently admitted request is
+preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+
+from folio.config import SchedulerConfig
+from folio.engine.request import FinishReason, Request, RequestStatus
+from folio.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from folio.kv_cache.manager import KVCacheManager
+
+
+class Scheduler:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+        self.config = config
+        self.kv = kv_manager
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+        self.requests: dict[str, Request] = {}
+        self.num_preemptions = 0
+
+    # -- queue management --------------------------------------------------------------------------
+    def add_request(self, request: Request) -> None:
+        if request.request_id in self.requests:
+            raise ValueError(f"request id {request.request_id!r} is already in use")
+        self.requests[request.request_id] = request
+        self.waiting.append(request)
+
+    def abort_request(self, request_id: str) -> Request | None:
+        request = self.requests.pop(request_id, None)
+        if request is None:
+            return None
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request_id)
+        if not request.is_finished:
+            request.finish(FinishReason.ABORT)
+        return request
+
+    @property
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    # -- one step ----------------------------------------------------------------------------------
+    def schedule(self) -> SchedulerOutput:
+        budget = self.config.max_num_batched_tokens
+        chosen: list[tuple[Request, int]] = []
+        preempted: list[Request] = []
+
+        index = 0
+        while index < len(self.running) and budget > 0:
+            request = self.running[index]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                victim = self.running.pop()
+                self._preempt(victim)
+                preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                chosen.append((request, num_new))
+                budget -= num_new
+                index += 1
+                continue
+            break  # the request preempted itself: nothing after it can run either
+
+        # Admit waiting requests only when nobody was preempted, so a freed block is not handed
+        # straight to a newcomer while the preempted request waits.
+        if not preempted:
+            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = self.waiting[0]
+                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+                if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                    break
+                self.waiting.popleft()
+                request.status = RequestStatus.RUNNING
+                self.running.append(request)
+                chosen.append((request, num_new))
+                budget -= num_new
+
+        output = SchedulerOutput(preempted_ids=[r.request_id for r in preempted])
+        for request, num_new in chosen:
+            start = request.num_computed_tokens
+            end = start + num_new
+            output.scheduled.append(
+                ScheduledRequest(
+                    request_id=request.request_id,
+                    token_ids=request.token_ids_between(start, end),
+                    start_position=start,
+                    block_table=self.kv.block_table(request.request_id),
+                    needs_sample=end == request.num_tokens,
+                    sampling_params=request.sampling_params,
+                    generator=request.generator,
+                    output_token_ids=request.output_token_ids,
+                )
+            )
+        return output
+
+    def _preempt(self, request: Request) -> None:
+        self.kv.free(request.request_id)
+        request.status = RequestStatus.PREEMPTED
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.waiting.appendleft(request)
+
+    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+        """Advance computed counts, append sampled tokens, retire finished requests.
+
+        Returns the requests that produced a token this step (finished ones included).
+        """
+        updated: list[Request] = []
+        for item in output.scheduled:
+            request = self.requests[item.request_id]
+            request.num_computed_tokens += item.num_tokens
+            token = sampled.get(item.request_id)
+            if token is None:
+                continue
+            request.append_output_token(token, self.config.max_model_len)
+            updated.append(request)
+            if request.is_finished:
+                self.running.remove(request)
+                self.kv.free(request.request_id)
+                del self.requests[request.request_id]
+        return updated

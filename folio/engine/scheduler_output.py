@@ -1,0 +1,39 @@
+"""The scheduler's decision for one engine step: which requests run, and how many tokens each."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class ScheduledRequest:
+    request_id: str
+    token_ids: list[int]  # the tokens to compute this step
+    start_position: int  # position of token_ids[0] (= tokens already in the KV cache)
+    block_table: list[int]
+    needs_sample: bool  # the chunk reaches the end of the sequence, so a new token is sampled
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    output_token_ids: list[int]  # tokens generated so far (for penalties and logprobs later)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted_ids: list[str] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

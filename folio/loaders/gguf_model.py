@@ -1,0 +1,126 @@
+"""GGUF metadata -> ModelConfig, and GGUF tensors -> (Hugging Face name, tensor) pairs.
+
+Two conversions undo what llama.cpp's converter did: Llama q/k rows were permuted for GGML's
+interleaved RoPE (folio uses the rotate-half layout), and Gemma norms had 1 added to them.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterator
+
+import torch
+
+from folio.config import ModelConfig
+from folio.loaders.gguf_file import GGUFFile
+from folio.quant.gguf_dequant import dequantize_tensor
+
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
+
+_LAYER_NAMES = {
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+    "attn_norm": "input_layernorm",
+    "ffn_norm": "post_attention_layernorm",  # llama; gemma3 overrides below
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+_GEMMA3_OVERRIDES = {"ffn_norm": "pre_feedforward_layernorm"}
+_TOP_NAMES = {"token_embd": "model.embed_tokens", "output_norm": "model.norm", "output": "lm_head"}
+_BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
+
+
+def gguf_model_config(gguf: GGUFFile) -> ModelConfig:
+    arch = gguf.architecture
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"GGUF architecture {arch!r} is not supported; folio runs {sorted(ARCHITECTURES)}")
+    num_heads = int(gguf.arch_get("attention.head_count"))
+    hidden = int(gguf.arch_get("embedding_length"))
+    head_dim = int(gguf.arch_get("attention.key_length") or hidden // num_heads)
+    vocab = gguf.arch_get("vocab_size") or len(gguf.get("tokenizer.ggml.tokens", []))
+    num_layers = int(gguf.arch_get("block_count"))
+    eos = gguf.get("tokenizer.ggml.eos_token_id")
+    config = dict(
+        architecture=ARCHITECTURES[arch],
+        vocab_size=int(vocab),
+        hidden_size=hidden,
+        intermediate_size=int(gguf.arch_get("feed_forward_length")),
+        num_layers=num_layers,
+        num_heads=num_heads,
+        num_kv_heads=int(gguf.arch_get("attention.head_count_kv") or num_heads),
+        head_dim=head_dim,
+        max_position_embeddings=int(gguf.arch_get("context_length", 4096)),
+        rms_norm_eps=float(gguf.arch_get("attention.layer_norm_rms_epsilon", 1e-6)),
+        rope_theta=float(gguf.arch_get("rope.freq_base", 10000.0)),
+        rope_scaling=_rope_scaling(gguf),
+        tie_word_embeddings="output.weight" not in gguf.tensors,
+        attention_bias="blk.0.attn_q.bias" in gguf.tensors,
+        bos_token_id=gguf.get("tokenizer.ggml.bos_token_id"),
+        eos_token_ids=[] if eos is None else [int(eos)],
+    )
+    if arch == "gemma3":
+        # llama.cpp hard-codes Gemma 3's layout: every 6th layer is global, local layers use base 10k.
+        config.update(
+            hidden_act="gelu_pytorch_tanh",
+            sliding_window=int(gguf.arch_get("attention.sliding_window", 4096)),
+            layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)],
+            rope_local_theta=10000.0,
+            query_pre_attn_scalar=float(head_dim),
+            rope_theta=float(gguf.arch_get("rope.freq_base", 1e6)),
+        )
+    return ModelConfig(**config)
+
+
+def _rope_scaling(gguf: GGUFFile) -> dict | None:
+    kind = gguf.arch_get("rope.scaling.type")
+    factor = gguf.arch_get("rope.scaling.factor")
+    if kind in (None, "none") or not factor:
+        return None
+    if kind == "linear":
+        return {"rope_type": "linear", "factor": float(factor)}
+    if kind == "yarn":
+        original = gguf.arch_get("rope.scaling.original_context_length")
+        return {"rope_type": "yarn", "factor": float(factor), "original_max_position_embeddings": original}
+    raise ValueError(f"GGUF RoPE scaling {kind!r} is not supported")
+
+
+def hf_name(gguf_name: str, arch: str) -> str:
+    base, _, suffix = gguf_name.rpartition(".")
+    if base in _TOP_NAMES:
+        return f"{_TOP_NAMES[base]}.{suffix}"
+    match = _BLOCK_RE.match(gguf_name)
+    if not match:
+        raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
+    layer, part, suffix = match.groups()
+    names = {**_LAYER_NAMES, **(_GEMMA3_OVERRIDES if arch == "gemma3" else {})}
+    if part not in names:
+        raise KeyError(f"unexpected GGUF tensor {gguf_name!r}")
+    return f"model.layers.{layer}.{names[part]}.{suffix}"
+
+
+def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
+    """Undo llama.cpp's q/k row permutation (interleaved pairs -> rotate-half halves)."""
+    rows = weight.shape[0]
+    half = rows // num_heads // 2
+    return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
+
+
+def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+    arch = gguf.architecture
+    for name, tensor in gguf.tensors.items():
+        target = hf_name(name, arch)
+        weight = dequantize_tensor(tensor, dtype=torch.float32)
+        if arch == "llama" and ".attn_q." in name:
+            weight = _unpermute_rope_rows(weight, config.num_heads)
+        elif arch == "llama" and ".attn_k." in name:
+            weight = _unpermute_rope_rows(weight, config.num_kv_heads)
+        elif arch == "gemma3" and name.endswith("norm.weight"):
+            weight = weight - 1.0
+        yield target, weight.to(dtype)

@@ -1,0 +1,120 @@
+"""Tokenizer facade over HF `tokenizers`: encode/decode, streaming decode, and the chat template."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import jinja2.sandbox
+from tokenizers import Tokenizer as HFTokenizer
+from tokenizers.decoders import DecodeStream
+
+from folio.loaders.gguf_file import GGUFFile
+
+
+class ChatTemplateError(ValueError):
+    """The model has no chat template, or the template rejected the messages."""
+
+
+@dataclass
+class Tokenizer:
+    backend: HFTokenizer
+    chat_template: str | None
+    bos_token: str | None
+    eos_token: str | None
+    eos_token_ids: frozenset[int]
+
+    @classmethod
+    def from_hf_folder(cls, folder: Path, extra_eos: list[int] | None = None) -> Tokenizer:
+        backend = HFTokenizer.from_file(str(folder / "tokenizer.json"))
+        settings: dict[str, Any] = {}
+        if (folder / "tokenizer_config.json").exists():
+            settings = json.loads((folder / "tokenizer_config.json").read_text())
+        template = settings.get("chat_template")
+        if template is None and (folder / "chat_template.jinja").exists():
+            template = (folder / "chat_template.jinja").read_text()
+        bos, eos = _token_text(settings.get("bos_token")), _token_text(settings.get("eos_token"))
+        return cls._build(backend, template, bos, eos, extra_eos or [])
+
+    @classmethod
+    def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
+        from folio.loaders.gguf_tokenizer import load_gguf_tokenizer
+
+        backend = load_gguf_tokenizer(gguf.path)
+        tokens = gguf.get("tokenizer.ggml.tokens") or []
+        bos_id, eos_id = gguf.get("tokenizer.ggml.bos_token_id"), gguf.get("tokenizer.ggml.eos_token_id")
+        bos = tokens[bos_id] if bos_id is not None and bos_id < len(tokens) else None
+        eos = tokens[eos_id] if eos_id is not None and eos_id < len(tokens) else None
+        extra = [int(eos_id)] if eos_id is not None else []
+        return cls._build(backend, gguf.get("tokenizer.chat_template"), bos, eos, extra)
+
+    @classmethod
+    def _build(
+        cls, backend: HFTokenizer, template: str | None, bos: str | None, eos: str | None, extra_eos: list[int]
+    ) -> Tokenizer:
+        eos_ids = set(extra_eos)
+        if eos is not None and backend.token_to_id(eos) is not None:
+            eos_ids.add(backend.token_to_id(eos))
+        # Chat models end a turn with an end-of-turn token that may differ from EOS.
+        for turn_end in ("<|im_end|>", "<end_of_turn>", "<|eot_id|>"):
+            if template and turn_end in template and backend.token_to_id(turn_end) is not None:
+                eos_ids.add(backend.token_to_id(turn_end))
+        return cls(backend, template, bos, eos, frozenset(eos_ids))
+
+    @property
+    def vocab_size(self) -> int:
+        return self.backend.get_vocab_size(with_added_tokens=True)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.backend.encode(text, add_special_tokens=add_special_tokens).ids
+
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.backend.decode(ids, skip_special_tokens=skip_special_tokens)
+
+    def decode_stream(self, skip_special_tokens: bool = True) -> StreamingDecoder:
+        return StreamingDecoder(self.backend, skip_special_tokens)
+
+    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+        if not self.chat_template:
+            raise ChatTemplateError("this model has no chat template (is it a base model?); use a plain prompt")
+        if not messages:
+            raise ChatTemplateError("messages must not be empty")
+        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        env.globals["raise_exception"] = _raise_template_error
+        try:
+            template = env.from_string(self.chat_template)
+            return template.render(
+                messages=messages,
+                add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "",
+                eos_token=self.eos_token or "",
+            )
+        except jinja2.TemplateError as exc:
+            raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+        # The template writes BOS itself where the model wants one.
+        return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+
+class StreamingDecoder:
+    """Turns a stream of token ids into text deltas, holding back partial UTF-8 characters."""
+
+    def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
+        self._backend = backend
+        self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+
+    def step(self, token_id: int) -> str:
+        return self._stream.step(self._backend, token_id) or ""
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value
+
+
+def _raise_template_error(message: str) -> None:
+    raise jinja2.TemplateError(message)

@@ -1,0 +1,142 @@
+"""Gemma 3 (text): interleaved sliding-window and global layers, QK-norm, GeGLU, scaled embeddings.
+
+Norms scale by (1 + weight), following the reference checkpoints; the GGUF loader converts llama.cpp's
+pre-added ones back to that convention.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from folio.config import ModelConfig
+from folio.layers.activation import get_gated_activation
+from folio.layers.attention.layer import PagedAttention
+from folio.layers.attention.metadata import AttentionMetadata
+from folio.layers.embedding import LMHead, VocabEmbedding
+from folio.layers.linear import Linear, MergedLinear
+from folio.layers.norm import RMSNorm
+from folio.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.models.llama import LlamaForCausalLM
+from folio.models.weights import check_all_loaded, load_named_weights
+
+Rope = tuple[torch.Tensor, torch.Tensor]
+
+
+def _norm(dim: int, config: ModelConfig) -> RMSNorm:
+    return RMSNorm(dim, config.rms_norm_eps, weight_offset=1.0)
+
+
+class Gemma3Attention(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.num_heads = config.num_heads
+        self.num_kv_heads = config.num_kv_heads
+        self.head_dim = config.head_dim
+        self.is_sliding = config.is_sliding(layer_index)
+        q_size = self.num_heads * self.head_dim
+        kv_size = self.num_kv_heads * self.head_dim
+        self.qkv_proj = MergedLinear(
+            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=config.attention_bias
+        )
+        self.o_proj = Linear(q_size, config.hidden_size)
+        self.q_norm = _norm(self.head_dim, config)
+        self.k_norm = _norm(self.head_dim, config)
+        scalar = config.query_pre_attn_scalar or self.head_dim
+        window = config.sliding_window if self.is_sliding else None
+        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scalar**-0.5, window)
+        self.split = (q_size, kv_size, kv_size)
+
+    def forward(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
+        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
+        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        q, k = apply_rotary(q, k, *rope)
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class Gemma3MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: config.intermediate_size, 1: config.intermediate_size})
+        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
+        self.act = get_gated_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class Gemma3DecoderLayer(nn.Module):
+    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+        super().__init__()
+        self.self_attn = Gemma3Attention(config, layer_index)
+        self.mlp = Gemma3MLP(config)
+        self.input_layernorm = _norm(config.hidden_size, config)
+        self.post_attention_layernorm = _norm(config.hidden_size, config)
+        self.pre_feedforward_layernorm = _norm(config.hidden_size, config)
+        self.post_feedforward_layernorm = _norm(config.hidden_size, config)
+
+    def forward(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
+        attn_out = self.self_attn(self.input_layernorm(hidden), rope, meta)
+        hidden = hidden + self.post_attention_layernorm(attn_out)
+        mlp_out = self.mlp(self.pre_feedforward_layernorm(hidden))
+        return hidden + self.post_feedforward_layernorm(mlp_out)
+
+
+class Gemma3Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
+        self.norm = _norm(config.hidden_size, config)
+        self.rotary_global = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
+        )
+        self.rotary_local = RotaryEmbedding(
+            config.head_dim, config.max_position_embeddings, config.rope_local_theta or 10000.0, None
+        )
+        self.embed_scale = config.hidden_size**0.5
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids)
+        # The reference rounds the scale to the activation dtype before multiplying.
+        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        rope_global = self.rotary_global.cos_sin(positions, hidden.dtype)
+        rope_local = self.rotary_local.cos_sin(positions, hidden.dtype)
+        for layer in self.layers:
+            rope = rope_local if layer.self_attn.is_sliding else rope_global
+            hidden = layer(hidden, rope, meta)
+        return self.norm(hidden)
+
+
+class Gemma3ForCausalLM(nn.Module):
+    stacked_params = LlamaForCausalLM.stacked_params
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.config = config
+        self.model = Gemma3Model(config)
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
+        loaded = load_named_weights(self, weights, self.stacked_params, skip_prefixes=skip)
+        check_all_loaded(self, loaded)

@@ -1,0 +1,79 @@
+"""Turns the logits of one step into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+
+All filtering is batched over rows; only the random draw is per row, so that a request with a seed
+draws from its own generator and gets the same tokens whatever else shares its batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from folio.sampling_params import SamplingParams
+
+
+@dataclass
+class SamplingBatch:
+    """Per-row sampling settings as tensors."""
+
+    temperature: torch.Tensor  # [N] (0 rows are greedy)
+    top_k: torch.Tensor  # [N] (0 = off)
+    top_p: torch.Tensor  # [N]
+    min_p: torch.Tensor  # [N]
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplingBatch:
+        return cls(
+            temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
+            top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
+            top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
+            min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
+            generators=generators,
+            all_greedy=all(p.greedy for p in params),
+        )
+
+
+def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set."""
+    use_top_k = bool((batch.top_k > 0).any())
+    use_top_p = bool((batch.top_p < 1.0).any())
+    if batch.min_p.gt(0).any():
+        probs = logits.softmax(dim=-1)
+        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p.unsqueeze(1)
+        logits = logits.masked_fill(probs < threshold, float("-inf"))
+    if not (use_top_k or use_top_p):
+        return logits
+    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
+    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
+    if use_top_k:
+        vocab = logits.shape[-1]
+        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
+        ranks = torch.arange(vocab).unsqueeze(0)
+        remove |= ranks >= k.unsqueeze(1)
+    if use_top_p:
+        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
+        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
+        remove |= mass_before >= batch.top_p.unsqueeze(1)
+    remove[:, 0] = False  # always keep the best token
+    mask = torch.zeros_like(remove).scatter_(1, sorted_index, remove)
+    return logits.masked_fill(mask, float("-inf"))
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 -> token ids [N]."""
+    greedy_tokens = logits.argmax(dim=-1)
+    if batch.all_greedy:
+        return greedy_tokens
+    greedy_rows = batch.temperature == 0
+    temperature = torch.where(greedy_rows, 1.0, batch.temperature).unsqueeze(1)
+    filtered = apply_top_k_top_p_min_p(logits / temperature, batch)
+    probs = filtered.softmax(dim=-1)
+    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, one generator per row.
+    noise = torch.empty_like(probs)
+    for row, generator in enumerate(batch.generators):
+        noise[row].exponential_(generator=generator)
+    sampled = (probs / noise).argmax(dim=-1)
+    return torch.where(greedy_rows, greedy_tokens, sampled)

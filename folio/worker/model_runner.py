@@ -1,0 +1,105 @@
+"""Runs the model on a scheduler's flat batch: builds tensors, owns the KV cache, samples.
+
+The runner never touches the block pool; block ids arrive in the SchedulerOutput.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from folio.config import CacheConfig, ModelConfig
+from folio.engine.scheduler_output import SchedulerOutput
+from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
+from folio.sample.sampler import SamplingBatch, sample
+
+
+@dataclass
+class BatchInputs:
+    input_ids: torch.Tensor  # [T]
+    positions: torch.Tensor  # [T]
+    meta: AttentionMetadata
+    logits_rows: list[int]  # row in [T] of each request that samples this step
+    sampled_ids: list[str]  # request ids, aligned with logits_rows
+
+
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
+    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model: nn.Module,
+        config: ModelConfig,
+        cache: CacheConfig,
+        num_blocks: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.config = config
+        self.block_size = cache.block_size
+        self.num_blocks = num_blocks
+        self.dtype = dtype
+        self.device = device
+        slots = num_blocks * self.block_size
+        shape = (slots, config.num_kv_heads, config.head_dim)
+        self.kv_caches = []
+        for layer in model.attention_layers():
+            k_cache = torch.zeros(shape, dtype=dtype, device=device)
+            v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            layer.bind_cache(k_cache, v_cache, self.block_size)
+            self.kv_caches.append((k_cache, v_cache))
+
+    def prepare(self, out: SchedulerOutput) -> BatchInputs:
+        input_ids: list[int] = []
+        positions: list[int] = []
+        logits_rows: list[int] = []
+        sampled_ids: list[str] = []
+        for item in out.scheduled:
+            input_ids.extend(item.token_ids)
+            positions.extend(range(item.start_position, item.start_position + item.num_tokens))
+            if item.needs_sample:
+                logits_rows.append(len(input_ids) - 1)
+                sampled_ids.append(item.request_id)
+        meta = build_attention_metadata(
+            [s.start_position for s in out.scheduled],
+            [s.num_tokens for s in out.scheduled],
+            [s.block_table for s in out.scheduled],
+            self.block_size,
+            self.device,
+        )
+        return BatchInputs(
+            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta=meta,
+            logits_rows=logits_rows,
+            sampled_ids=sampled_ids,
+        )
+
+    @torch.inference_mode()
+    def forward(self, inputs: BatchInputs) -> torch.Tensor:
+        """Hidden states for every scheduled token, [T, hidden]."""
+        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.model.compute_logits(hidden)
+
+    @torch.inference_mode()
+    def execute(self, out: SchedulerOutput) -> dict[str, int]:
+        """One forward over the batch; returns the sampled token of each request that reached its end."""
+        inputs = self.prepare(out)
+        hidden = self.forward(inputs)
+        if not inputs.logits_rows:
+            return {}
+        # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
+        logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
+        by_id = {s.request_id: s for s in out.scheduled}
+        rows = [by_id[rid] for rid in inputs.sampled_ids]
+        batch = SamplingBatch.from_params([r.sampling_params for r in rows], [r.generator for r in rows])
+        tokens = sample(logits.cpu(), batch).tolist()
+        return dict(zip(inputs.sampled_ids, tokens, strict=True))

@@ -1,0 +1,79 @@
+"""Tiny random-init checkpoints of each architecture, saved as Hugging Face folders by transformers."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+
+VOCAB = 320
+
+
+def _write_tokenizer(folder: Path) -> None:
+    vocab = {f"t{i}": i for i in range(VOCAB)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+
+
+def _config(kind: str):
+    import transformers
+
+    common = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        initializer_range=0.2,
+        eos_token_id=None,
+        bos_token_id=None,
+        pad_token_id=None,
+    )
+    if kind == "llama":
+        return transformers.LlamaConfig(**common, rope_theta=10000.0, tie_word_embeddings=False)
+    if kind == "llama3-rope":
+        return transformers.LlamaConfig(
+            **common,
+            tie_word_embeddings=True,
+            rope_scaling={
+                "rope_type": "llama3",
+                "factor": 8.0,
+                "low_freq_factor": 1.0,
+                "high_freq_factor": 4.0,
+                "original_max_position_embeddings": 64,
+            },
+        )
+    if kind == "mqa":
+        return transformers.LlamaConfig(**{**common, "num_key_value_heads": 1})
+    if kind == "qwen2":
+        return transformers.Qwen2Config(**common, tie_word_embeddings=False)
+    if kind == "gemma3":
+        return transformers.Gemma3TextConfig(
+            **{**common, "num_hidden_layers": 4},
+            head_dim=32,
+            sliding_window=8,
+            query_pre_attn_scalar=24,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        )
+    raise ValueError(kind)
+
+
+def make_tiny_model(kind: str, folder: Path) -> Path:
+    """Create, save and return the folder of a tiny model of `kind`."""
+    import transformers
+
+    torch.manual_seed(0)
+    config = _config(kind)
+    cls = transformers.Gemma3ForCausalLM if kind == "gemma3" else transformers.AutoModelForCausalLM
+    model = cls.from_config(config) if cls is transformers.AutoModelForCausalLM else cls(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(folder, safe_serialization=True)
+    _write_tokenizer(folder)
+    return folder
+
+
+TINY_KINDS = ["llama", "llama3-rope", "mqa", "qwen2", "gemma3"]
