@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -29,6 +30,17 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
     return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On CPU, numpy's calloc-backed zeros map pages lazily, so a multi-GiB pool
+    costs nothing until used (torch.zeros would touch every page up front). Zeros matter: padded key
+    slots are masked, but garbage NaNs in V would still poison the attention product."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.finfo(dtype).bits // 8
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
 class ModelRunner:
     def __init__(
         self,
@@ -49,8 +61,7 @@ class ModelRunner:
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.kv_caches = []
         for layer in model.attention_layers():
-            k_cache = torch.zeros(shape, dtype=dtype, device=device)
-            v_cache = torch.zeros(shape, dtype=dtype, device=device)
+            k_cache, v_cache = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
             layer.bind_cache(k_cache, v_cache, self.block_size)
             self.kv_caches.append((k_cache, v_cache))
 

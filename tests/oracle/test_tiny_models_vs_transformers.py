@@ -10,6 +10,7 @@ from folio.config import CacheConfig, SchedulerConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import load_model
 from tests.engine_driver import run_greedy_capturing_logits
+from tests.reference import reference_greedy
 from tests.tiny_models import TINY_KINDS, VOCAB, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -24,15 +25,6 @@ def tiny(request, tmp_path_factory):
     loaded = load_model(folder, torch.float32, torch.device("cpu"))
     reference = transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32).eval()
     return request.param, loaded, reference
-
-
-def _reference(reference, prompt: list[int]) -> tuple[list[int], torch.Tensor]:
-    with torch.no_grad():
-        full = reference.generate(
-            torch.tensor([prompt]), max_new_tokens=DECODE_STEPS, min_new_tokens=DECODE_STEPS, do_sample=False
-        )[0]
-        logits = reference(full[None, :-1]).logits[0]
-    return full[len(prompt) :].tolist(), logits
 
 
 # (token budget per step, KV blocks of 4 tokens): whole prompts; 7-token chunks; a pool too small for
@@ -56,7 +48,7 @@ def test_logits_and_greedy_tokens_match(tiny, schedule):
     )
     outputs, logits = run_greedy_capturing_logits(engine, prompts, DECODE_STEPS)
     for prompt, output, folio_logits in zip(prompts, outputs, logits, strict=True):
-        ref_tokens, ref_logits = _reference(reference, prompt)
+        ref_tokens, ref_logits = reference_greedy(reference, prompt, DECODE_STEPS)
         assert output == ref_tokens
         assert folio_logits.shape == ref_logits.shape  # every prompt position and every decode step
         torch.testing.assert_close(folio_logits, ref_logits, atol=TOLERANCE, rtol=0)
