@@ -1,0 +1,90 @@
+"""`folio bench ...`: one sub-subcommand per benchmark, each registering its own parser and runner.
+
+A benchmark's parser stores its runner in `args.bench_run`, so adding one (e.g. `bench serve`) is a
+new `_add_<name>` call in `add_bench_parser` and nothing else.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+from collections.abc import Callable
+from pathlib import Path
+
+DEFAULT_OUTPUT_DIR = "benchmarks/results"
+_NOT_OPTIONS = {"command", "bench_command", "bench_run", "model"}
+
+AddEngineArgs = Callable[[argparse.ArgumentParser], None]
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    bench = subparsers.add_parser("bench", help="measure folio's speed, side by side with a peer engine")
+    benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    _add_throughput(benchmarks, add_engine_args)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return args.bench_run(args)
+
+
+def _add_throughput(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    parser = benchmarks.add_parser(
+        "throughput",
+        help="offline throughput: all requests at once, optionally vs transformers",
+        description="Submit a fixed, seeded set of requests at once and measure requests/s and tokens/s "
+        "(greedy, EOS ignored, so every request decodes exactly its output length).",
+    )
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
+    parser.add_argument("--dataset", default="random", help="random (default) or humaneval")
+    parser.add_argument("--num-prompts", type=int, default=256, help="number of requests (default 256)")
+    parser.add_argument(
+        "--input-len-range", default="32:512", help="random dataset: prompt tokens, uniform LOW:HIGH (default 32:512)"
+    )
+    parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
+    parser.add_argument("--peer", default=None, help="also run the requests through a peer engine: hf")
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf peer (default 16)")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_engine_args(parser)
+    parser.set_defaults(bench_run=_run_throughput)
+
+
+def _command_line(args: argparse.Namespace) -> str:
+    """The run as a `folio` command with every option spelled out, defaults included."""
+    words = ["folio", "bench", args.bench_command, str(args.model)]
+    for key, value in vars(args).items():
+        if key in _NOT_OPTIONS or value is None or callable(value):
+            continue
+        words += [f"--{key.replace('_', '-')}", str(value)]
+    return shlex.join(words)
+
+
+def _run_throughput(args: argparse.Namespace) -> int:
+    from folio.bench.datasets import LengthRange
+    from folio.bench.report import format_table, write_report
+    from folio.bench.throughput import ThroughputConfig, run_throughput
+
+    config = ThroughputConfig(
+        model=args.model,
+        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
+        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        peer=args.peer,
+        hf_batch_size=args.hf_batch_size,
+        engine_args=dict(
+            dtype=args.dtype,
+            kv_cache_memory=args.kv_cache_memory,
+            max_num_seqs=args.max_num_seqs,
+            max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=args.max_model_len,
+        ),
+    )
+    report = run_throughput(config, _command_line(args))
+    print(f"{report.model} ({report.dtype}), {report.dataset}, {report.num_prompts} requests, seed {report.seed}")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0

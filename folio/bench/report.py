@@ -1,0 +1,175 @@
+"""Benchmark results: per-engine metrics, the side-by-side table, and the JSON + PNG written to disk."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import re
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+METRICS = (  # (key, label) of what is compared across engines
+    ("requests_per_s", "requests/s"),
+    ("output_tokens_per_s", "output tok/s"),
+    ("total_tokens_per_s", "total tok/s"),
+    ("elapsed_s", "elapsed s"),
+    ("load_s", "load s"),
+)
+
+
+def machine_info() -> dict[str, Any]:
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+
+
+@dataclass
+class EngineResult:
+    """One engine's timed run over the whole workload (load time measured apart from it)."""
+
+    engine: str
+    num_requests: int
+    prompt_tokens: int
+    output_tokens: int  # tokens the requests asked for; the throughput numerator
+    generated_tokens: int  # tokens actually decoded, including a static batch's surplus
+    elapsed_s: float
+    load_s: float
+    threads: int
+
+    @property
+    def requests_per_s(self) -> float:
+        return self.num_requests / self.elapsed_s
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def total_tokens_per_s(self) -> float:
+        return (self.prompt_tokens + self.output_tokens) / self.elapsed_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            **asdict(self),
+            "requests_per_s": self.requests_per_s,
+            "output_tokens_per_s": self.output_tokens_per_s,
+            "total_tokens_per_s": self.total_tokens_per_s,
+        }
+
+
+@dataclass
+class ThroughputReport:
+    command: str
+    date_utc: str
+    model: str
+    model_path: str
+    dtype: str
+    dataset: str
+    seed: int
+    num_prompts: int
+    settings: dict[str, Any]
+    results: list[EngineResult]
+    machine: dict[str, Any] = field(default_factory=machine_info)
+
+    @property
+    def ratios(self) -> dict[str, float]:
+        """folio over the peer for the throughput metrics; empty without a peer."""
+        by_engine = {r.engine: r for r in self.results}
+        folio, peer = by_engine.get("folio"), by_engine.get(self.peer_name)
+        if folio is None or peer is None:
+            return {}
+        return {
+            "output_tokens_per_s": folio.output_tokens_per_s / peer.output_tokens_per_s,
+            "total_tokens_per_s": folio.total_tokens_per_s / peer.total_tokens_per_s,
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "benchmark": "throughput",
+            "command": self.command,
+            "date_utc": self.date_utc,
+            "machine": self.machine,
+            "model": self.model,
+            "model_path": self.model_path,
+            "dtype": self.dtype,
+            "dataset": self.dataset,
+            "seed": self.seed,
+            "num_prompts": self.num_prompts,
+            "settings": self.settings,
+            "results": {r.engine: r.to_dict() for r in self.results},
+            "ratios": {f"folio/{self.peer_name}": self.ratios} if self.ratios else {},
+        }
+
+    @property
+    def peer_name(self) -> str:
+        return next((r.engine for r in self.results if r.engine != "folio"), "")
+
+
+def format_table(report: ThroughputReport) -> str:
+    engines = [r.engine for r in report.results]
+    ratios = report.ratios
+    ratio_head = f"folio/{report.peer_name}" if ratios else ""
+    lines = [f"{'':<14}" + "".join(f"{e:>12}" for e in engines) + (f"{ratio_head:>12}" if ratios else "")]
+    for key, label in METRICS:
+        row = f"{label:<14}" + "".join(f"{getattr(r, key):>12.2f}" for r in report.results)
+        if key in ratios:
+            row += f"{ratios[key]:>12.2f}"
+        lines.append(row)
+    counts = ", ".join(f"{r.engine} {r.output_tokens} useful / {r.generated_tokens} decoded" for r in report.results)
+    lines.append(f"output tokens: {counts}")
+    return "\n".join(lines)
+
+
+def file_stem(report: ThroughputReport) -> str:
+    stamp = report.date_utc.replace("-", "").replace(":", "")  # 2025-01-31T12:00:00Z -> 20250131T120000Z
+    name = Path(report.model).name.removesuffix(".gguf")  # a catalog name, or a file/folder path
+    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "model"
+    return f"throughput_{model}_{report.dataset}_{stamp}"
+
+
+def write_report(report: ThroughputReport, output_dir: Path) -> tuple[Path, Path]:
+    """Write `<stem>.json` and `<stem>.png` into `output_dir`; returns both paths."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stem = file_stem(report)
+    json_path, png_path = output_dir / f"{stem}.json", output_dir / f"{stem}.png"
+    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    plot_report(report, png_path)
+    return json_path, png_path
+
+
+def plot_report(report: ThroughputReport, path: Path) -> None:
+    try:  # imported here: plotting is the only user of matplotlib, an optional dependency
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib: pip install 'folio[bench]'") from None
+    panels = [("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")]
+    engines = [r.engine for r in report.results]
+    colors = ["#3b6ea8" if e == "folio" else "#c9822b" for e in engines]
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        values = [getattr(r, key) for r in report.results]
+        bars = ax.bar(engines, values, color=colors)
+        ax.bar_label(bars, fmt="%.1f")
+        ax.set_ylabel(label)
+        ratio = report.ratios.get(key)
+        ax.set_title(label + (f"  (folio/{report.peer_name} = {ratio:.2f}x)" if ratio else ""), fontsize=9)
+        ax.margins(y=0.15)
+    fig.suptitle(
+        f"{Path(report.model).name} {report.dtype}, {report.dataset}, {report.num_prompts} requests\n"
+        f"{report.machine['cpu']} ({report.machine['cores']} cores)",
+        fontsize=9,
+    )
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

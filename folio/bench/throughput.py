@@ -1,0 +1,147 @@
+"""Offline throughput: every request submitted at once to `LLM.generate`, optionally the same requests
+through a peer engine in the same run, reported side by side."""
+
+from __future__ import annotations
+
+import gc
+import os
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+import torch
+
+from folio.bench.datasets import (
+    DATASETS,
+    BenchRequest,
+    LengthRange,
+    humaneval_path,
+    humaneval_requests,
+    prompt_vocabulary,
+    random_requests,
+)
+from folio.bench.report import EngineResult, ThroughputReport
+
+PEERS = ("hf",)
+
+
+@dataclass
+class ThroughputConfig:
+    model: str
+    input_len_range: LengthRange
+    output_len_range: LengthRange
+    dataset: str = "random"
+    num_prompts: int = 256
+    seed: int = 0
+    peer: str | None = None
+    hf_batch_size: int = 16
+    engine_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of folio.LLM
+    use_tqdm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.dataset not in DATASETS:
+            raise ValueError(f"unknown dataset {self.dataset!r}; choose from {', '.join(DATASETS)}")
+        if self.peer is not None and self.peer not in PEERS:
+            raise ValueError(f"unknown peer {self.peer!r}; choose from {', '.join(PEERS)}")
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
+        if self.hf_batch_size < 1:
+            raise ValueError(f"--hf-batch-size must be at least 1, got {self.hf_batch_size}")
+
+
+def build_requests(config: ThroughputConfig, llm: Any) -> list[BenchRequest]:
+    if config.dataset == "humaneval":
+        return humaneval_requests(llm.tokenizer.encode, config.num_prompts, config.output_len_range, config.seed)
+    special = set(llm.model_config.eos_token_ids)
+    if llm.model_config.bos_token_id is not None:
+        special.add(llm.model_config.bos_token_id)
+    vocabulary = prompt_vocabulary(llm.tokenizer.backend, llm.model_config.vocab_size, special)
+    return random_requests(vocabulary, config.num_prompts, config.input_len_range, config.output_len_range, config.seed)
+
+
+def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
+    """Refuse a workload the engine would cut short: every request must fit the context whole."""
+    longest = max(len(r.prompt_token_ids) + r.output_len for r in requests)
+    if longest > max_model_len:
+        raise ValueError(
+            f"a request needs {longest} tokens (prompt + output) but the model's context is {max_model_len}; "
+            "shorten --input-len-range/--output-len-range or raise --max-model-len"
+        )
+
+
+def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: bool = True) -> EngineResult:
+    """Time one `generate` call over all requests: greedy, ignoring EOS, each to its own length."""
+    from folio.sampling_params import SamplingParams
+
+    torch.set_num_threads(os.cpu_count() or 1)
+    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    prompts = [r.prompt_token_ids for r in requests]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
+    elapsed = time.perf_counter() - start
+    generated = sum(len(o.outputs[0].token_ids) for o in outputs)
+    wanted = sum(r.output_len for r in requests)
+    if generated != wanted:
+        raise RuntimeError(f"folio generated {generated} output tokens but the requests asked for {wanted}")
+    return EngineResult(
+        engine="folio",
+        num_requests=len(requests),
+        prompt_tokens=sum(len(p) for p in prompts),
+        output_tokens=generated,
+        generated_tokens=generated,
+        elapsed_s=elapsed,
+        load_s=load_s,
+        threads=torch.get_num_threads(),
+    )
+
+
+def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
+    from folio import LLM
+    from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
+    from folio.loaders.catalog import resolve_model
+
+    # Fail before the long part of the run on anything the user can fix.
+    if config.peer == "hf":
+        require_transformers()
+    if config.dataset == "humaneval":
+        humaneval_path()
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    path = resolve_model(config.model)  # pulls a catalog model now, so the download is not load time
+
+    start = time.perf_counter()
+    llm = LLM(path, **config.engine_args)
+    load_s = time.perf_counter() - start
+    requests = build_requests(config, llm)
+    check_fits(requests, llm.engine.max_model_len)
+    results = [run_folio(llm, requests, load_s, config.use_tqdm)]
+    model_path, dtype = llm.loaded.path, llm.dtype
+    del llm  # free folio's weights and KV pool before the peer loads its own copy
+    gc.collect()
+
+    if config.peer == "hf":
+        model, hf_load_s = load_hf_model(model_path, dtype)
+        results.append(run_hf(model, requests, config.hf_batch_size, hf_load_s, config.use_tqdm))
+        del model
+        gc.collect()
+
+    return ThroughputReport(
+        command=command,
+        date_utc=date,
+        model=config.model,
+        model_path=str(model_path),
+        dtype=str(dtype).removeprefix("torch."),
+        dataset=config.dataset,
+        seed=config.seed,
+        num_prompts=config.num_prompts,
+        settings={
+            "input_len_range": str(config.input_len_range) if config.dataset == "random" else None,
+            "output_len_range": str(config.output_len_range),
+            "peer": config.peer,
+            "hf_batch_size": config.hf_batch_size if config.peer == "hf" else None,
+            "engine": {k: v for k, v in config.engine_args.items() if k != "dtype"},
+            "mean_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
+            "mean_output_tokens": sum(r.output_len for r in requests) / len(requests),
+        },
+        results=results,
+    )

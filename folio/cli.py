@@ -1,0 +1,107 @@
+"""`folio` command line: pull, models, run, chat, generate, bench.
+
+Every failure a user can cause ends in one line on stderr and a non-zero exit; set FOLIO_DEBUG=1 to
+see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import sys
+from collections.abc import Callable
+
+from folio import __version__
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def _add_engine_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dtype", default="float32", help="weights/activations dtype: float32, bfloat16")
+    parser.add_argument(
+        "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1/4 of free RAM, max 4GiB)"
+    )
+    parser.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
+    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+    parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
+
+
+def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
+    parser.add_argument("--max-tokens", type=int, default=max_tokens)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--min-p", type=float, default=0.0)
+    parser.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="folio", description="Run open language models locally.")
+    parser.add_argument("--version", action="version", version=f"folio {__version__}")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+
+    pull = sub.add_parser("pull", help="download a model into $FOLIO_HOME")
+    pull.add_argument("model")
+
+    sub.add_parser("models", help="list pulled models and the catalog")
+
+    run = sub.add_parser("run", help="generate from one prompt, streaming to the terminal")
+    run.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    run.add_argument("prompt")
+    run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
+    _add_sampling_args(run)
+    _add_engine_args(run)
+
+    chat = sub.add_parser("chat", help="interactive chat using the model's chat template")
+    chat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    chat.add_argument("--system", default=None, help="system prompt")
+    _add_sampling_args(chat)
+    _add_engine_args(chat)
+
+    generate = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL completions out")
+    generate.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    generate.add_argument("--input", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
+    generate.add_argument("--output", required=True)
+    _add_sampling_args(generate)
+    _add_engine_args(generate)
+
+    from folio.bench.cli import add_bench_parser
+
+    add_bench_parser(sub, _add_engine_args)
+    return parser
+
+
+def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
+    from folio import commands
+
+    return {
+        "pull": commands.cmd_pull,
+        "models": commands.cmd_models,
+        "run": commands.cmd_run,
+        "chat": commands.cmd_chat,
+        "generate": commands.cmd_generate,
+        "bench": commands.cmd_bench,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="folio: %(message)s", stream=sys.stderr)
+    try:
+        return _handlers()[args.command](args)
+    except KeyboardInterrupt:
+        print(file=sys.stderr)
+        return 130
+    except BrokenPipeError:
+        return 0
+    except Exception as exc:  # one line for the user; FOLIO_DEBUG=1 shows the traceback
+        if os.environ.get("FOLIO_DEBUG"):
+            raise
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        print(f"folio: error: {message}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,184 @@
+"""What each `folio` subcommand does (argument parsing lives in cli.py)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from folio.sampling_params import SamplingParams
+
+
+def _llm(args: argparse.Namespace):
+    from folio import LLM
+
+    return LLM(
+        args.model,
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+
+
+def _sampling(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
+    fields = dict(
+        max_tokens=args.max_tokens,
+        temperature=args.temperature,
+        top_k=args.top_k,
+        top_p=args.top_p,
+        min_p=args.min_p,
+        seed=args.seed,
+    )
+    fields.update(overrides)
+    return SamplingParams(**fields)
+
+
+def _human_size(num_bytes: int) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if num_bytes < 1000 or unit == "GB":
+            return f"{num_bytes:.0f} {unit}" if unit == "B" else f"{num_bytes:.1f} {unit}"
+        num_bytes /= 1000
+    return f"{num_bytes} B"
+
+
+def cmd_pull(args: argparse.Namespace) -> int:
+    from folio.loaders.catalog import pull
+
+    path = pull(args.model)
+    print(f"{args.model}: {path}")
+    return 0
+
+
+def cmd_models(args: argparse.Namespace) -> int:
+    from folio.loaders.catalog import CATALOG, list_pulled
+
+    pulled = {m.name: m for m in list_pulled()}
+    print(f"{'NAME':<16} {'SIZE':>9}  {'ARCH':<8} {'QUANT':<8} STATUS")
+    for name in sorted(set(CATALOG) | set(pulled)):
+        model = pulled.get(name)
+        if model:
+            print(
+                f"{name:<16} {_human_size(model.size_bytes):>9}  {model.architecture:<8} {model.quantization:<8} pulled"
+            )
+        else:
+            print(f"{name:<16} {'-':>9}  {'-':<8} {'-':<8} not pulled ({CATALOG[name].description})")
+    return 0
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    prompt: str | list[int] = args.prompt
+    if not args.raw and llm.tokenizer.chat_template:
+        prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
+    for text in llm.stream(prompt, _sampling(args)):
+        sys.stdout.write(text)
+        sys.stdout.flush()
+    sys.stdout.write("\n")
+    return 0
+
+
+def cmd_chat(args: argparse.Namespace) -> int:
+    llm = _llm(args)
+    if not llm.tokenizer.chat_template:
+        raise ValueError(f"{args.model} has no chat template (a base model?); use `folio run --raw` instead")
+    messages: list[dict[str, str]] = []
+    if args.system:
+        messages.append({"role": "system", "content": args.system})
+    interactive = sys.stdin.isatty()
+    if interactive:
+        print("Type a message; /bye or Ctrl-D to quit, /clear to start over.", file=sys.stderr)
+    while True:
+        if interactive:
+            sys.stderr.write(">>> ")
+            sys.stderr.flush()
+        line = sys.stdin.readline()
+        if not line or line.strip() == "/bye":
+            return 0
+        text = line.rstrip("\n")
+        if not text.strip():
+            continue
+        if text.strip() == "/clear":
+            messages = messages[:1] if args.system else []
+            continue
+        messages.append({"role": "user", "content": text})
+        reply = []
+        for piece in llm.stream(llm.tokenizer.encode_chat(messages), _sampling(args)):
+            reply.append(piece)
+            sys.stdout.write(piece)
+            sys.stdout.flush()
+        sys.stdout.write("\n")
+        messages.append({"role": "assistant", "content": "".join(reply)})
+
+
+_SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "ignore_eos")
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    records = _read_jsonl(Path(args.input))
+    llm = _llm(args)
+    prompts: list[str | list[int]] = []
+    params: list[SamplingParams] = []
+    for number, record in enumerate(records, start=1):
+        overrides = {k: record[k] for k in _SAMPLING_KEYS if k in record}
+        try:
+            params.append(_sampling(args, **overrides))
+            if "messages" in record:
+                prompts.append(llm.tokenizer.encode_chat(record["messages"]))
+            elif isinstance(record.get("prompt"), str):
+                prompts.append(record["prompt"])
+            else:
+                raise ValueError('each line needs "prompt" (a string) or "messages"')
+        except (ValueError, TypeError) as exc:
+            raise ValueError(f"{args.input} line {number}: {exc}") from None
+    outputs = llm.generate(prompts, params)
+    with open(args.output, "w", encoding="utf-8") as out:
+        for record, result in zip(records, outputs, strict=True):
+            completion = result.outputs[0]
+            metrics = result.metrics
+            out.write(
+                json.dumps(
+                    {
+                        **{k: record[k] for k in ("id", "prompt", "messages") if k in record},
+                        "text": completion.text,
+                        "token_ids": completion.token_ids,
+                        "finish_reason": completion.finish_reason,
+                        "prompt_tokens": len(result.prompt_token_ids),
+                        "completion_tokens": len(completion.token_ids),
+                        "time_to_first_token_s": metrics.time_to_first_token,
+                        "latency_s": metrics.latency,
+                    },
+                    ensure_ascii=False,
+                )
+                + "\n"
+            )
+    print(f"wrote {len(outputs)} completions to {args.output}", file=sys.stderr)
+    return 0
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    if not path.exists():
+        raise FileNotFoundError(f"input file {path} does not exist")
+    records = []
+    for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path} line {number} is not valid JSON: {exc.msg}") from None
+        if not isinstance(record, dict):
+            raise ValueError(f"{path} line {number} must be a JSON object")
+        records.append(record)
+    if not records:
+        raise ValueError(f"{path} holds no prompts")
+    return records
+
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    from folio.bench.cli import run_bench
+
+    return run_bench(args)
