@@ -32,8 +32,9 @@ def tiny(request, tmp_path_factory):
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}
 
 
+@pytest.mark.parametrize("attention", ["kernel", "torch"])
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
-def test_logits_and_greedy_tokens_match(tiny, schedule):
+def test_logits_and_greedy_tokens_match(tiny, schedule, attention):
     kind, loaded, reference = tiny
     budget, num_blocks = SCHEDULES[schedule]
     generator = torch.Generator().manual_seed(1)
@@ -46,6 +47,9 @@ def test_logits_and_greedy_tokens_match(tiny, schedule):
         torch.float32,
         torch.device("cpu"),
     )
+    if attention == "torch":  # the pure-PyTorch path for every group, decodes included
+        for layer in loaded.model.attention_layers():
+            layer.decode_kernel = None
     outputs, logits = run_greedy_capturing_logits(engine, prompts, DECODE_STEPS)
     for prompt, output, folio_logits in zip(prompts, outputs, logits, strict=True):
         ref_tokens, ref_logits = reference_greedy(reference, prompt, DECODE_STEPS)

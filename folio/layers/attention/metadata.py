@@ -1,4 +1,10 @@
-"""Per-step attention metadata, built once by the model runner and shared by every layer."""
+"""Per-step attention metadata, built once by the model runner and shared by every layer.
+
+The flat batch is split into attention groups so that no query is padded to another request's
+length: all single-token queries (decodes) form one batched group, and each longer query (a prefill
+chunk) is its own group. Padding a 1-token decode up to a 512-token prefill chunk would multiply the
+attention work by the chunk length.
+"""
 
 from __future__ import annotations
 
@@ -8,35 +14,51 @@ import torch
 
 
 @dataclass
-class AttentionMetadata:
-    """Describes a flat batch of T tokens from B requests.
-
-    Queries are scattered into a padded [B, max_query_len] grid (`query_index` gives each flat
-    token's cell); keys are read through `block_tables` into a padded [B, max_blocks * block_size]
-    grid. `mask` marks which key each query cell may see (causal, within its own sequence).
-    """
-
-    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
-    block_tables: torch.Tensor  # [B, max_blocks]
-    query_index: torch.Tensor  # [T] cell in the padded [B * max_query_len] query grid
-    query_positions: torch.Tensor  # [B, max_query_len] absolute position of each query cell
-    num_seqs: int
-    max_query_len: int
+class AttentionGroup:
+    token_rows: torch.Tensor  # [t] rows of the flat batch that belong to this group
+    block_tables: torch.Tensor  # [b, max_blocks]
+    query_positions: torch.Tensor  # [b, q] absolute position of each query (q = 1 for decodes)
     num_key_slots: int  # max_blocks * block_size
-    mask: torch.Tensor  # [B, 1, max_query_len, num_key_slots] bool
-    _window_masks: dict[int, torch.Tensor] = field(default_factory=dict)
+    fresh_prompt: bool  # one request whose chunk starts at 0: its keys are exactly this step's keys
+    seq_lens: torch.Tensor  # [b] keys each sequence has after this step
+    _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
 
-    def window_mask(self, window: int | None) -> torch.Tensor:
-        """The causal mask, further limited to the last `window` positions (sliding-window layers)."""
-        if window is None:
-            return self.mask
-        cached = self._window_masks.get(window)
-        if cached is None:
-            keys = torch.arange(self.num_key_slots)
-            distance = self.query_positions.unsqueeze(-1) - keys  # [B, Q, K]
-            cached = self.mask & (distance < window).unsqueeze(1)
-            self._window_masks[window] = cached
-        return cached
+    @property
+    def num_seqs(self) -> int:
+        return self.query_positions.shape[0]
+
+    @property
+    def is_decode(self) -> bool:
+        return self.query_positions.shape[1] == 1
+
+    @property
+    def query_len(self) -> int:
+        return self.query_positions.shape[1]
+
+    def mask(self, window: int | None) -> torch.Tensor | None:
+        """[b, 1, q, keys] bool: causal within the sequence, limited to `window` past positions if given.
+        None means plain causal attention over this step's own keys (SDPA's is_causal)."""
+        if window in self._masks:
+            return self._masks[window]
+        if self.fresh_prompt and window is None:
+            mask = None
+        else:
+            num_keys = self.query_len if self.fresh_prompt else self.num_key_slots
+            keys = torch.arange(num_keys, device=self.query_positions.device)
+            distance = self.query_positions.unsqueeze(-1) - keys  # [b, q, keys]
+            allowed = distance >= 0
+            if window is not None:
+                allowed &= distance < window
+            mask = allowed.unsqueeze(1)
+        self._masks[window] = mask
+        return mask
+
+
+@dataclass
+class AttentionMetadata:
+    slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
+    groups: list[AttentionGroup]
+    num_tokens: int
 
 
 def build_attention_metadata(
@@ -46,37 +68,45 @@ def build_attention_metadata(
     block_size: int,
     device: torch.device | str = "cpu",
 ) -> AttentionMetadata:
-    num_seqs = len(query_lens)
-    max_query_len = max(query_lens)
-    max_blocks = max(len(t) for t in block_tables)
-
     slots: list[int] = []
-    query_index: list[int] = []
+    decode_rows: list[int] = []
+    decode_seqs: list[int] = []
+    groups: list[AttentionGroup] = []
+    row = 0
     for seq, (start, qlen, table) in enumerate(zip(start_positions, query_lens, block_tables, strict=True)):
-        for pos in range(start, start + qlen):
-            slots.append(table[pos // block_size] * block_size + pos % block_size)
-        base = seq * max_query_len
-        query_index.extend(range(base, base + qlen))
+        slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + qlen))
+        if qlen == 1:
+            decode_rows.append(row)
+            decode_seqs.append(seq)
+        else:
+            groups.append(_group(list(range(row, row + qlen)), [start], qlen, [table], block_size, start == 0, device))
+        row += qlen
+    if decode_rows:
+        starts = [start_positions[s] for s in decode_seqs]
+        tables = [block_tables[s] for s in decode_seqs]
+        groups.insert(0, _group(decode_rows, starts, 1, tables, block_size, False, device))
+    return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, row)
 
-    padded_tables = torch.zeros(num_seqs, max_blocks, dtype=torch.long)
-    for seq, table in enumerate(block_tables):
-        padded_tables[seq, : len(table)] = torch.tensor(table, dtype=torch.long)
 
-    starts = torch.tensor(start_positions, dtype=torch.long)
-    query_positions = starts.unsqueeze(1) + torch.arange(max_query_len).unsqueeze(0)
-    num_key_slots = max_blocks * block_size
-    keys = torch.arange(num_key_slots)
-    # Causal: a query at position p sees keys 0..p of its own sequence. Padded query cells sit past
-    # the sequence end but still see key 0, so no row is fully masked (which would produce NaN).
-    mask = (keys.view(1, 1, -1) <= query_positions.unsqueeze(-1)).unsqueeze(1)
-
-    return AttentionMetadata(
-        slot_mapping=torch.tensor(slots, dtype=torch.long, device=device),
-        block_tables=padded_tables.to(device),
-        query_index=torch.tensor(query_index, dtype=torch.long, device=device),
-        query_positions=query_positions.to(device),
-        num_seqs=num_seqs,
-        max_query_len=max_query_len,
-        num_key_slots=num_key_slots,
-        mask=mask.to(device),
+def _group(
+    rows: list[int],
+    starts: list[int],
+    query_len: int,
+    tables: list[list[int]],
+    block_size: int,
+    fresh_prompt: bool,
+    device: torch.device | str,
+) -> AttentionGroup:
+    max_blocks = max(len(t) for t in tables)
+    padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
+    for i, table in enumerate(tables):
+        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    positions = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(query_len).unsqueeze(0)
+    return AttentionGroup(
+        token_rows=torch.tensor(rows, dtype=torch.long, device=device),
+        block_tables=padded.to(device),
+        query_positions=positions.to(device),
+        num_key_slots=max_blocks * block_size,
+        fresh_prompt=fresh_prompt,
+        seq_lens=(positions[:, -1] + 1).to(device),
     )

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from folio.layers.attention.metadata import AttentionMetadata
+from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata
 
 
 def write_kv(
@@ -19,15 +19,46 @@ def write_kv(
     v_cache.index_copy_(0, slots, value.to(v_cache.dtype))
 
 
-def gather_kv(cache: torch.Tensor, meta: AttentionMetadata, block_size: int) -> torch.Tensor:
-    """[slots, Hkv, D] cache -> [B, Hkv, num_key_slots, D] per-sequence keys (padded)."""
+def gather_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
+    """[slots, Hkv, D] cache -> [b, Hkv, num_key_slots, D]: each sequence's keys, in order, padded."""
     num_kv_heads, head_dim = cache.shape[1], cache.shape[2]
-    blocks = cache.view(-1, block_size, num_kv_heads, head_dim)[meta.block_tables]  # [B, nb, bs, H, D]
-    return blocks.view(meta.num_seqs, meta.num_key_slots, num_kv_heads, head_dim).transpose(1, 2)
+    blocks = cache.view(-1, block_size, num_kv_heads, head_dim)[group.block_tables]  # [b, nb, bs, H, D]
+    return blocks.view(group.num_seqs, group.num_key_slots, num_kv_heads, head_dim).transpose(1, 2)
+
+
+def attend_group(
+    group: AttentionGroup,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_size: int,
+    scale: float,
+    sliding_window: int | None,
+) -> torch.Tensor:
+    """Attention output [t, H * D] for the group's rows of the flat batch."""
+    num_heads, head_dim = query.shape[1], query.shape[2]
+    rows = group.token_rows
+    # [t, H, D] -> [b, H, q, D]: decodes are b sequences of 1 query, a chunk is 1 sequence of q.
+    q = query[rows].view(group.num_seqs, group.query_len, num_heads, head_dim).transpose(1, 2)
+    if group.fresh_prompt:
+        k = key[rows].unsqueeze(0).transpose(1, 2)
+        v = value[rows].unsqueeze(0).transpose(1, 2)
+    else:
+        k = gather_kv(k_cache, group, block_size).to(query.dtype)
+        v = gather_kv(v_cache, group, block_size).to(query.dtype)
+    mask = group.mask(sliding_window)
+    attended = F.scaled_dot_product_attention(
+        q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != k.shape[1]
+    )
+    return attended.transpose(1, 2).reshape(-1, num_heads * head_dim)
 
 
 def paged_attention(
     query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
     k_cache: torch.Tensor,
     v_cache: torch.Tensor,
     meta: AttentionMetadata,
@@ -35,15 +66,10 @@ def paged_attention(
     scale: float,
     sliding_window: int | None = None,
 ) -> torch.Tensor:
-    """query: [T, H, D] -> [T, H * D]."""
-    num_tokens, num_heads, head_dim = query.shape
-    padded = query.new_zeros(meta.num_seqs * meta.max_query_len, num_heads, head_dim)
-    padded[meta.query_index] = query
-    q = padded.view(meta.num_seqs, meta.max_query_len, num_heads, head_dim).transpose(1, 2)
-    k = gather_kv(k_cache, meta, block_size).to(query.dtype)
-    v = gather_kv(v_cache, meta, block_size).to(query.dtype)
-    out = F.scaled_dot_product_attention(
-        q, k, v, attn_mask=meta.window_mask(sliding_window), scale=scale, enable_gqa=num_heads != k.shape[1]
-    )
-    out = out.transpose(1, 2).reshape(meta.num_seqs * meta.max_query_len, num_heads * head_dim)
-    return out[meta.query_index]
+    """query: [T, H, D]; key/value: this step's [T, Hkv, D] (already written to the cache) -> [T, H * D]."""
+    out = query.new_empty(meta.num_tokens, query.shape[1] * query.shape[2])
+    for group in meta.groups:
+        out[group.token_rows] = attend_group(
+            group, query, key, value, k_cache, v_cache, block_size, scale, sliding_window
+        )
+    return out

@@ -1,0 +1,118 @@
+// Paged attention for single-token queries (decodes) on CPU.
+//
+// Reads each sequence's keys and values in place through its block table, so nothing is gathered
+// or padded. One task per (sequence, KV head): the query heads that share a KV head (GQA/MQA) are
+// processed together, so each K/V row is read once for all of them. Scores for the whole context are
+// computed first, then softmax, then the weighted sum of V, all accumulated in float32.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+#include <vector>
+
+template <typename T>
+static inline float to_float(T x) { return static_cast<float>(x); }
+
+template <typename T>
+static void decode_attention_impl(
+    torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+    const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t block_size, double scale,
+    int64_t window) {
+  const int64_t num_seqs = query.size(0), num_heads = query.size(1), head_dim = query.size(2);
+  const int64_t num_kv_heads = k_cache.size(1);
+  const int64_t group = num_heads / num_kv_heads;
+  const int64_t max_blocks = block_tables.size(1);
+  const T* q = query.data_ptr<T>();
+  const T* k = k_cache.data_ptr<T>();
+  const T* v = v_cache.data_ptr<T>();
+  T* o = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t* lens = seq_lens.data_ptr<int64_t>();
+  const float fscale = static_cast<float>(scale);
+
+  at::parallel_for(0, num_seqs * num_kv_heads, 1, [&](int64_t begin, int64_t end) {
+    std::vector<float> qf(group * head_dim), acc(group * head_dim), scores;
+    for (int64_t task = begin; task < end; ++task) {
+      const int64_t seq = task / num_kv_heads, kv_head = task % num_kv_heads;
+      const int64_t len = lens[seq];
+      const int64_t first = window > 0 ? std::max<int64_t>(0, len - window) : 0;
+      const int64_t count = len - first;
+      const int64_t* table = tables + seq * max_blocks;
+      for (int64_t g = 0; g < group; ++g) {
+        const T* qrow = q + (seq * num_heads + kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qrow[d]) * fscale;
+      }
+      scores.assign(group * count, 0.0f);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t pos = first + j;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const T* krow = k + (slot * num_kv_heads + kv_head) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float dot = 0.0f;
+#pragma omp simd reduction(+ : dot)
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(krow[d]);
+          scores[g * count + j] = dot;
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        float* s = scores.data() + g * count;
+        float peak = s[0];  // not -inf: -ffast-math assumes finite values
+        for (int64_t j = 0; j < count; ++j) peak = std::max(peak, s[j]);
+        float total = 0.0f;
+        for (int64_t j = 0; j < count; ++j) {
+          s[j] = std::exp(s[j] - peak);
+          total += s[j];
+        }
+        const float inv = 1.0f / total;
+        for (int64_t j = 0; j < count; ++j) s[j] *= inv;
+      }
+      std::fill(acc.begin(), acc.end(), 0.0f);
+      for (int64_t j = 0; j < count; ++j) {
+        const int64_t pos = first + j;
+        const int64_t slot = table[pos / block_size] * block_size + pos % block_size;
+        const T* vrow = v + (slot * num_kv_heads + kv_head) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * count + j];
+          float* a = acc.data() + g * head_dim;
+#pragma omp simd
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
+        }
+      }
+      for (int64_t g = 0; g < group; ++g) {
+        T* orow = o + (seq * num_heads + kv_head * group + g) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<T>(acc[g * head_dim + d]);
+      }
+    }
+  });
+}
+
+// query [N, H, D]; caches [slots, Hkv, D]; block_tables [N, max_blocks] int64; seq_lens [N] int64
+// (keys to attend: the query sits at position seq_len - 1); window 0 means no sliding window.
+torch::Tensor paged_decode_attention(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor seq_lens, int64_t block_size, double scale, int64_t window) {
+  TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
+  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
+  TORCH_CHECK(query.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  auto tables = block_tables.contiguous();
+  auto lens = seq_lens.contiguous();
+  auto out = torch::empty_like(query);
+  switch (query.scalar_type()) {
+    case torch::kFloat:
+      decode_attention_impl<float>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      break;
+    case torch::kBFloat16:
+      decode_attention_impl<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      break;
+    default:
+      TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+  }
+  return out;
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+}
