@@ -27,6 +27,17 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
 
 
+def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
+    """The LLM(...) keyword arguments that _add_engine_args' flags set."""
+    return dict(
+        dtype=args.dtype,
+        kv_cache_memory=args.kv_cache_memory,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=args.max_model_len,
+    )
+
+
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
     parser.add_argument("--temperature", type=float, default=0.7)

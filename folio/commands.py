@@ -13,15 +13,9 @@ from folio.sampling_params import SamplingParams
 
 def _llm(args: argparse.Namespace):
     from folio import LLM
+    from folio.cli import engine_kwargs
 
-    return LLM(
-        args.model,
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-    )
+    return LLM(args.model, **engine_kwargs(args))
 
 
 def _sampling(args: argparse.Namespace, **overrides: Any) -> SamplingParams:

@@ -63,6 +63,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
     from folio.bench.datasets import LengthRange
     from folio.bench.report import format_table, write_report
     from folio.bench.throughput import ThroughputConfig, run_throughput
+    from folio.cli import engine_kwargs
 
     config = ThroughputConfig(
         model=args.model,
@@ -73,13 +74,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         seed=args.seed,
         peer=args.peer,
         hf_batch_size=args.hf_batch_size,
-        engine_args=dict(
-            dtype=args.dtype,
-            kv_cache_memory=args.kv_cache_memory,
-            max_num_seqs=args.max_num_seqs,
-            max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=args.max_model_len,
-        ),
+        engine_args=engine_kwargs(args),
     )
     report = run_throughput(config, _command_line(args))
     print(f"{report.model} ({report.dtype}), {report.dataset}, {report.num_prompts} requests, seed {report.seed}")

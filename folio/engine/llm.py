@@ -103,16 +103,16 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        for request in requests:
-            self.engine.add_request(request)
         bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm or len(requests) < 2)
         try:
+            for request in requests:
+                self.engine.add_request(request)
             while self.engine.has_unfinished():
                 finished = sum(r.is_finished for r in self.engine.step())
                 bar.update(finished)
         finally:
             bar.close()
-            for request in requests:  # an exception mid-run must not leave requests holding blocks
+            for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
                 if not request.is_finished:
                     self.engine.abort_request(request.request_id)
         return [self._output(r, p if isinstance(p, str) else None) for r, p in zip(requests, prompts, strict=True)]
@@ -136,7 +136,6 @@ class LLM:
         finally:
             if not request.is_finished:
                 self.engine.abort_request(request.request_id)
-        self.last_stream_output = self._output(request, prompt if isinstance(prompt, str) else None)
 
     def chat(
         self,

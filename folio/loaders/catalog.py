@@ -18,8 +18,15 @@ from folio.loaders.gguf_file import GGUFFile, GGUFFormatError
 from folio.loaders.wheels import ModelSourceError, WheelFile
 
 __all__ = [
-    "CATALOG", "CatalogEntry", "ModelSourceError", "PulledModel", "folio_home", "list_pulled",
-    "model_dir", "pull", "resolve_model",
+    "CATALOG",
+    "CatalogEntry",
+    "ModelSourceError",
+    "PulledModel",
+    "folio_home",
+    "list_pulled",
+    "model_dir",
+    "pull",
+    "resolve_model",
 ]
 
 MANIFEST = "manifest.json"
@@ -178,13 +185,15 @@ def list_pulled() -> list[PulledModel]:
     for folder in sorted(root.iterdir()) if root.is_dir() else ():
         if (manifest := _read_manifest(folder)) is None:
             continue
-        pulled.append(PulledModel(
-            name=manifest.get("name", folder.name),
-            path=folder / manifest["file"],
-            size_bytes=int(manifest["size_bytes"]),
-            architecture=str(manifest.get("architecture", "unknown")),
-            quantization=str(manifest.get("quantization", "unknown")),
-        ))
+        pulled.append(
+            PulledModel(
+                name=manifest.get("name", folder.name),
+                path=folder / manifest["file"],
+                size_bytes=int(manifest["size_bytes"]),
+                architecture=str(manifest.get("architecture", "unknown")),
+                quantization=str(manifest.get("quantization", "unknown")),
+            )
+        )
     return pulled
 
 

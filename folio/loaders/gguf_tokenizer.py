@@ -161,17 +161,25 @@ def _byte_level(vocab: GGUFVocab) -> tuple[Tokenizer, set[str]]:
     }
     if vocab.merges is None:
         raise GGUFTokenizerError("byte-level BPE file has no tokenizer.ggml.merges")
-    model = BPE(ids, _parse_merges(vocab.merges), dropout=None, continuing_subword_prefix="",
-                end_of_word_suffix="", fuse_unk=False)
+    model = BPE(
+        ids,
+        _parse_merges(vocab.merges),
+        dropout=None,
+        continuing_subword_prefix="",
+        end_of_word_suffix="",
+        fuse_unk=False,
+    )
     tok = Tokenizer(model)
     split = BYTE_LEVEL_SPLITS.get(vocab.pre or "")
     if split is None:
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(split), behavior="isolated"),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-        ])
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [
+                pre_tokenizers.Split(Regex(split), behavior="isolated"),
+                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+            ]
+        )
     tok.decoder = decoders.ByteLevel()
     return tok, alphabet
 
@@ -203,8 +211,7 @@ def _sentencepiece(vocab: GGUFVocab, gemma: bool) -> Tokenizer:
         # After the normalizer there is no space left to split on; kept to match the reference exactly.
         tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous")
     else:
-        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_SPACE, prepend_scheme="first",
-                                                     split=False)
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(replacement=SPIECE_SPACE, prepend_scheme="first", split=False)
         steps.append(decoders.Strip(content=" ", left=1))
     tok.decoder = decoders.Sequence(steps)
     return tok
@@ -265,9 +272,7 @@ def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
         style = "gemma" if vocab.architecture in GEMMA_ARCHITECTURES else "llama"
         tok, alphabet = _sentencepiece(vocab, gemma=style == "gemma"), None
     else:
-        raise GGUFTokenizerError(
-            f"tokenizer.ggml.model {vocab.model!r} is not supported (supported: 'gpt2', 'llama')"
-        )
+        raise GGUFTokenizerError(f"tokenizer.ggml.model {vocab.model!r} is not supported (supported: 'gpt2', 'llama')")
     _add_special_tokens(tok, vocab, alphabet, style)
     tok.post_processor = _post_processor(vocab)
     return tok

@@ -6,21 +6,17 @@ pre-added ones back to that convention.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.layers.activation import get_gated_activation
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
-from folio.layers.embedding import LMHead, VocabEmbedding
+from folio.layers.embedding import VocabEmbedding
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
-from folio.models.llama import LlamaForCausalLM
-from folio.models.weights import check_all_loaded, load_named_weights
+from folio.models.base import CausalLM, GatedMLP
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -58,22 +54,11 @@ class Gemma3Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class Gemma3MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: config.intermediate_size, 1: config.intermediate_size})
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
-        self.act = get_gated_activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class Gemma3DecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = Gemma3Attention(config, layer_index)
-        self.mlp = Gemma3MLP(config)
+        self.mlp = GatedMLP(config)
         self.input_layernorm = _norm(config.hidden_size, config)
         self.post_attention_layernorm = _norm(config.hidden_size, config)
         self.pre_feedforward_layernorm = _norm(config.hidden_size, config)
@@ -113,30 +98,8 @@ class Gemma3Model(nn.Module):
         return self.norm(hidden)
 
 
-class Gemma3ForCausalLM(nn.Module):
-    stacked_params = LlamaForCausalLM.stacked_params
-
+class Gemma3ForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = config
         self.model = Gemma3Model(config)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
-        cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
-        loaded = load_named_weights(self, weights, self.stacked_params, skip_prefixes=skip)
-        check_all_loaded(self, loaded)
+        self._finish_init(config)

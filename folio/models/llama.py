@@ -5,20 +5,17 @@ Forward runs on a flat batch: input_ids [T] and positions [T] of all scheduled t
 
 from __future__ import annotations
 
-from collections.abc import Iterable
-
 import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.layers.activation import get_gated_activation
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
-from folio.layers.embedding import LMHead, VocabEmbedding
+from folio.layers.embedding import VocabEmbedding
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
-from folio.models.weights import StackedMapping, check_all_loaded, load_named_weights
+from folio.models.base import CausalLM, GatedMLP
 
 
 class LlamaAttention(nn.Module):
@@ -48,22 +45,11 @@ class LlamaAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class LlamaMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: config.intermediate_size, 1: config.intermediate_size})
-        self.down_proj = Linear(config.intermediate_size, config.hidden_size)
-        self.act = get_gated_activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_up_proj(x)))
-
-
 class LlamaDecoderLayer(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_index)
-        self.mlp = LlamaMLP(config)
+        self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -92,32 +78,8 @@ class LlamaModel(nn.Module):
         return self.norm(hidden)
 
 
-class LlamaForCausalLM(nn.Module):
-    stacked_params: StackedMapping = [
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    ]
-
+class LlamaForCausalLM(CausalLM):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.config = config
         self.model = LlamaModel(config)
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden).float()
-
-    def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
-
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
-        loaded = load_named_weights(self, weights, self.stacked_params, skip_prefixes=skip)
-        check_all_loaded(self, loaded)
+        self._finish_init(config)

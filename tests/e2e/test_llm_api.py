@@ -56,7 +56,7 @@ def test_bad_prompts_are_rejected_and_nothing_leaks(llm):
     with pytest.raises(ValueError, match="context length"):
         llm.generate([[5] * (llm.engine.max_model_len + 1)], SamplingParams(max_tokens=1))
     with pytest.raises(ValueError, match="empty"):
-        llm.generate([[]], SamplingParams(max_tokens=1))
+        llm.generate(["fine", [], "also fine"], SamplingParams(max_tokens=1))  # the good ones are withdrawn too
     with pytest.raises(ValueError):
         SamplingParams(temperature=-1)
     assert llm.engine.kv.pool.num_free_blocks == free and not llm.engine.has_unfinished()

@@ -15,6 +15,18 @@
 template <typename T>
 static inline float to_float(T x) { return static_cast<float>(x); }
 
+// Calls visit(pos, slot) for every position in [first, len), walking the block table block by block:
+// one table lookup per block and no division per position.
+template <typename Visit>
+static inline void for_each_slot(int64_t first, int64_t len, const int64_t* table, int64_t block_size, Visit visit) {
+  for (int64_t pos = first; pos < len;) {
+    const int64_t block_first_pos = pos / block_size * block_size;
+    const int64_t slot_offset = table[pos / block_size] * block_size - block_first_pos;  // slot = pos + this
+    const int64_t block_end = std::min(len, block_first_pos + block_size);
+    for (; pos < block_end; ++pos) visit(pos, pos + slot_offset);
+  }
+}
+
 // HEAD_DIM > 0 fixes the head size at compile time, so the per-key loops over it unroll into a few
 // vector instructions instead of a runtime-length loop with prologue and epilogue (a 4x difference at
 // head_dim 64). HEAD_DIM == 0 is the generic fallback.
@@ -49,23 +61,16 @@ static void decode_attention_impl(
         for (int64_t d = 0; d < head_dim; ++d) qf[g * head_dim + d] = to_float(qrow[d]) * fscale;
       }
       scores.assign(group * count, 0.0f);
-      // Walk the context block by block: one table lookup per block, no division per key.
-      for (int64_t pos = first; pos < len;) {
-        const int64_t block_first_pos = pos / block_size * block_size;
-        const int64_t slot_offset = table[pos / block_size] * block_size - block_first_pos;  // slot = pos + this
-        const int64_t block_end = std::min(len, block_first_pos + block_size);
-        for (; pos < block_end; ++pos) {
-          const int64_t j = pos - first;
-          const T* krow = k + ((pos + slot_offset) * num_kv_heads + kv_head) * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float* qg = qf.data() + g * head_dim;
-            float dot = 0.0f;
+      for_each_slot(first, len, table, block_size, [&](int64_t pos, int64_t slot) {
+        const T* krow = k + (slot * num_kv_heads + kv_head) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float* qg = qf.data() + g * head_dim;
+          float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-            for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(krow[d]);
-            scores[g * count + j] = dot;
-          }
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(krow[d]);
+          scores[g * count + pos - first] = dot;
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * count;
         float peak = s[0];  // not -inf: -ffast-math assumes finite values
@@ -79,21 +84,15 @@ static void decode_attention_impl(
         for (int64_t j = 0; j < count; ++j) s[j] *= inv;
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
-      for (int64_t pos = first; pos < len;) {
-        const int64_t block_first_pos = pos / block_size * block_size;
-        const int64_t slot_offset = table[pos / block_size] * block_size - block_first_pos;  // slot = pos + this
-        const int64_t block_end = std::min(len, block_first_pos + block_size);
-        for (; pos < block_end; ++pos) {
-          const int64_t j = pos - first;
-          const T* vrow = v + ((pos + slot_offset) * num_kv_heads + kv_head) * head_dim;
-          for (int64_t g = 0; g < group; ++g) {
-            const float p = scores[g * count + j];
-            float* a = acc.data() + g * head_dim;
+      for_each_slot(first, len, table, block_size, [&](int64_t pos, int64_t slot) {
+        const T* vrow = v + (slot * num_kv_heads + kv_head) * head_dim;
+        for (int64_t g = 0; g < group; ++g) {
+          const float p = scores[g * count + pos - first];
+          float* a = acc.data() + g * head_dim;
 #pragma omp simd
-            for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
-          }
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
         }
-      }
+      });
       for (int64_t g = 0; g < group; ++g) {
         T* orow = o + (seq * num_heads + kv_head * group + g) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) orow[d] = static_cast<T>(acc[g * head_dim + d]);

@@ -1,0 +1,68 @@
+"""What every causal LM shares: the LM head, logits, weight loading and access to its attention layers.
+
+A concrete model sets `self.model` (embeddings, decoder layers, final norm) before calling
+`_finish_init`, and lists how checkpoint tensors fuse into its layers in `stacked_params`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from folio.config import ModelConfig
+from folio.layers.activation import get_gated_activation
+from folio.layers.attention.layer import PagedAttention
+from folio.layers.attention.metadata import AttentionMetadata
+from folio.layers.embedding import LMHead
+from folio.layers.linear import Linear, MergedLinear
+from folio.models.weights import StackedMapping, check_all_loaded, load_named_weights
+
+
+class GatedMLP(nn.Module):
+    """down(act(gate(x)) * up(x)) with gate and up fused into one projection."""
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        size = config.intermediate_size
+        self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size})
+        self.down_proj = Linear(size, config.hidden_size)
+        self.act = get_gated_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class CausalLM(nn.Module):
+    stacked_params: StackedMapping = [
+        ("qkv_proj", "q_proj", "q"),
+        ("qkv_proj", "k_proj", "k"),
+        ("qkv_proj", "v_proj", "v"),
+        ("gate_up_proj", "gate_proj", 0),
+        ("gate_up_proj", "up_proj", 1),
+    ]
+    model: nn.Module
+
+    def _finish_init(self, config: ModelConfig) -> None:
+        self.config = config
+        tied = self.model.embed_tokens if config.tie_word_embeddings else None
+        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        return self.model(input_ids, positions, meta)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.lm_head(hidden).float()
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits
+
+    def attention_layers(self) -> list[PagedAttention]:
+        return [layer.self_attn.attn for layer in self.model.layers]
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
+        loaded = load_named_weights(self, weights, self.stacked_params, skip_prefixes=skip)
+        check_all_loaded(self, loaded)
