@@ -70,6 +70,12 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(chat)
     _add_engine_args(chat)
 
+    serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
+    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    serve.add_argument("--host", default="127.0.0.1")
+    serve.add_argument("--port", type=int, default=8000)
+    _add_engine_args(serve)
+
     generate = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL completions out")
     generate.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     generate.add_argument("--input", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
@@ -92,6 +98,7 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "run": commands.cmd_run,
         "chat": commands.cmd_chat,
         "generate": commands.cmd_generate,
+        "serve": commands.cmd_serve,
         "bench": commands.cmd_bench,
     }
 

@@ -172,6 +172,13 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     return records
 
 
+def cmd_serve(args: argparse.Namespace) -> int:
+    from folio.server.serve import serve
+
+    serve(_llm(args), args.model, args.host, args.port)
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from folio.bench.cli import run_bench
 
