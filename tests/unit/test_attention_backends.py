@@ -10,7 +10,7 @@ from folio.layers.attention.metadata import build_attention_metadata
 from folio.layers.attention.torch_paged import attend_group
 
 kernel = load_decode_kernel()
-pytestmark = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the CPU kernel")
+needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the CPU kernel")
 
 
 def _random_decode_batch(num_heads: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, seed: int):
@@ -32,6 +32,7 @@ def _random_decode_batch(num_heads: int, num_kv_heads: int, head_dim: int, dtype
     return query, k_cache, v_cache, meta.groups[0], block_size
 
 
+@needs_kernel
 @pytest.mark.parametrize("heads", [(4, 4), (6, 2), (8, 1)], ids=["mha", "gqa", "mqa"])
 @pytest.mark.parametrize("window", [None, 1, 6])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -47,3 +48,19 @@ def test_decode_kernel_matches_torch_path(heads, window, dtype):
     ).view(expected.shape)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
+    import os
+    import time
+
+    from folio.layers.attention.cpu_kernel import _build_directory
+
+    monkeypatch.setenv("FOLIO_HOME", str(tmp_path))
+    lock = _build_directory() / "lock"
+    lock.touch()
+    assert _build_directory() and lock.exists()  # a build in progress is left alone
+    old = time.time() - 3600
+    os.utime(lock, (old, old))
+    _build_directory()
+    assert not lock.exists()  # an interrupted build's lock no longer blocks every later start
