@@ -74,6 +74,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
+    serve.add_argument(
+        "--api-key", default=os.environ.get("FOLIO_API_KEY"), help="require 'Authorization: Bearer KEY' "
+        "on every route but /health (default: $FOLIO_API_KEY)"
+    )  # fmt: skip
+    serve.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond --max-num-seqs "
+                       "before the server answers 429 (default 256)")  # fmt: skip
+    serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
+                       "to finish after SIGTERM (default 30)")  # fmt: skip
     _add_engine_args(serve)
 
     generate = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL completions out")

@@ -173,9 +173,12 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from folio.server.serve import serve
+    from folio.server.serve import ServerOptions, serve
 
-    serve(_llm(args), args.model, args.host, args.port)
+    if args.max_queue < 0:
+        raise ValueError("--max-queue must be >= 0")
+    options = ServerOptions(max_queue=args.max_queue, api_key=args.api_key or None, grace_period=args.grace_period)
+    serve(_llm(args), args.model, args.host, args.port, options)
     return 0
 
 

@@ -2,7 +2,16 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+
+@dataclass
+class TokenLogprob:
+    """One generated token's log-probability and its most likely alternatives (best first)."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = field(default_factory=list)
 
 
 @dataclass
@@ -26,6 +35,7 @@ class CompletionOutput:
     text: str
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
 
 
 @dataclass

@@ -1,37 +1,60 @@
 """The narrow async interface the server talks to: the engine loop runs in a background thread.
 
-Requests and aborts reach the loop through a thread-safe inbox; each request's new tokens come back
+Requests and aborts reach the loop through a thread-safe inbox; each request's updates come back
 through its own asyncio queue, so a slow client only slows its own stream, never the loop. Keeping the
 interface this small (add, stream updates, abort) is what lets the loop move to a subprocess later.
+
+Detokenizing and stop strings happen here, on the engine side, so a request that hits a stop string
+frees its KV blocks in the same step and is counted as finished with reason "stop".
 """
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import logging
 import queue
 import threading
+import time
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Protocol
 
 from folio.engine.engine_core import EngineCore
-from folio.engine.request import Request
+from folio.engine.output_processor import IncrementalDetokenizer
+from folio.engine.request import FinishReason, Request
+from folio.loaders.tokenizer import Tokenizer
+from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
+
+logger = logging.getLogger("folio")
 
 
 @dataclass
 class RequestUpdate:
+    text: str  # new text that is safe to show (stop strings cut, partial characters held back)
     new_token_ids: list[int]
     finished: bool
     finish_reason: str | None
     num_prompt_tokens: int
+    new_logprobs: list[TokenLogprob] = field(default_factory=list)
+
+
+class EngineObserver(Protocol):
+    """Called on the engine thread: after every step, and once per request that ends (any reason)."""
+
+    def on_step(self, updated: list[Request], now: float) -> None: ...
+
+    def on_finished(self, request: Request, now: float) -> None: ...
 
 
 @dataclass
-class _Add:
+class _Stream:
     request: Request
     loop: asyncio.AbstractEventLoop
     updates: asyncio.Queue[RequestUpdate | BaseException]
+    detokenizer: IncrementalDetokenizer
+    num_sent: int = 0
 
 
 @dataclass
@@ -40,27 +63,40 @@ class _Abort:
 
 
 class AsyncEngine:
-    def __init__(self, engine: EngineCore, eos_token_ids: frozenset[int]) -> None:
+    def __init__(
+        self,
+        engine: EngineCore,
+        tokenizer: Tokenizer,
+        eos_token_ids: frozenset[int],
+        observer: EngineObserver | None = None,
+    ) -> None:
         self.engine = engine
+        self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
-        self._inbox: queue.Queue[_Add | _Abort | None] = queue.Queue()
-        self._streams: dict[str, _Add] = {}
-        self._sent: dict[str, int] = {}
+        self.observer = observer
+        self._inbox: queue.Queue[_Stream | _Abort | None] = queue.Queue()
+        self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
         self._thread.start()
 
     # -- client side (event loop) ------------------------------------------------------------------
     async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
-        """Stream a request's updates; cancelling the consumer aborts the request within one step."""
+        """Stream a request's updates; closing or cancelling the consumer aborts it within one step.
+
+        A request the engine refuses (e.g. a prompt longer than the context) raises ValueError on the
+        first iteration.
+        """
         request = Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
         updates: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
-        self._inbox.put(_Add(request, asyncio.get_running_loop(), updates))
+        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self._inbox.put(_Stream(request, asyncio.get_running_loop(), updates, detokenizer))
         finished = False
         try:
             while not finished:
                 update = await updates.get()
                 if isinstance(update, BaseException):
+                    finished = True
                     raise update
                 finished = update.finished
                 yield update
@@ -87,14 +123,30 @@ class AsyncEngine:
                 self._handle(message)
                 block = False
             if self.engine.has_unfinished():
-                for request in self.engine.step():
+                try:
+                    updated = self.engine.step()
+                except Exception as exc:  # a bug must fail the requests in flight, not hang them forever
+                    logger.exception("engine step failed; failing the requests in flight")
+                    self._fail_all(exc)
+                    continue
+                if self.observer is not None:
+                    self.observer.on_step(updated, time.monotonic())
+                for request in updated:
                     self._publish(request)
 
-    def _handle(self, message: _Add | _Abort) -> None:
+    def _fail_all(self, exc: Exception) -> None:
+        for request_id, stream in list(self._streams.items()):
+            self.engine.abort_request(request_id)
+            error = RuntimeError(f"the engine failed: {exc}")
+            stream.loop.call_soon_threadsafe(stream.updates.put_nowait, error)
+        self._streams.clear()
+
+    def _handle(self, message: _Stream | _Abort) -> None:
         if isinstance(message, _Abort):
-            self.engine.abort_request(message.request_id)
+            request = self.engine.abort_request(message.request_id)
             self._streams.pop(message.request_id, None)
-            self._sent.pop(message.request_id, None)
+            if request is not None and self.observer is not None:
+                self.observer.on_finished(request, time.monotonic())
             return
         try:
             self.engine.add_request(message.request)
@@ -102,20 +154,29 @@ class AsyncEngine:
             message.loop.call_soon_threadsafe(message.updates.put_nowait, exc)
             return
         self._streams[message.request.request_id] = message
-        self._sent[message.request.request_id] = 0
 
     def _publish(self, request: Request) -> None:
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
-        sent = self._sent[request.request_id]
+        new_tokens = request.output_token_ids[stream.num_sent :]
+        text_tokens = new_tokens
+        if request.finish_reason == FinishReason.STOP and new_tokens and new_tokens[-1] in self.eos_token_ids:
+            text_tokens = new_tokens[:-1]  # EOS ends the text; it is not part of it
+        text = stream.detokenizer.add(text_tokens, finished=request.is_finished)
+        if stream.detokenizer.stopped and not request.is_finished:
+            self.engine.abort_request(request.request_id, FinishReason.STOP)
         update = RequestUpdate(
-            new_token_ids=list(request.output_token_ids[sent:]),
+            text=text,
+            new_token_ids=list(new_tokens),
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             num_prompt_tokens=request.num_prompt_tokens,
+            new_logprobs=list(request.output_logprobs[stream.num_sent :]),
         )
-        self._sent[request.request_id] = len(request.output_token_ids)
+        stream.num_sent = len(request.output_token_ids)
         if request.is_finished:
-            del self._streams[request.request_id], self._sent[request.request_id]
+            del self._streams[request.request_id]
+            if self.observer is not None:
+                self.observer.on_finished(request, time.monotonic())
         stream.loop.call_soon_threadsafe(stream.updates.put_nowait, update)

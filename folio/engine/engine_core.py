@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from folio.config import CacheConfig, ModelConfig, SchedulerConfig
-from folio.engine.request import Request
+from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.platform import default_kv_cache_memory
@@ -80,8 +80,8 @@ class EngineCore:
             )
         self.scheduler.add_request(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
-        return self.scheduler.abort_request(request_id)
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        return self.scheduler.abort_request(request_id, reason)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
@@ -94,5 +94,5 @@ class EngineCore:
         )
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
-        return self.scheduler.update_from_output(out, sampled)
+        result = self.runner.execute(out)
+        return self.scheduler.update_from_output(out, result.token_ids, result.logprobs)

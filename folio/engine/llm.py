@@ -12,7 +12,8 @@ from tqdm import tqdm
 from folio.config import CacheConfig, SchedulerConfig, parse_dtype, parse_memory
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import LoadedModel, load_model
-from folio.engine.request import Request
+from folio.engine.output_processor import IncrementalDetokenizer
+from folio.engine.request import FinishReason, Request
 from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
@@ -70,17 +71,15 @@ class LLM:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
 
-    def _output(self, request: Request, prompt: str | None) -> RequestOutput:
+    def _output(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer | None) -> RequestOutput:
         reason = request.finish_reason.value if request.finish_reason else None
+        text = detok.text if detok is not None else self.tokenizer.decode(request.output_token_ids)
+        logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
         return RequestOutput(
             request_id=request.request_id,
             prompt=prompt,
             prompt_token_ids=request.prompt_token_ids,
-            outputs=[
-                CompletionOutput(
-                    self.tokenizer.decode(request.output_token_ids), list(request.output_token_ids), reason
-                )
-            ],
+            outputs=[CompletionOutput(text, list(request.output_token_ids), reason, logprobs)],
             finished=request.is_finished,
             metrics=RequestMetrics(
                 request.arrival_time, request.first_token_time, request.finish_time, request.num_preemptions
@@ -103,36 +102,51 @@ class LLM:
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
         requests = [self._make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        # Only requests with stop strings need text while they run; the rest are decoded once at the end.
+        detoks = {r.request_id: self._detokenizer(r.sampling_params) for r in requests if r.sampling_params.stop}
         bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm or len(requests) < 2)
         try:
             for request in requests:
                 self.engine.add_request(request)
             while self.engine.has_unfinished():
-                finished = sum(r.is_finished for r in self.engine.step())
+                finished = 0
+                for request in self.engine.step():
+                    detok = detoks.get(request.request_id)
+                    if detok is not None and not request.is_finished:
+                        detok.add(request.output_token_ids[detok.num_tokens :])
+                        if detok.stopped:
+                            self.engine.abort_request(request.request_id, FinishReason.STOP)
+                    finished += request.is_finished
                 bar.update(finished)
         finally:
             bar.close()
             for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
                 if not request.is_finished:
                     self.engine.abort_request(request.request_id)
-        return [self._output(r, p if isinstance(p, str) else None) for r, p in zip(requests, prompts, strict=True)]
+        return [
+            self._output(r, p if isinstance(p, str) else None, detoks.get(r.request_id))
+            for r, p in zip(requests, prompts, strict=True)
+        ]
+
+    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
+        return IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text as tokens are generated (one request)."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
         self.engine.add_request(request)
-        decoder = self.tokenizer.decode_stream()
-        emitted = 0
+        detok = self._detokenizer(request.sampling_params)
         try:
             while not request.is_finished:
                 self.engine.step()
-                for token in request.output_token_ids[emitted:]:
-                    if token in request.eos_token_ids and request.is_finished:
-                        continue
-                    text = decoder.step(token)
-                    if text:
-                        yield text
-                emitted = len(request.output_token_ids)
+                new = request.output_token_ids[detok.num_tokens :]
+                if request.is_finished and new and new[-1] in request.eos_token_ids:
+                    new = new[:-1]  # EOS ends the text; it is not part of it
+                text = detok.add(new, finished=request.is_finished)
+                if detok.stopped:
+                    self.engine.abort_request(request.request_id, FinishReason.STOP)
+                if text:
+                    yield text
         finally:
             if not request.is_finished:
                 self.engine.abort_request(request.request_id)

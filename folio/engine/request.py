@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
 
 
@@ -33,9 +34,11 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
 
     output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     finish_reason: FinishReason | None = None
+    first_scheduled_time: float | None = None  # end of queueing, for the queue-time metric
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
@@ -66,12 +69,14 @@ class Request:
     def is_finished(self) -> bool:
         return self.status == RequestStatus.FINISHED
 
-    def append_output_token(self, token_id: int, max_model_len: int) -> None:
+    def append_output_token(self, token_id: int, max_model_len: int, logprob: TokenLogprob | None = None) -> None:
         """Record a sampled token and decide whether the request is done."""
         now = time.monotonic()
         if self.first_token_time is None:
             self.first_token_time = now
         self.output_token_ids.append(token_id)
+        if logprob is not None:
+            self.output_logprobs.append(logprob)
         params = self.sampling_params
         if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
             self.finish(FinishReason.STOP, now)

@@ -9,12 +9,14 @@ preempted: its blocks are freed and it goes back to the front of the queue to be
 
 from __future__ import annotations
 
+import time
 from collections import deque
 
 from folio.config import SchedulerConfig
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.scheduler_output import ScheduledRequest, SchedulerOutput
 from folio.kv_cache.manager import KVCacheManager
+from folio.outputs import TokenLogprob
 
 
 class Scheduler:
@@ -33,7 +35,8 @@ class Scheduler:
         self.requests[request.request_id] = request
         self.waiting.append(request)
 
-    def abort_request(self, request_id: str) -> Request | None:
+    def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
+        """Drop a request and free its blocks; `reason` is STOP when a stop string ended it."""
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
@@ -43,7 +46,7 @@ class Scheduler:
             self.waiting.remove(request)
         self.kv.free(request_id)
         if not request.is_finished:
-            request.finish(FinishReason.ABORT)
+            request.finish(reason)
         return request
 
     @property
@@ -83,6 +86,8 @@ class Scheduler:
                     break
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
+                if request.first_scheduled_time is None:
+                    request.first_scheduled_time = time.monotonic()
                 self.running.append(request)
                 chosen.append((request, num_new))
                 budget -= num_new
@@ -100,6 +105,7 @@ class Scheduler:
                     needs_sample=end == request.num_tokens,
                     sampling_params=request.sampling_params,
                     generator=request.generator,
+                    prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                 )
             )
@@ -113,7 +119,9 @@ class Scheduler:
         self.num_preemptions += 1
         self.waiting.appendleft(request)
 
-    def update_from_output(self, output: SchedulerOutput, sampled: dict[str, int]) -> list[Request]:
+    def update_from_output(
+        self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob] | None = None
+    ) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
 
         Returns the requests that produced a token this step (finished ones included).
@@ -125,7 +133,7 @@ class Scheduler:
             token = sampled.get(item.request_id)
             if token is None:
                 continue
-            request.append_output_token(token, self.config.max_model_len)
+            request.append_output_token(token, self.config.max_model_len, (logprobs or {}).get(item.request_id))
             updated.append(request)
             if request.is_finished:
                 self.running.remove(request)

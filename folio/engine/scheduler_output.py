@@ -18,7 +18,8 @@ class ScheduledRequest:
     needs_sample: bool  # the chunk reaches the end of the sequence, so a new token is sampled
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    output_token_ids: list[int]  # tokens generated so far (for penalties and logprobs later)
+    prompt_token_ids: list[int]  # for the repetition penalty
+    output_token_ids: list[int]  # tokens generated so far (for penalties)
 
     @property
     def num_tokens(self) -> int:

@@ -25,7 +25,7 @@ class BlockPool:
         return len(self._free)
 
     @property
-    def usage(self) -> float:
+    def usage_ratio(self) -> float:
         return 1.0 - len(self._free) / self.num_blocks
 
     def allocate(self, count: int) -> list[int]:

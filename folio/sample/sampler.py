@@ -1,4 +1,5 @@
-"""Turns the logits of one step into tokens: greedy, temperature, top-k, top-p, min-p, per-request seeds.
+"""Turns the logits of one step into tokens: penalties, greedy, temperature, top-k, top-p, min-p,
+per-request seeds, and the logprobs a request asked for.
 
 All filtering is batched over rows; only the random draw is per row, so that a request with a seed
 draws from its own generator and gets the same tokens whatever else shares its batch.
@@ -6,10 +7,14 @@ draws from its own generator and gets the same tokens whatever else shares its b
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
+from folio.outputs import TokenLogprob
+from folio.sample.logprobs import gather_logprobs
+from folio.sample.penalties import PenaltyBatch
 from folio.sampling_params import SamplingParams
 
 
@@ -23,17 +28,40 @@ class SamplingBatch:
     min_p: torch.Tensor  # [N]
     generators: list[torch.Generator | None]
     all_greedy: bool
+    penalties: PenaltyBatch | None = None  # None when no row has a penalty
+    num_logprobs: tuple[int | None, ...] = ()  # per row; empty when no row wants logprobs
 
     @classmethod
-    def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None]) -> SamplingBatch:
+    def from_params(
+        cls,
+        params: Sequence[SamplingParams],
+        generators: Sequence[torch.Generator | None],
+        prompt_token_ids: Sequence[Sequence[int]] | None = None,
+        output_token_ids: Sequence[Sequence[int]] | None = None,
+        vocab_size: int | None = None,
+    ) -> SamplingBatch:
+        penalties = None
+        if any(p.has_penalties for p in params):
+            if prompt_token_ids is None or output_token_ids is None or vocab_size is None:
+                raise ValueError("penalties need each row's prompt and output token ids and the vocabulary size")
+            penalties = PenaltyBatch.build(params, prompt_token_ids, output_token_ids, vocab_size)
+        num_logprobs = tuple(p.logprobs for p in params) if any(p.logprobs is not None for p in params) else ()
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
             top_p=torch.tensor([p.top_p for p in params], dtype=torch.float32),
             min_p=torch.tensor([p.min_p for p in params], dtype=torch.float32),
-            generators=generators,
+            generators=list(generators),
             all_greedy=all(p.greedy for p in params),
+            penalties=penalties,
+            num_logprobs=num_logprobs,
         )
+
+
+@dataclass
+class SamplerOutput:
+    token_ids: torch.Tensor  # [N]
+    logprobs: list[TokenLogprob | None]  # per row; None where a row asked for none
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -62,8 +90,8 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return logits.masked_fill(mask, float("-inf"))
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """logits [N, V] float32 -> token ids [N]."""
+def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 (penalties already applied) -> token ids [N]."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
@@ -77,3 +105,11 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         noise[row].exponential_(generator=generator)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy_rows, greedy_tokens, sampled)
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Raw logits [N, V] -> the next token of each row, with logprobs where asked."""
+    adjusted = batch.penalties.apply(logits) if batch.penalties is not None else logits
+    tokens = sample_tokens(adjusted, batch)
+    logprobs = gather_logprobs(logits, tokens, batch.num_logprobs) if batch.num_logprobs else [None] * len(tokens)
+    return SamplerOutput(tokens, logprobs)

@@ -1,40 +1,59 @@
-"""The FastAPI application: OpenAI-compatible completions on top of the async engine.
+"""The FastAPI application: OpenAI-compatible routes on top of the async engine.
 
-This first step serves /health, /v1/models and /v1/completions (streaming and not); chat, tokenize,
-metrics, limits and auth follow in the server issue.
+Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics.
+Every failure a client can cause is answered in OpenAI's error JSON and the server keeps serving.
 """
 
 from __future__ import annotations
 
-import json
-import time
-import uuid
-from collections.abc import AsyncIterator
+import logging
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from folio.engine.async_engine import AsyncEngine
-from folio.loaders.tokenizer import Tokenizer
-from folio.sampling_params import SamplingParams
-from folio.server.protocol import CompletionRequest
+from folio.server.auth import APIKeyMiddleware
+from folio.server.chat import create_chat_completion, encode_messages
+from folio.server.completions import create_completion
+from folio.server.context import ServerContext
+from folio.server.errors import APIError, error_response
+from folio.server.metrics import ServerMetrics
+from folio.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+
+logger = logging.getLogger("folio")
 
 
-def error_response(status: int, message: str, kind: str = "invalid_request_error", param: str | None = None):
-    return JSONResponse(
-        status_code=status, content={"error": {"message": message, "type": kind, "param": param, "code": None}}
-    )
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    first = exc.errors()[0]
+    location = [str(p) for p in first.get("loc", ())[1:]]
+    if first.get("type") == "json_invalid":
+        return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
+    if first.get("type") == "extra_forbidden":
+        return f"unknown parameter '{location[-1]}'", location[-1]
+    param = ".".join(location) or None
+    message = str(first.get("msg"))
+    return (f"{param}: {message}" if param else message), param
 
 
-def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> FastAPI:
-    app = FastAPI(title="folio")
+def create_app(ctx: ServerContext, metrics: ServerMetrics | None = None, api_key: str | None = None) -> FastAPI:
+    app = FastAPI(title="folio", docs_url=None, redoc_url=None)
+    if api_key:
+        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0]
-        param = ".".join(str(p) for p in first.get("loc", ())[1:]) or None
-        return error_response(400, f"{param}: {first.get('msg')}" if param else str(first.get("msg")), param=param)
+        message, param = _validation_message(exc)
+        return error_response(APIError(400, message, param=param))
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        logger.exception("request failed")
+        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
 
     @app.get("/health")
     async def health() -> dict[str, str]:
@@ -42,78 +61,38 @@ def create_app(engine: AsyncEngine, tokenizer: Tokenizer, model_name: str) -> Fa
 
     @app.get("/v1/models")
     async def models() -> dict:
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": 0, "owned_by": "folio"}]}
+        card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "folio",
+                "max_model_len": ctx.max_model_len}  # fmt: skip
+        return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
     async def completions(body: CompletionRequest):
-        if body.model != model_name:
-            return error_response(404, f"model {body.model!r} is not served here; try {model_name!r}", param="model")
-        if isinstance(body.prompt, list) and body.prompt and isinstance(body.prompt[0], str):
-            return error_response(400, "this server takes one prompt per request for now", param="prompt")
-        prompt_ids = tokenizer.encode(body.prompt) if isinstance(body.prompt, str) else list(body.prompt)
-        params = SamplingParams(
-            max_tokens=body.max_tokens,
-            temperature=body.temperature,
-            top_p=body.top_p,
-            top_k=body.top_k,
-            min_p=body.min_p,
-            seed=body.seed,
-            ignore_eos=body.ignore_eos,
-        )
-        completion_id = f"cmpl-{uuid.uuid4().hex}"
-        created = int(time.time())
-        updates = engine.generate(prompt_ids, params)
-        try:
-            first = await anext(updates)
-        except ValueError as exc:
-            return error_response(400, str(exc), param="prompt")
-        if body.stream:
-            return StreamingResponse(
-                _stream(first, updates, tokenizer, completion_id, created, model_name), media_type="text/event-stream"
-            )
-        token_ids = list(first.new_token_ids)
-        last = first
-        async for update in updates:
-            token_ids.extend(update.new_token_ids)
-            last = update
-        return {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [
-                {"index": 0, "text": tokenizer.decode(token_ids), "logprobs": None, "finish_reason": last.finish_reason}
-            ],
-            "usage": {
-                "prompt_tokens": len(prompt_ids),
-                "completion_tokens": len(token_ids),
-                "total_tokens": len(prompt_ids) + len(token_ids),
-            },
-        }
+        return await create_completion(ctx, body)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest):
+        return await create_chat_completion(ctx, body)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if body.messages is not None:
+            tokens = encode_messages(ctx, body.messages, body.add_generation_prompt)
+        else:
+            tokens = ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> dict:
+        ctx.check_model(body.model)
+        if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
+            raise APIError(400, f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
+        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+
+    @app.get("/metrics")
+    async def prometheus_metrics() -> Response:
+        if metrics is None:
+            raise APIError(404, "metrics are disabled")
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     return app
-
-
-async def _stream(
-    first, updates: AsyncIterator, tokenizer: Tokenizer, completion_id: str, created: int, model_name: str
-) -> AsyncIterator[str]:
-    decoder = tokenizer.decode_stream()
-
-    def chunk(text: str, finish_reason: str | None) -> str:
-        payload = {
-            "id": completion_id,
-            "object": "text_completion",
-            "created": created,
-            "model": model_name,
-            "choices": [{"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}],
-        }
-        return f"data: {json.dumps(payload)}\n\n"
-
-    update = first
-    while True:
-        text = "".join(decoder.step(t) for t in update.new_token_ids)
-        yield chunk(text, update.finish_reason if update.finished else None)
-        if update.finished:
-            break
-        update = await anext(updates)
-    yield "data: [DONE]\n\n"

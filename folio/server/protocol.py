@@ -1,22 +1,165 @@
-"""Request bodies of the OpenAI-compatible API, validated by pydantic (out-of-range values -> 400)."""
+"""Request bodies of the OpenAI-compatible API, validated by pydantic (out-of-range values -> 400).
+
+Unknown fields are refused. OpenAI parameters folio does not implement are declared so that a request
+setting one gets a 400 naming it (`reject_unsupported`), never a silent no-op; sending them as null
+is the same as leaving them out.
+"""
 
 from __future__ import annotations
 
-from pydantic import BaseModel, ConfigDict, Field
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from folio.sampling_params import MAX_LOGPROBS
+from folio.server.errors import APIError
+
+MAX_N = 16  # choices per request
 
 
-class CompletionRequest(BaseModel):
-    # Unknown fields are refused, never silently ignored.
+class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
+    include_usage: bool = False
 
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    _unsupported: tuple[str, ...] = ()
+
+    def reject_unsupported(self) -> None:
+        for name in self._unsupported:
+            value = getattr(self, name)
+            if value is not None and value != {} and value != []:
+                raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
+
+
+class _SamplingFields(_Strict):
     model: str
-    prompt: str | list[str] | list[int]
-    max_tokens: int = Field(16, ge=1)
-    temperature: float = Field(1.0, ge=0.0, le=2.0)
-    top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1)
-    min_p: float = Field(0.0, ge=0.0, le=1.0)
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    n: int = Field(1, ge=1, le=MAX_N)
+    stop: str | list[str] | None = None
     seed: int | None = None
     stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
+    include_stop_str_in_output: bool = False
     user: str | None = None
+    logit_bias: dict[str, float] | None = None
+
+    @model_validator(mode="after")
+    def _check(self) -> _SamplingFields:
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
+        if any(not s for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return self
+
+    @property
+    def stop_list(self) -> list[str]:
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
+
+    @property
+    def include_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.include_usage
+
+
+class CompletionRequest(_SamplingFields):
+    _unsupported = ("suffix", "best_of", "logit_bias")
+
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    suffix: str | None = None
+    best_of: int | None = None
+
+    @model_validator(mode="after")
+    def _prompt_not_empty(self) -> CompletionRequest:
+        if self.prompt == "" or self.prompt == [] or self.prompt == [[]]:
+            raise ValueError("prompt must not be empty")
+        return self
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    type: Literal["text"]
+    text: str
+
+
+class ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    role: Literal["system", "developer", "user", "assistant"]
+    content: str | list[TextPart] | None = None
+    name: str | None = None
+
+    def as_template_message(self) -> dict[str, str]:
+        # Chat templates know system/user/assistant; "developer" is OpenAI's new name for system.
+        role = "system" if self.role == "developer" else self.role
+        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
+        return {"role": role, "content": content}
+
+
+class ChatCompletionRequest(_SamplingFields):
+    _unsupported = (
+        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
+        "logit_bias", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+    )  # fmt: skip
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    add_generation_prompt: bool = True
+    tools: Any = None
+    tool_choice: Any = None
+    functions: Any = None
+    function_call: Any = None
+    parallel_tool_calls: Any = None
+    response_format: Any = None
+    modalities: Any = None
+    audio: Any = None
+    prediction: Any = None
+    reasoning_effort: Any = None
+    web_search_options: Any = None
+    store: bool | None = None
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+
+    @model_validator(mode="after")
+    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("top_logprobs requires logprobs to be true")
+        return self
+
+    @property
+    def completion_limit(self) -> int | None:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True
+    add_generation_prompt: bool = True
+
+    @model_validator(mode="after")
+    def _one_input(self) -> TokenizeRequest:
+        if (self.prompt is None) == (self.messages is None):
+            raise ValueError("give exactly one of prompt or messages")
+        return self
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+    model: str | None = None
+    tokens: list[int]

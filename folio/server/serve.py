@@ -1,34 +1,73 @@
-"""`folio serve`: load a model, start the engine thread, run uvicorn."""
+"""`folio serve`: load a model, start the engine thread, run uvicorn until SIGINT/SIGTERM.
+
+On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for up to
+`grace_period` seconds; then the engine thread stops and the process exits 0.
+"""
 
 from __future__ import annotations
 
 import logging
+from dataclasses import dataclass
 
 import uvicorn
+from fastapi import FastAPI
 
 from folio.engine.async_engine import AsyncEngine
 from folio.engine.llm import LLM
+from folio.server.admission import Admission
 from folio.server.app import create_app
+from folio.server.context import ServerContext
+from folio.server.metrics import ServerMetrics
 
 logger = logging.getLogger("folio")
 
 
-def build_server_app(llm: LLM, model_name: str):
-    engine = AsyncEngine(llm.engine, frozenset(llm.model_config.eos_token_ids))
-    return create_app(engine, llm.tokenizer, model_name), engine
+@dataclass
+class ServerOptions:
+    max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
+    api_key: str | None = None
+    grace_period: float = 30.0  # seconds in-flight requests get after SIGTERM
 
 
-def serve(llm: LLM, model_name: str, host: str, port: int) -> None:
-    app, engine = build_server_app(llm, model_name)
+@dataclass
+class Server:
+    app: FastAPI
+    engine: AsyncEngine
+    metrics: ServerMetrics
+
+
+def build_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Server:
+    options = options or ServerOptions()
+    metrics = ServerMetrics(llm.engine, model_name)
+    engine = AsyncEngine(llm.engine, llm.tokenizer, frozenset(llm.model_config.eos_token_ids), observer=metrics)
+    ctx = ServerContext(
+        engine=engine,
+        tokenizer=llm.tokenizer,
+        model_name=model_name,
+        vocab_size=llm.model_config.vocab_size,
+        admission=Admission(llm.engine.scheduler_config.max_num_seqs, options.max_queue),
+    )
+    return Server(create_app(ctx, metrics, options.api_key), engine, metrics)
+
+
+def serve(llm: LLM, model_name: str, host: str, port: int, options: ServerOptions | None = None) -> None:
+    options = options or ServerOptions()
+    server = build_server(llm, model_name, options)
+    config = uvicorn.Config(
+        server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(options.grace_period)
+    )
     logger.info(
-        "serving %s (%s, KV capacity %d tokens) at http://%s:%d/v1",
+        "serving %s (%s, KV cache %d tokens, context %d) at http://%s:%d/v1%s",
         model_name,
-        llm.dtype,
+        str(llm.dtype).removeprefix("torch."),
         llm.engine.kv.capacity_tokens,
+        llm.engine.max_model_len,
         host,
         port,
+        " (API key required)" if options.api_key else "",
     )
     try:
-        uvicorn.run(app, host=host, port=port, log_level="warning")
+        uvicorn.Server(config).run()
     finally:
-        engine.shutdown()
+        server.engine.shutdown()
+    logger.info("server stopped")

@@ -14,6 +14,7 @@ from torch import nn
 from folio.config import CacheConfig, ModelConfig
 from folio.engine.scheduler_output import SchedulerOutput
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
+from folio.outputs import TokenLogprob
 from folio.sample.sampler import SamplingBatch, sample
 
 
@@ -24,6 +25,14 @@ class BatchInputs:
     meta: AttentionMetadata
     logits_rows: list[int]  # row in [T] of each request that samples this step
     sampled_ids: list[str]  # request ids, aligned with logits_rows
+
+
+@dataclass
+class RunnerOutput:
+    """What one step produced, by request id: the sampled token and, if asked for, its logprobs."""
+
+    token_ids: dict[str, int]
+    logprobs: dict[str, TokenLogprob]
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -101,16 +110,24 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> dict[str, int]:
-        """One forward over the batch; returns the sampled token of each request that reached its end."""
+    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+        """One forward over the batch; samples a token for each request whose chunk reached its end."""
         inputs = self.prepare(out)
         hidden = self.forward(inputs)
         if not inputs.logits_rows:
-            return {}
+            return RunnerOutput({}, {})
         # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
         logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
         by_id = {s.request_id: s for s in out.scheduled}
         rows = [by_id[rid] for rid in inputs.sampled_ids]
-        batch = SamplingBatch.from_params([r.sampling_params for r in rows], [r.generator for r in rows])
-        tokens = sample(logits.cpu(), batch).tolist()
-        return dict(zip(inputs.sampled_ids, tokens, strict=True))
+        batch = SamplingBatch.from_params(
+            [r.sampling_params for r in rows],
+            [r.generator for r in rows],
+            prompt_token_ids=[r.prompt_token_ids for r in rows],
+            output_token_ids=[r.output_token_ids for r in rows],
+            vocab_size=logits.shape[-1],
+        )
+        result = sample(logits.cpu(), batch)
+        tokens = dict(zip(inputs.sampled_ids, result.token_ids.tolist(), strict=True))
+        logprobs = {rid: lp for rid, lp in zip(inputs.sampled_ids, result.logprobs, strict=True) if lp is not None}
+        return RunnerOutput(tokens, logprobs)

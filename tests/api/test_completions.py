@@ -2,45 +2,10 @@
 
 from __future__ import annotations
 
-import socket
-import threading
-import time
-
 import httpx
-import openai
 import pytest
-import uvicorn
 
-from folio import LLM
-from folio.server.serve import build_server_app
-
-MODEL = "smollm2-135m"
-
-
-@pytest.fixture(scope="module")
-def base_url(smollm2_gguf):
-    llm = LLM(smollm2_gguf, kv_cache_memory="256MiB")
-    app, engine = build_server_app(llm, MODEL)
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        port = probe.getsockname()[1]
-    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning"))
-    thread = threading.Thread(target=server.run, daemon=True)
-    thread.start()
-    deadline = time.monotonic() + 30
-    while not server.started:
-        assert time.monotonic() < deadline, "server did not start"
-        time.sleep(0.05)
-    yield f"http://127.0.0.1:{port}"
-    server.should_exit = True
-    thread.join(timeout=10)
-    engine.shutdown()
-    assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks  # nothing left holding KV
-
-
-@pytest.fixture(scope="module")
-def client(base_url):
-    return openai.OpenAI(base_url=f"{base_url}/v1", api_key="unused")
+from tests.api.server_runner import MODEL
 
 
 def test_models_and_health(client, base_url):

@@ -2,7 +2,8 @@ from __future__ import annotations
 
 import torch
 
-from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, sample
+from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p
+from folio.sample.sampler import sample_tokens as sample
 from folio.sampling_params import SamplingParams
 
 

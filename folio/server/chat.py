@@ -1,0 +1,103 @@
+"""POST /v1/chat/completions: messages rendered with the model's chat template, answered as the assistant."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from folio.loaders.tokenizer import ChatTemplateError
+from folio.sampling_params import SamplingParams
+from folio.server.choices import collect, merge_updates
+from folio.server.context import ServerContext
+from folio.server.errors import APIError
+from folio.server.logprobs_format import TokenText, chat_logprobs
+from folio.server.protocol import ChatCompletionRequest, ChatMessage
+from folio.server.sse import DONE, event, guarded, usage
+
+
+def encode_messages(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
+    try:
+        return ctx.tokenizer.encode_chat([m.as_template_message() for m in messages], add_generation_prompt)
+    except ChatTemplateError as exc:
+        raise APIError(400, str(exc), param="messages") from exc
+
+
+def _params(body: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=max_tokens,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        seed=None if body.seed is None else body.seed + choice,
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        stop=body.stop_list,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
+    )
+
+
+async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
+    ctx.check_model(body.model)
+    body.reject_unsupported()
+    prompt_ids = encode_messages(ctx, body.messages, body.add_generation_prompt)
+    ctx.check_prompt(prompt_ids)
+    # Without a limit the answer may run to the end of the context, as with OpenAI.
+    max_tokens = min(body.completion_limit or ctx.max_model_len, ctx.default_max_tokens(len(prompt_ids)))
+    ctx.admission.acquire(body.n)
+    streams = [ctx.generate(prompt_ids, _params(body, max_tokens, j)) for j in range(body.n)]
+    head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
+    if body.stream:
+        events = _stream(ctx, body, head, streams, len(prompt_ids))
+        return StreamingResponse(guarded(events, lambda: ctx.admission.release(body.n)), media_type="text/event-stream")
+    try:
+        results = await collect(streams)
+    except RuntimeError as exc:
+        raise APIError(500, str(exc)) from exc
+    finally:
+        ctx.admission.release(body.n)
+    token_text = TokenText(ctx.tokenizer)
+    choices = [
+        {
+            "index": index,
+            "message": {"role": "assistant", "content": result.text},
+            "logprobs": chat_logprobs(token_text, result.logprobs) if body.logprobs else None,
+            "finish_reason": result.finish_reason,
+        }
+        for index, result in enumerate(results)
+    ]
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    return {**head, "object": "chat.completion", "choices": choices,
+            "usage": usage(len(prompt_ids), completion_tokens)}  # fmt: skip
+
+
+async def _stream(
+    ctx: ServerContext, body: ChatCompletionRequest, head: dict, streams: list, prompt_tokens: int
+) -> AsyncIterator[str]:
+    head = {**head, "object": "chat.completion.chunk"}
+    extra = {"usage": None} if body.include_usage else {}
+    token_text = TokenText(ctx.tokenizer)
+    completion_tokens = 0
+
+    def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        return event({**head, "choices": [choice], **extra})
+
+    for index in range(len(streams)):
+        yield chunk(index, {"role": "assistant", "content": ""})
+    async for index, update in merge_updates(streams):
+        completion_tokens += len(update.new_token_ids)
+        logprobs = chat_logprobs(token_text, update.new_logprobs) if body.logprobs else None
+        if update.text or (logprobs and logprobs["content"]):
+            yield chunk(index, {"content": update.text}, logprobs)
+        if update.finished:
+            yield chunk(index, {}, finish_reason=update.finish_reason)
+    if body.include_usage:
+        yield event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield DONE

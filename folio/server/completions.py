@@ -1,0 +1,117 @@
+"""POST /v1/completions: prompts (text, texts, token ids) -> text, streamed or whole."""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import AsyncIterator
+
+from fastapi.responses import StreamingResponse
+
+from folio.sampling_params import SamplingParams
+from folio.server.choices import collect, merge_updates
+from folio.server.context import ServerContext
+from folio.server.errors import APIError
+from folio.server.logprobs_format import TokenText, completion_logprobs
+from folio.server.protocol import CompletionRequest
+from folio.server.sse import DONE, event, guarded, usage
+
+
+def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
+    """(text, token ids) per prompt; text is None for prompts given as ids."""
+    prompt = body.prompt
+    if isinstance(prompt, str):
+        return [(prompt, ctx.tokenizer.encode(prompt))]
+    if prompt and isinstance(prompt[0], str):
+        return [(p, ctx.tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
+    if prompt and isinstance(prompt[0], list):
+        return [(None, list(p)) for p in prompt]  # type: ignore[arg-type]
+    return [(None, list(prompt))]  # type: ignore[arg-type]
+
+
+def _params(body: CompletionRequest, choice: int) -> SamplingParams:
+    return SamplingParams(
+        max_tokens=body.max_tokens or 16,
+        temperature=1.0 if body.temperature is None else body.temperature,
+        top_p=1.0 if body.top_p is None else body.top_p,
+        top_k=body.top_k or 0,
+        min_p=body.min_p or 0.0,
+        seed=None if body.seed is None else body.seed + choice,  # n choices must differ
+        presence_penalty=body.presence_penalty or 0.0,
+        frequency_penalty=body.frequency_penalty or 0.0,
+        repetition_penalty=body.repetition_penalty or 1.0,
+        stop=body.stop_list,
+        include_stop_str_in_output=body.include_stop_str_in_output,
+        ignore_eos=body.ignore_eos,
+        logprobs=body.logprobs,
+    )
+
+
+async def create_completion(ctx: ServerContext, body: CompletionRequest):
+    ctx.check_model(body.model)
+    body.reject_unsupported()
+    if body.echo and body.logprobs is not None:
+        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
+    prompts = _prompts(ctx, body)
+    for _, ids in prompts:
+        ctx.check_prompt(ids)
+    n = body.n
+    count = len(prompts) * n
+    ctx.admission.acquire(count)
+    streams = [ctx.generate(ids, _params(body, j)) for _, ids in prompts for j in range(n)]
+    echoes = [(text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
+    head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
+            "model": ctx.model_name}  # fmt: skip
+    prompt_tokens = sum(len(ids) for _, ids in prompts)
+    if body.stream:
+        events = _stream(ctx, body, head, streams, [echoes[i // n] for i in range(count)], prompt_tokens)
+        return StreamingResponse(guarded(events, lambda: ctx.admission.release(count)), media_type="text/event-stream")
+    try:
+        results = await collect(streams)
+    except RuntimeError as exc:
+        raise APIError(500, str(exc)) from exc
+    finally:
+        ctx.admission.release(count)
+    token_text = TokenText(ctx.tokenizer)
+    choices = []
+    for index, result in enumerate(results):
+        echo = echoes[index // n]
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, _ = completion_logprobs(token_text, result.logprobs, len(echo))
+        choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs,
+                        "finish_reason": result.finish_reason})  # fmt: skip
+    completion_tokens = sum(len(r.token_ids) for r in results)
+    return {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+async def _stream(
+    ctx: ServerContext,
+    body: CompletionRequest,
+    head: dict,
+    streams: list,
+    echoes: list[str],
+    prompt_tokens: int,
+) -> AsyncIterator[str]:
+    extra = {"usage": None} if body.include_usage else {}
+    token_text = TokenText(ctx.tokenizer)
+    offsets = [len(e) for e in echoes]
+    completion_tokens = 0
+
+    def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+        return event({**head, "choices": [choice], **extra})
+
+    for index, echo in enumerate(echoes):
+        if echo:
+            yield chunk(index, echo, None, None)
+    async for index, update in merge_updates(streams):
+        completion_tokens += len(update.new_token_ids)
+        logprobs = None
+        if body.logprobs is not None:
+            logprobs, offsets[index] = completion_logprobs(token_text, update.new_logprobs, offsets[index])
+        if update.text or logprobs is not None or update.finished:
+            yield chunk(index, update.text, logprobs, update.finish_reason if update.finished else None)
+    if body.include_usage:
+        yield event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+    yield DONE

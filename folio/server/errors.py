@@ -1,0 +1,40 @@
+"""OpenAI's error format: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status."""
+
+from __future__ import annotations
+
+from fastapi.responses import JSONResponse
+
+_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+          429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
+
+
+class APIError(Exception):
+    """Raised anywhere in a request handler; the app turns it into an OpenAI-style error response."""
+
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        param: str | None = None,
+        code: str | None = None,
+        headers: dict[str, str] | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.param = param
+        self.code = code
+        self.headers = headers
+
+
+def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    kind = _TYPES.get(status, "invalid_request_error")
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def error_response(error: APIError) -> JSONResponse:
+    return JSONResponse(
+        status_code=error.status,
+        content=error_body(error.status, error.message, error.param, error.code),
+        headers=error.headers,
+    )

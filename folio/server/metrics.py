@@ -1,0 +1,92 @@
+"""Prometheus metrics for `/metrics`, fed from the engine thread (prometheus_client is thread-safe).
+
+Names follow vLLM's with a `folio:` prefix, so existing Grafana dashboards need only a rename.
+Latencies use the engine's monotonic timestamps on each Request: queue time ends when a request is
+first scheduled, TTFT at its first sampled token, ITL between consecutive tokens.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+
+from folio.engine.engine_core import EngineCore
+from folio.engine.request import Request
+
+disable_created_metrics()  # `*_created` timestamps only clutter the scrape
+
+_FAST = (0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0, 80.0)
+_PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0, 40.0)
+_SLOW = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
+
+
+class ServerMetrics:
+    def __init__(self, engine: EngineCore, model_name: str) -> None:
+        self.engine = engine
+        self.registry = CollectorRegistry()
+        labels = ["model_name"]
+
+        def histogram(name: str, doc: str, buckets: tuple[float, ...]) -> Histogram:
+            return Histogram(f"folio:{name}", doc, labels, buckets=buckets, registry=self.registry).labels(model_name)
+
+        def gauge(name: str, doc: str) -> Gauge:
+            return Gauge(f"folio:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        def counter(name: str, doc: str) -> Counter:
+            return Counter(f"folio:{name}", doc, labels, registry=self.registry).labels(model_name)
+
+        self.ttft = histogram("time_to_first_token_seconds", "Time from arrival to the first token.", _FAST)
+        self.tpot = histogram(
+            "time_per_output_token_seconds", "Per request: (last token - first token) / (tokens - 1).", _PER_TOKEN
+        )
+        self.itl = histogram("inter_token_latency_seconds", "Gap between consecutive tokens of a request.", _PER_TOKEN)
+        self.e2e = histogram("e2e_request_latency_seconds", "Time from arrival to finish.", _SLOW)
+        self.queue_time = histogram("request_queue_time_seconds", "Time from arrival to first scheduled.", _SLOW)
+        self.running = gauge("num_requests_running", "Requests in the running batch.")
+        self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
+        self.kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).")
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted once per request).")
+        self.generation_tokens = counter("generation_tokens", "Tokens generated.")
+        self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.success = Counter(
+            "folio:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
+            registry=self.registry,
+        )  # fmt: skip
+        self._model_name = model_name
+        self._last_token_time: dict[str, float] = {}
+
+    def on_step(self, updated: list[Request], now: float) -> None:
+        stats = self.engine.last_step
+        if stats is not None and stats.num_preempted:
+            self.preemptions.inc(stats.num_preempted)
+        self.generation_tokens.inc(len(updated))
+        for request in updated:
+            if len(request.output_token_ids) == 1:
+                self.prompt_tokens.inc(request.num_prompt_tokens)
+                if request.first_token_time is not None:
+                    self.ttft.observe(request.first_token_time - request.arrival_time)
+            else:
+                previous = self._last_token_time.get(request.request_id)
+                if previous is not None:
+                    self.itl.observe(now - previous)
+            if not request.is_finished:
+                self._last_token_time[request.request_id] = now
+        self._refresh_gauges()
+
+    def on_finished(self, request: Request, now: float) -> None:
+        self._last_token_time.pop(request.request_id, None)
+        reason = request.finish_reason.value if request.finish_reason else "abort"
+        self.success.labels(self._model_name, reason).inc()
+        finish = request.finish_time or now
+        self.e2e.observe(finish - request.arrival_time)
+        if request.first_scheduled_time is not None:
+            self.queue_time.observe(request.first_scheduled_time - request.arrival_time)
+        num_tokens = len(request.output_token_ids)
+        if request.first_token_time is not None and num_tokens > 1:
+            self.tpot.observe((finish - request.first_token_time) / (num_tokens - 1))
+        self._refresh_gauges()
+
+    def _refresh_gauges(self) -> None:
+        scheduler = self.engine.scheduler
+        self.running.set(len(scheduler.running))
+        self.waiting.set(len(scheduler.waiting))
+        self.kv_usage.set(self.engine.kv.pool.usage_ratio)

@@ -1,0 +1,41 @@
+"""Runs a real uvicorn server in a background thread on an ephemeral 127.0.0.1 port."""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import uvicorn
+
+from folio import LLM
+from folio.server.serve import Server, ServerOptions, build_server
+
+MODEL = "smollm2-135m"
+
+
+def free_port() -> int:
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        return probe.getsockname()[1]
+
+
+@contextmanager
+def running_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Iterator[tuple[str, Server]]:
+    server = build_server(llm, model_name, options)
+    port = free_port()
+    http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
+    thread = threading.Thread(target=http.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not http.started:
+        assert time.monotonic() < deadline, "server did not start"
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{port}", server
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)
+        server.engine.shutdown()
