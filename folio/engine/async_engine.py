@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from folio.engine.engine_core import EngineCore
-from folio.engine.output_processor import IncrementalDetokenizer
+from folio.engine.output_processor import IncrementalDetokenizer, detokenize_step
 from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
 from folio.outputs import TokenLogprob
@@ -160,10 +160,7 @@ class AsyncEngine:
         if stream is None:
             return
         new_tokens = request.output_token_ids[stream.num_sent :]
-        text_tokens = new_tokens
-        if request.finish_reason == FinishReason.STOP and new_tokens and new_tokens[-1] in self.eos_token_ids:
-            text_tokens = new_tokens[:-1]  # EOS ends the text; it is not part of it
-        text = stream.detokenizer.add(text_tokens, finished=request.is_finished)
+        text = detokenize_step(stream.detokenizer, request, new_tokens)
         if stream.detokenizer.stopped and not request.is_finished:
             self.engine.abort_request(request.request_id, FinishReason.STOP)
         update = RequestUpdate(

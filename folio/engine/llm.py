@@ -12,7 +12,7 @@ from tqdm import tqdm
 from folio.config import CacheConfig, SchedulerConfig, parse_dtype, parse_memory
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import LoadedModel, load_model
-from folio.engine.output_processor import IncrementalDetokenizer
+from folio.engine.output_processor import IncrementalDetokenizer, detokenize_step
 from folio.engine.request import FinishReason, Request
 from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
@@ -112,9 +112,9 @@ class LLM:
                 finished = 0
                 for request in self.engine.step():
                     detok = detoks.get(request.request_id)
-                    if detok is not None and not request.is_finished:
-                        detok.add(request.output_token_ids[detok.num_tokens :])
-                        if detok.stopped:
+                    if detok is not None:
+                        detokenize_step(detok, request, request.output_token_ids[-1:])
+                        if detok.stopped and not request.is_finished:
                             self.engine.abort_request(request.request_id, FinishReason.STOP)
                     finished += request.is_finished
                 bar.update(finished)
@@ -138,12 +138,11 @@ class LLM:
         detok = self._detokenizer(request.sampling_params)
         try:
             while not request.is_finished:
-                self.engine.step()
-                new = request.output_token_ids[detok.num_tokens :]
-                if request.is_finished and new and new[-1] in request.eos_token_ids:
-                    new = new[:-1]  # EOS ends the text; it is not part of it
-                text = detok.add(new, finished=request.is_finished)
-                if detok.stopped:
+                updated = self.engine.step()
+                if request not in updated:
+                    continue
+                text = detokenize_step(detok, request, request.output_token_ids[-1:])
+                if detok.stopped and not request.is_finished:
                     self.engine.abort_request(request.request_id, FinishReason.STOP)
                 if text:
                     yield text

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
 
 
@@ -56,3 +57,23 @@ class IncrementalDetokenizer:
         if best is not None:
             self.text = self.text[: best[1] if self._include_stop else best[0]]
             self.stopped = True
+
+
+def detokenize_step(detokenizer: IncrementalDetokenizer, request: Request, new_token_ids: list[int]) -> str:
+    """Feed a request's new tokens; return the text now safe to emit.
+
+    The token that ended a request on EOS or a stop token id is not text. A stop string completed by a
+    request's last token still makes its finish reason "stop". The caller aborts a request that is
+    still running when `detokenizer.stopped` turns true.
+    """
+    text_tokens = new_token_ids
+    params = request.sampling_params
+    if request.finish_reason == FinishReason.STOP and text_tokens:
+        last = text_tokens[-1]
+        if last in params.stop_token_ids or (not params.ignore_eos and last in request.eos_token_ids):
+            text_tokens = text_tokens[:-1]
+    was_stopped = detokenizer.stopped
+    text = detokenizer.add(text_tokens, finished=request.is_finished)
+    if detokenizer.stopped and not was_stopped and request.is_finished:
+        request.finish_reason = FinishReason.STOP
+    return text

@@ -25,7 +25,7 @@ class FinishReason(enum.StrEnum):
     ABORT = "abort"
 
 
-@dataclass
+@dataclass(eq=False)  # identity: requests are compared and removed from lists by object
 class Request:
     request_id: str
     prompt_token_ids: list[int]

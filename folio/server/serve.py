@@ -6,7 +6,11 @@ On SIGTERM uvicorn stops accepting connections and lets in-flight requests finis
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import signal
+import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import uvicorn
@@ -34,6 +38,28 @@ class Server:
     app: FastAPI
     engine: AsyncEngine
     metrics: ServerMetrics
+
+
+class _GracefulServer(uvicorn.Server):
+    """uvicorn re-raises SIGTERM after its graceful shutdown, so the process would end with status 143;
+    a shutdown that finished cleanly should exit 0."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        if threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            yield
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+
+    def _on_signal(self, sig: int, frame: object) -> None:
+        if not self.should_exit:
+            logger.info("%s: finishing requests in flight, then stopping", signal.Signals(sig).name)
+        self.handle_exit(sig, frame)  # type: ignore[arg-type]
 
 
 def build_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Server:
@@ -67,7 +93,7 @@ def serve(llm: LLM, model_name: str, host: str, port: int, options: ServerOption
         " (API key required)" if options.api_key else "",
     )
     try:
-        uvicorn.Server(config).run()
+        _GracefulServer(config).run()
     finally:
         server.engine.shutdown()
     logger.info("server stopped")
