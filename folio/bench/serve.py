@@ -1,0 +1,237 @@
+"""`folio bench serve`: a client-side serving benchmark against any OpenAI-compatible server (folio's own
+`folio serve`, llama.cpp's llama-server, vLLM, ...), in the manner of vLLM's benchmark_serving.
+
+One seeded workload is sent at each request rate in turn: Poisson arrivals, every request streamed, greedy
+with EOS ignored so each decodes exactly its output length. Per request it records TTFT, the gaps between
+chunks (ITL), TPOT and end-to-end latency; per rate, latency percentiles, request and token throughput,
+goodput under the SLOs given and the cost of a million output tokens at a given hourly price.
+`--extra-body JSON` is merged into every request, e.g. '{"cache_prompt": false}' for llama-server, whose
+prompt cache is on by default.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import shlex
+import sys
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from typing import Any
+
+from folio.bench.datasets import LengthRange
+from folio.bench.serve_client import (
+    ServeRequest,
+    Target,
+    check_extra_body,
+    normalize_base_url,
+    parse_extra_body,
+    probe,
+    run_rate,
+)
+from folio.bench.serve_stats import RequestRecord, format_rate, summarize
+
+
+@dataclass
+class ServeConfig:
+    base_url: str
+    model: str
+    input_len_range: LengthRange
+    output_len_range: LengthRange
+    dataset: str = "random"
+    dataset_path: str | None = None
+    num_prompts: int = 100
+    request_rates: list[float] = field(default_factory=lambda: [math.inf])
+    max_concurrency: int | None = None
+    slo: dict[str, float] = field(default_factory=dict)  # seconds
+    price_per_hour: float | None = None
+    seed: int = 0
+    tokenizer: str | None = None
+    timeout_s: float = 600.0
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
+    use_tqdm: bool = True
+
+    def __post_init__(self) -> None:
+        self.base_url = normalize_base_url(self.base_url)
+        if self.num_prompts < 1:
+            raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
+        for rate in self.request_rates:
+            if not rate > 0:  # also refuses nan
+                raise ValueError(f"--request-rate must be positive (or inf), got {rate}")
+        if self.max_concurrency is not None and self.max_concurrency < 1:
+            raise ValueError(f"--max-concurrency must be at least 1, got {self.max_concurrency}")
+        if self.price_per_hour is not None and not self.price_per_hour >= 0:
+            raise ValueError(f"--price-per-hour must not be negative, got {self.price_per_hour}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
+        check_extra_body(self.extra_body)
+
+
+@dataclass
+class RateResult:
+    request_rate: float
+    summary: dict[str, Any]
+    records: list[RequestRecord]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "request_rate": format_rate(self.request_rate),
+            **self.summary,
+            "requests": [r.to_dict() for r in self.records],
+        }
+
+
+@dataclass
+class ServeReport:
+    command: str
+    date_utc: str
+    config: ServeConfig
+    label: str
+    tokenizer: str
+    server: dict[str, Any]
+    workload: dict[str, Any]
+    results: list[RateResult]
+    machine: dict[str, Any]
+
+    def to_dict(self) -> dict[str, Any]:
+        c = self.config
+        return {
+            "benchmark": "serve",
+            "command": self.command,
+            "date_utc": self.date_utc,
+            "machine": self.machine,
+            "label": self.label,
+            "base_url": c.base_url,
+            "model": c.model,
+            "tokenizer": self.tokenizer,
+            "endpoint": "/v1/chat/completions" if c.dataset == "chat" else "/v1/completions",
+            "server": self.server,
+            "dataset": c.dataset,
+            "seed": c.seed,
+            "num_prompts": c.num_prompts,
+            "settings": {
+                "request_rates": [format_rate(r) for r in c.request_rates],
+                "max_concurrency": c.max_concurrency,
+                "slo_ms": {key: value * 1000 for key, value in c.slo.items()},
+                "price_per_hour": c.price_per_hour,
+                "input_len_range": None if c.dataset == "humaneval" else str(c.input_len_range),
+                "output_len_range": str(c.output_len_range),
+                "dataset_path": c.dataset_path,
+                "timeout_s": c.timeout_s,
+                "extra_body": c.extra_body,
+            },
+            "workload": self.workload,
+            "results": [r.to_dict() for r in self.results],
+        }
+
+
+def parse_rates(values: list[str]) -> list[float]:
+    rates = []
+    for value in values:
+        try:
+            rates.append(float(value))
+        except ValueError:
+            raise ValueError(f"--request-rate {value!r} is not a number of requests/s (or inf)") from None
+    return rates
+
+
+def run_serve(config: ServeConfig, command: str, label: str | None = None) -> ServeReport:
+    from folio.bench.report import machine_info
+    from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
+
+    check_dataset(config.dataset, config.dataset_path)
+    bench_tokenizer = load_tokenizer(config.tokenizer or config.model, explicit=config.tokenizer is not None)
+    requests = build_serve_requests(
+        config.dataset,
+        bench_tokenizer,
+        config.num_prompts,
+        config.input_len_range,
+        config.output_len_range,
+        config.seed,
+        config.dataset_path,
+    )
+    target = Target(
+        config.base_url,
+        config.model,
+        chat=config.dataset == "chat",
+        timeout_s=config.timeout_s,
+        extra_body=config.extra_body,
+    )
+    target, server = asyncio.run(probe(target, requests[0]))
+    if not target.include_usage:
+        print("folio: the server refused stream_options; counting output tokens from chunks", file=sys.stderr)
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    results = []
+    for rate in config.request_rates:
+        records, duration = asyncio.run(
+            run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
+        )
+        results.append(RateResult(rate, summarize(records, duration, config.slo, config.price_per_hour), records))
+    return ServeReport(
+        command=command,
+        date_utc=date,
+        config=config,
+        label=label or config.model,
+        tokenizer=str(bench_tokenizer.path),
+        server=server,
+        workload=_workload(requests),
+        results=results,
+        machine=machine_info(),
+    )
+
+
+def _workload(requests: list[ServeRequest]) -> dict[str, Any]:
+    n = len(requests)
+    return {
+        "mean_prompt_tokens": sum(r.prompt_len for r in requests) / n,
+        "mean_output_tokens": sum(r.output_len for r in requests) / n,
+        "total_output_tokens": sum(r.output_len for r in requests),
+    }
+
+
+def serve_command_line(args: argparse.Namespace) -> str:
+    """The run as a `folio bench serve` command with every option spelled out, defaults included."""
+    words = ["folio", "bench", "serve"]
+    for key, value in vars(args).items():
+        if key in ("command", "bench_command", "bench_run") or value is None or callable(value):
+            continue
+        option = f"--{key.replace('_', '-')}"
+        words += [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
+    return shlex.join(words)
+
+
+def run_serve_command(args: argparse.Namespace) -> int:
+    """The runner `folio bench serve` stores in `args.bench_run`."""
+    from pathlib import Path
+
+    from folio.bench.serve_report import format_table, write_report
+    from folio.bench.serve_stats import parse_slo
+
+    config = ServeConfig(
+        base_url=args.base_url,
+        model=args.model,
+        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
+        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
+        dataset=args.dataset,
+        dataset_path=args.dataset_path,
+        num_prompts=args.num_prompts,
+        request_rates=parse_rates(args.request_rate),
+        max_concurrency=args.max_concurrency,
+        slo=parse_slo(args.slo),
+        price_per_hour=args.price_per_hour,
+        seed=args.seed,
+        tokenizer=args.tokenizer,
+        timeout_s=args.timeout,
+        # getattr until folio/bench/cli.py registers --extra-body
+        extra_body=parse_extra_body(args.extra_body),
+    )
+    report = run_serve(config, serve_command_line(args), args.label)
+    print(format_table(report))
+    for path in write_report(report, Path(args.output_dir)):
+        print(f"wrote {path}")
+    failed = sum(r.summary["failed"] for r in report.results)
+    if failed:
+        first = next(r.error for result in report.results for r in result.records if not r.success)
+        print(f"folio: {failed} request(s) failed; first error: {first}", file=sys.stderr)
+    return 1 if any(r.summary["completed"] == 0 for r in report.results) else 0

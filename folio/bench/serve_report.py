@@ -1,0 +1,159 @@
+"""What `folio bench serve` shows and keeps: a table per rate, the JSON record, and PNG plots (latency
+CDFs; throughput and p99 TTFT against the request rate when several rates ran)."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from folio.bench.serve import ServeReport
+from folio.bench.serve_stats import format_rate
+
+LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
+TABLE_STATS = ("mean", "p50", "p90", "p99")
+
+
+def _cell(value: Any) -> str:
+    if value is None:
+        return f"{'-':>12}"
+    if isinstance(value, str):
+        return f"{value:>12}"
+    return f"{value:>12.2f}"
+
+
+def format_table(report: ServeReport) -> str:
+    results = report.results
+    sources = "/".join(sorted({r.summary["output_tokens_source"] for r in results} - {None})) or "-"
+    c = report.config
+    head = (
+        f"{report.label}: {c.dataset}, {c.num_prompts} requests, seed {c.seed}, "
+        f"max concurrency {c.max_concurrency or 'none'}, output tokens from {sources}"
+    )
+    lines = [head, f"{'request rate':<20}" + "".join(_cell(format_rate(r.request_rate)) for r in results)]
+
+    def row(label: str, values: list[Any]) -> None:
+        lines.append(f"{label:<20}" + "".join(_cell(v) for v in values))
+
+    row("completed", [f"{r.summary['completed']}/{r.summary['num_requests']}" for r in results])
+    row("duration s", [r.summary["duration_s"] for r in results])
+    row("requests/s", [r.summary["requests_per_s"] for r in results])
+    if report.config.slo:
+        row("goodput req/s", [r.summary["goodput_requests_per_s"] for r in results])
+    row("output tok/s", [r.summary["output_tokens_per_s"] for r in results])
+    row("total tok/s", [r.summary["total_tokens_per_s"] for r in results])
+    if report.config.price_per_hour is not None:
+        row("$/1M output tok", [r.summary["cost_per_1m_output_tokens"] for r in results])
+    for key, name in LATENCIES:
+        for stat in TABLE_STATS:
+            row(f"{stat} {name} ms", [(r.summary[key] or {}).get(stat) for r in results])
+    if report.config.slo:
+        slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in report.config.slo.items())
+        lines.append(f"goodput: requests/s meeting every SLO ({slo})")
+    return "\n".join(lines)
+
+
+def file_stem(report: ServeReport) -> str:
+    stamp = report.date_utc.replace("-", "").replace(":", "")  # 2025-01-31T12:00:00Z -> 20250131T120000Z
+    name = Path(report.label).name.removesuffix(".gguf")
+    label = re.sub(r"[^A-Za-z0-9_.-]+", "_", name).strip("_") or "server"
+    return f"serve-{label}-{stamp}"
+
+
+def write_report(report: ServeReport, output_dir: Path) -> list[Path]:
+    """`<stem>.json`, `<stem>-latency.png` and, with several rates, `<stem>-rates.png`."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stem = file_stem(report)
+    json_path = output_dir / f"{stem}.json"
+    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    paths = [json_path, output_dir / f"{stem}-latency.png"]
+    plot_latency_cdfs(report, paths[1])
+    if len(report.results) > 1:
+        paths.append(output_dir / f"{stem}-rates.png")
+        plot_rates(report, paths[2])
+    return paths
+
+
+def _pyplot():
+    try:  # imported here: plotting is the only user of matplotlib, an optional dependency
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise RuntimeError("plotting needs matplotlib: pip install 'folio[bench]'") from None
+    return plt
+
+
+def _title(report: ServeReport) -> str:
+    c = report.config
+    cap = f", at most {c.max_concurrency} in flight" if c.max_concurrency else ""
+    return (
+        f"{report.label} at {c.base_url}, {c.dataset}, {c.num_prompts} requests{cap}\n"
+        f"client: {report.machine['cpu']} ({report.machine['cores']} cores)"
+    )
+
+
+def plot_latency_cdfs(report: ServeReport, path: Path) -> None:
+    plt = _pyplot()
+    panels = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end latency"))
+    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
+    for ax, (key, name) in zip(axes, panels, strict=True):
+        for result in report.results:
+            values = [getattr(r, key) for r in result.records if r.success and getattr(r, key) is not None]
+            if not values:
+                continue
+            ms = np.sort(np.asarray(values) * 1000)
+            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{format_rate(result.request_rate)}")
+        ax.set_xlabel(f"{name} (ms)")
+        ax.set_ylabel("fraction of requests")
+        ax.set_ylim(0, 1.02)
+        ax.set_title(f"{name} CDF", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(title="req/s", fontsize=7, title_fontsize=7)
+    fig.suptitle(_title(report), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def plot_rates(report: ServeReport, path: Path) -> None:
+    """Throughput and p99 TTFT per request rate; rates sit at evenly spaced ticks so that inf fits."""
+    plt = _pyplot()
+    results = sorted(report.results, key=lambda r: r.request_rate)
+    labels = [format_rate(r.request_rate) for r in results]
+    x = np.arange(len(labels))
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    output = [r.summary["output_tokens_per_s"] for r in results]
+    requests = [r.summary["requests_per_s"] for r in results]
+    left.plot(x, output, "o-", color="#3b6ea8", label="output tok/s")
+    left.set_ylabel("output tokens/s")
+    twin = left.twinx()
+    twin.plot(x, requests, "s--", color="#c9822b", label="requests/s")
+    if report.config.slo:
+        goodput = [r.summary["goodput_requests_per_s"] for r in results]
+        twin.plot(x, goodput, "^:", color="#4f9a55", label="goodput req/s")
+    twin.set_ylabel("requests/s")
+    left.set_title("throughput", fontsize=9)
+    handles = left.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]
+    left.legend(handles, [h.get_label() for h in handles], fontsize=7)
+    p99 = [(r.summary["ttft_ms"] or {}).get("p99", np.nan) for r in results]
+    right.plot(x, p99, "o-", color="#a83b3b")
+    if "ttft" in report.config.slo:
+        right.axhline(report.config.slo["ttft"] * 1000, color="gray", linestyle="--", label="TTFT SLO")
+        right.legend(fontsize=7)
+    right.set_ylabel("p99 TTFT (ms)")
+    right.set_title("p99 time to first token", fontsize=9)
+    for ax in (left, twin, right):
+        ax.set_ylim(bottom=0)
+    for ax in (left, right):
+        ax.set_xticks(x, labels)
+        ax.set_xlabel("request rate (req/s)")
+        ax.grid(alpha=0.3)
+    fig.suptitle(_title(report), fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
