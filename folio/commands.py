@@ -177,9 +177,20 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
     options = ServerOptions(max_queue=args.max_queue, api_key=args.api_key or None, grace_period=args.grace_period)
     serve(_llm(args), args.model, args.host, args.port, options)
     return 0
+
+
+def _check_port_free(host: str, port: int) -> None:
+    import socket
+
+    try:
+        with socket.create_server((host, port), reuse_port=False) as probe:
+            probe.close()
+    except OSError as exc:
+        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def cmd_bench(args: argparse.Namespace) -> int:

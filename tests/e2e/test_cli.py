@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import socket
 import subprocess
 import sys
 
@@ -87,3 +88,10 @@ def test_bad_jsonl_line_is_reported_by_number(smollm2_gguf, tmp_path, capsys):
     source.write_text('{"prompt": "ok"}\nnot json\n')
     assert main(["generate", str(smollm2_gguf), "--input", str(source), "--output", str(tmp_path / "o"), *KV]) == 1
     assert "line 2" in capsys.readouterr().err
+
+
+def test_serve_on_a_busy_port_is_one_line(capsys):
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        assert main(["serve", "smollm2-135m", "--port", str(port)]) == 1
+    assert f"cannot listen on 127.0.0.1:{port}" in capsys.readouterr().err
