@@ -22,6 +22,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: Ad
     benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
     _add_throughput(benchmarks, add_engine_args)
     _add_serve(benchmarks)
+    _add_serve_compare(benchmarks, add_engine_args)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -67,6 +68,64 @@ def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
     parser.add_argument("--model", required=True, help="model name sent in each request")
+    _add_workload_args(parser, tokenizer=True)
+    parser.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
+        "llama-server's prompt cache (on by default there; folio has no prefix cache yet) (default none)",
+    )
+    parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    parser.set_defaults(bench_run=run)
+
+
+def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    def run(args: argparse.Namespace) -> int:
+        from folio.bench.serve_compare import run_serve_compare_command
+
+        return run_serve_compare_command(args)
+
+    parser = benchmarks.add_parser(
+        "serve-compare",
+        help="online serving, folio serve vs a peer server (llama.cpp), same workload in one run",
+        description="Start `folio serve MODEL`, run the `bench serve` workload against it, stop it; then start "
+        "the peer (llama.cpp's llama-server on the same GGUF file) and run the same seeded workload against "
+        "it. The servers run one at a time, never together. Prints both side by side per rate with the "
+        "ratio folio/peer, and writes one JSON (both results, ratios, both servers' command lines) and PNG "
+        "plots. Engine options (--dtype, --max-num-seqs, ...) go to folio serve.",
+    )
+    parser.add_argument("model", help="catalog name or .gguf file (llama.cpp needs a GGUF)")
+    parser.add_argument("--peer", default="llama.cpp", help="the server to compare with: llama.cpp (default)")
+    _add_workload_args(parser)
+    parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")
+    parser.add_argument(
+        "--llama-ctx-size",
+        type=int,
+        default=None,
+        help="llama-server's total KV tokens, split evenly over the slots (default: parallel * (longest prompt "
+        "+ longest output + 64), each slot rounded up to a multiple of 256)",
+    )
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-server threads (default 2)")
+    parser.add_argument(
+        "--llama-extra-body",
+        default='{"cache_prompt": false}',
+        metavar="JSON",
+        help="JSON merged into every request to llama-server (default '{\"cache_prompt\": false}': no reuse "
+        "of an earlier prompt's KV cache, as folio has no prefix cache yet)",
+    )
+    parser.add_argument(
+        "--llama-version", default=None, help="llama-cpp-python version to build (default: the installed build)"
+    )
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_engine_args(parser)
+    parser.set_defaults(bench_run=run)
+
+
+def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) -> None:
+    """The workload options that `bench serve` and `bench serve-compare` share (serve-compare takes the
+    tokenizer from its MODEL, so it has no --tokenizer)."""
     parser.add_argument("--dataset", default="random", help="random (default), humaneval or chat")
     parser.add_argument("--dataset-path", default=None, help="chat: a ShareGPT-format JSON file to draw from")
     parser.add_argument("--num-prompts", type=int, default=100, help="requests per rate (default 100)")
@@ -86,20 +145,11 @@ def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
     )
     parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
-    parser.add_argument("--tokenizer", default=None, help="catalog name, .gguf or HF folder (default: --model)")
+    if tokenizer:
+        parser.add_argument("--tokenizer", default=None, help="catalog name, .gguf or HF folder (default: --model)")
     parser.add_argument(
         "--timeout", type=float, default=600.0, help="seconds one request may take in all (default 600)"
     )
-    parser.add_argument(
-        "--extra-body",
-        default=None,
-        metavar="JSON",
-        help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
-        "llama-server's prompt cache (on by default there; folio has no prefix cache yet) (default none)",
-    )
-    parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
-    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    parser.set_defaults(bench_run=run)
 
 
 def _command_line(args: argparse.Namespace) -> str:

@@ -1,0 +1,334 @@
+"""`folio bench serve-compare`: `folio serve` against a peer server (llama.cpp's llama-server), the same seeded
+`bench serve` workload sent to each, in one run.
+
+Each server is started as a subprocess on a free 127.0.0.1 port, waited for until GET /health answers 200,
+benchmarked at every rate with `run_serve`, and stopped with SIGTERM before the next one starts: they share
+the machine's cores, so they never run together. Both are stopped on any error, on Ctrl-C and on SIGTERM to
+this process, and the exact command line each one was started with goes into the report.
+
+The peer comes from `PEERS`, a registry of launchers: a launcher turns the run's config into a `ServerSpec`
+(the command line for a port, the extra request body, facts for the report). Every launcher runs before any
+server starts, so a missing llama.cpp build or a model that is not a GGUF fails at once rather than after
+folio's whole run. Tests register their own peer there.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from folio.bench.datasets import LengthRange
+from folio.bench.llama_cpp_server import free_port, stop_process
+from folio.bench.serve import ServeConfig, ServeReport, parse_rates, run_serve
+from folio.bench.serve_client import check_extra_body, parse_extra_body
+
+STARTUP_TIMEOUT_S = 600.0  # a first start may build kernels or load a large model
+STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL after this long
+SLOT_MARGIN = 64  # tokens per llama-server slot beyond prompt + output: re-tokenized prompts, chat templates
+
+
+@dataclass(frozen=True)
+class LlamaOptions:
+    parallel: int = 16  # slots
+    ctx_size: int | None = None  # total KV tokens over all slots; None: from the workload
+    threads: int = 2
+    extra_body: dict[str, Any] = field(default_factory=lambda: {"cache_prompt": False})
+    version: str | None = None  # of llama-cpp-python; None: the installed build
+
+    def __post_init__(self) -> None:
+        if self.parallel < 1:
+            raise ValueError(f"--llama-parallel must be at least 1, got {self.parallel}")
+        if self.threads < 1:
+            raise ValueError(f"--llama-threads must be at least 1, got {self.threads}")
+        if self.ctx_size is not None and self.ctx_size < self.parallel:
+            raise ValueError(f"--llama-ctx-size {self.ctx_size} leaves less than one token to each of the slots")
+        check_extra_body(self.extra_body)
+
+
+@dataclass
+class CompareConfig:
+    model: str  # catalog name or path, as typed; also the model name sent in every request
+    workload: ServeConfig  # its base_url and extra_body are replaced by each server's
+    peer: str = "llama.cpp"
+    engine_args: dict[str, Any] = field(default_factory=dict)  # folio serve's engine flags
+    llama: LlamaOptions = field(default_factory=LlamaOptions)
+    startup_timeout_s: float = STARTUP_TIMEOUT_S
+
+    def __post_init__(self) -> None:
+        if self.peer not in PEERS:
+            raise ValueError(f"unknown --peer {self.peer!r}; choose from {', '.join(sorted(PEERS))}")
+
+
+@dataclass(frozen=True)
+class ServerSpec:
+    name: str
+    argv: Callable[[int], list[str]]  # the command line for a port, which is picked just before the start
+    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request to this server
+    info: dict[str, Any] = field(default_factory=dict)  # versions, slots, context size: kept in the report
+
+
+@dataclass
+class ServerRun:
+    name: str
+    command: str  # the exact command line the server was started with
+    info: dict[str, Any]
+    report: ServeReport
+
+
+@dataclass
+class CompareReport:
+    command: str
+    date_utc: str
+    config: CompareConfig
+    machine: dict[str, Any]
+    runs: list[ServerRun]  # folio first, then the peer
+
+
+class ServerError(RuntimeError):
+    """A server failed to start or died during its run; the message names its log, which is kept."""
+
+
+PeerLauncher = Callable[[CompareConfig], ServerSpec]
+
+
+def folio_spec(config: CompareConfig) -> ServerSpec:
+    from folio import __version__
+
+    engine = [str(w) for key, value in config.engine_args.items() if value is not None
+              for w in (f"--{key.replace('_', '-')}", value)]  # fmt: skip
+    # Room in the queue for every request of a rate, so folio queues them as llama-server does instead of a 429.
+    queue = ["--max-queue", str(config.workload.num_prompts)]
+
+    def argv(port: int) -> list[str]:
+        host = ["--host", "127.0.0.1", "--port", str(port)]
+        return [sys.executable, "-m", "folio.cli", "serve", config.model, *host, *queue, *engine]
+
+    return ServerSpec("folio", argv, info={"version": __version__, **config.engine_args})
+
+
+def default_ctx_size(parallel: int, longest_prompt: int, longest_output: int) -> int:
+    """Enough KV tokens for every slot to hold the longest request; each slot rounded up to 256 tokens."""
+    per_slot = math.ceil((longest_prompt + longest_output + SLOT_MARGIN) / 256) * 256
+    return parallel * per_slot
+
+
+def longest_prompt(workload: ServeConfig) -> int:
+    """Prompt tokens of the longest request: the top of --input-len-range, or for HumanEval (whose prompts
+    are not drawn to a length) the longest prompt of the workload itself."""
+    if workload.dataset != "humaneval":
+        return workload.input_len_range.high
+    from folio.bench.serve_workload import build_serve_requests, load_tokenizer
+
+    tokenizer = load_tokenizer(workload.tokenizer or workload.model, explicit=workload.tokenizer is not None)
+    requests = build_serve_requests(
+        "humaneval", tokenizer, workload.num_prompts, workload.input_len_range, workload.output_len_range,
+        workload.seed,
+    )  # fmt: skip
+    return max(r.prompt_len for r in requests)
+
+
+def llama_cpp_spec(config: CompareConfig) -> ServerSpec:
+    from folio.bench.llama_cpp_build import build_llama_cpp
+    from folio.bench.llama_cpp_server import _help_text, server_command
+    from folio.loaders.catalog import resolve_model
+
+    path = resolve_model(config.model)
+    if path.suffix.lower() != ".gguf":
+        raise ValueError(f"--peer llama.cpp needs a GGUF model, and {config.model} is {path}")
+    binaries = build_llama_cpp(version=config.llama.version)
+    options = config.llama
+    workload = config.workload
+    ctx_size = options.ctx_size or default_ctx_size(
+        options.parallel, longest_prompt(workload), workload.output_len_range.high
+    )
+    cont_batching = "--cont-batching" in _help_text(binaries.server)
+
+    def argv(port: int) -> list[str]:
+        # --alias: /v1/models then lists the same name that folio serves and every request sends.
+        return server_command(binaries, path, port, ctx_size=ctx_size, parallel=options.parallel,
+                              threads=options.threads, cont_batching_flag=cont_batching,
+                              extra_args=["--alias", config.model])  # fmt: skip
+
+    info = {
+        "version": binaries.version,
+        "llama_cpp_commit": binaries.commit,
+        "model_path": str(path),
+        "parallel": options.parallel,
+        "ctx_size": ctx_size,
+        "ctx_per_slot": ctx_size // options.parallel,
+        "threads": options.threads,
+    }
+    return ServerSpec("llama.cpp", argv, extra_body=dict(options.extra_body), info=info)
+
+
+PEERS: dict[str, PeerLauncher] = {"llama.cpp": llama_cpp_spec}
+
+
+def start_process(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
+    """Start a server with its output in `log_path` (a pipe nobody reads would fill up and stall it)."""
+    # The client sends no API key to folio, so folio serve must not pick one up from the environment.
+    env = {key: value for key, value in os.environ.items() if key != "FOLIO_API_KEY"}
+    with log_path.open("ab") as log:  # the child keeps its own copy of the descriptor
+        return subprocess.Popen(argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, env=env)
+
+
+def _last_line(log_path: Path) -> str:
+    try:
+        lines = [line.strip() for line in log_path.read_text(encoding="utf-8", errors="replace").splitlines()]
+    except OSError:
+        return ""
+    last = next((line for line in reversed(lines) if line), "")
+    return f": {last[:300]}" if last else ""
+
+
+def wait_until_ready(name: str, base_url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
+    """Block until GET /health answers 200; raise ServerError (one line, naming the log) if the server
+    exits first or takes longer than `timeout`."""
+    deadline = time.monotonic() + timeout
+    while True:
+        if process.poll() is not None:
+            raise ServerError(
+                f"the {name} server exited with code {process.returncode} before it was ready{_last_line(log)} "
+                f"(log: {log})"
+            )
+        try:
+            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
+                if response.status == 200:
+                    return
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            pass  # not listening yet, or 503 while loading
+        if time.monotonic() > deadline:
+            raise ServerError(f"the {name} server at {base_url} was not ready after {timeout:g}s (log: {log})")
+        time.sleep(0.2)
+
+
+@contextmanager
+def running_server(spec: ServerSpec, log_path: Path, timeout: float) -> Iterator[tuple[str, str]]:
+    """A ready server on a free port; yields its base URL and the command line it was started with. The
+    server is stopped (SIGTERM, then SIGKILL after a grace period) however the block ends."""
+    port = free_port()
+    argv = spec.argv(port)
+    process = start_process(argv, log_path)
+    try:
+        base_url = f"http://127.0.0.1:{port}"
+        wait_until_ready(spec.name, base_url, process, timeout, log_path)
+        yield base_url, shlex.join(argv)
+        if process.poll() is not None:
+            raise ServerError(
+                f"the {spec.name} server exited with code {process.returncode} during the run (log: {log_path})"
+            )
+    finally:
+        stop_process(process, grace=STOP_GRACE_S)
+
+
+@contextmanager
+def _sigterm_as_interrupt() -> Iterator[None]:
+    """SIGTERM raises KeyboardInterrupt, so killing the benchmark still stops the server it started."""
+    if threading.current_thread() is not threading.main_thread():  # signal handlers live in the main thread
+        yield
+        return
+
+    def on_sigterm(signum: int, frame: object) -> None:
+        raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGTERM, on_sigterm)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
+def run_compare(config: CompareConfig, command: str) -> CompareReport:
+    """folio, then the peer, one at a time, each through the same `run_serve` workload."""
+    from folio.bench.report import machine_info
+    from folio.bench.serve_workload import check_dataset
+
+    check_dataset(config.workload.dataset, config.workload.dataset_path)
+    specs = [folio_spec(config), PEERS[config.peer](config)]  # both before any server starts: fail fast
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    log_dir = Path(tempfile.mkdtemp(prefix="folio-serve-compare-"))
+    keep_logs = False
+    runs = []
+    try:
+        with _sigterm_as_interrupt():
+            for spec in specs:
+                with running_server(spec, log_dir / f"{spec.name}.log", config.startup_timeout_s) as (url, line):
+                    print(f"folio: [{spec.name}] {line}", file=sys.stderr, flush=True)
+                    workload = replace(config.workload, base_url=url, extra_body=spec.extra_body)
+                    runs.append(ServerRun(spec.name, line, spec.info, run_serve(workload, command, spec.name)))
+    except ServerError:
+        keep_logs = True  # the error names the log
+        raise
+    finally:
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+    return CompareReport(command, date, config, machine_info(), runs)
+
+
+def compare_command_line(args: argparse.Namespace) -> str:
+    """The run as a `folio bench serve-compare` command with every option spelled out, defaults included."""
+    words = ["folio", "bench", "serve-compare", str(args.model)]
+    for key, value in vars(args).items():
+        if key in ("command", "bench_command", "bench_run", "model") or value is None or callable(value):
+            continue
+        option = f"--{key.replace('_', '-')}"
+        words += [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
+    return shlex.join(words)
+
+
+def run_serve_compare_command(args: argparse.Namespace) -> int:
+    """The runner `folio bench serve-compare` stores in `args.bench_run`."""
+    from folio.bench.serve_compare_report import format_table, write_report
+    from folio.bench.serve_stats import parse_slo
+    from folio.cli import engine_kwargs
+
+    try:
+        llama_extra_body = parse_extra_body(args.llama_extra_body)
+    except ValueError as exc:
+        raise ValueError(str(exc).replace("--extra-body", "--llama-extra-body")) from None
+    workload = ServeConfig(
+        base_url="http://127.0.0.1",  # each server's own, once it runs
+        model=args.model,
+        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
+        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
+        dataset=args.dataset,
+        dataset_path=args.dataset_path,
+        num_prompts=args.num_prompts,
+        request_rates=parse_rates(args.request_rate),
+        max_concurrency=args.max_concurrency,
+        slo=parse_slo(args.slo),
+        price_per_hour=args.price_per_hour,
+        seed=args.seed,
+        timeout_s=args.timeout,
+    )
+    llama = LlamaOptions(args.llama_parallel, args.llama_ctx_size, args.llama_threads, llama_extra_body,
+                         args.llama_version)  # fmt: skip
+    config = CompareConfig(args.model, workload, args.peer, engine_kwargs(args), llama)
+    output_dir = Path(args.output_dir)
+    output_dir.mkdir(parents=True, exist_ok=True)  # now, not after a long run
+    report = run_compare(config, compare_command_line(args))
+    print(format_table(report))
+    for path in write_report(report, output_dir):
+        print(f"wrote {path}")
+    results = [(run.name, result) for run in report.runs for result in run.report.results]
+    if failed := sum(result.summary["failed"] for _, result in results):
+        name, first = next((n, r.error) for n, result in results for r in result.records if not r.success)
+        print(f"folio: {failed} request(s) failed; first error ({name}): {first}", file=sys.stderr)
+    return 1 if any(result.summary["completed"] == 0 for _, result in results) else 0
