@@ -4,7 +4,6 @@ CDFs of both servers; with several rates, throughput and p99 TTFT against the ra
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from pathlib import Path
@@ -15,7 +14,7 @@ import numpy as np
 from folio.bench.serve import RateResult
 from folio.bench.serve_compare import CompareReport
 from folio.bench.serve_report import _pyplot
-from folio.bench.serve_stats import format_rate
+from folio.bench.serve_stats import dump_json, format_rate
 
 # (id in the JSON, label in the table, where in a rate's summary, which way is better)
 METRICS = (
@@ -135,7 +134,7 @@ def write_report(report: CompareReport, output_dir: Path) -> list[Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
     json_path = output_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(to_dict(report), indent=2) + "\n", encoding="utf-8")
+    json_path.write_text(dump_json(to_dict(report)), encoding="utf-8")
     paths = [json_path, output_dir / f"{stem}-latency.png"]
     plot_latency_cdfs(report, paths[1])
     if len(report.config.workload.request_rates) > 1:

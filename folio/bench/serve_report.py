@@ -3,7 +3,6 @@ CDFs; throughput and p99 TTFT against the request rate when several rates ran)."
 
 from __future__ import annotations
 
-import json
 import re
 from pathlib import Path
 from typing import Any
@@ -11,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from folio.bench.serve import ServeReport
-from folio.bench.serve_stats import format_rate
+from folio.bench.serve_stats import dump_json, format_rate
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 TABLE_STATS = ("mean", "p50", "p90", "p99")
@@ -68,7 +67,7 @@ def write_report(report: ServeReport, output_dir: Path) -> list[Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
     json_path = output_dir / f"{stem}.json"
-    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    json_path.write_text(dump_json(report.to_dict()), encoding="utf-8")
     paths = [json_path, output_dir / f"{stem}-latency.png"]
     plot_latency_cdfs(report, paths[1])
     if len(report.results) > 1:

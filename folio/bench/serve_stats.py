@@ -3,6 +3,7 @@ goodput and cost out. Pure functions over plain numbers, so they can be checked 
 
 from __future__ import annotations
 
+import json
 import math
 import re
 from dataclasses import asdict, dataclass, field
@@ -143,3 +144,19 @@ def summarize(
 
 def format_rate(rate: float) -> str:
     return "inf" if math.isinf(rate) else f"{rate:g}"
+
+
+def _round_gaps(value: Any, digits: int = 6) -> Any:
+    """Floats inside lists (the per-token gaps of every request) rounded to microseconds: they would
+    otherwise dominate the file with 17-digit floats. Summary values are left exact."""
+    if isinstance(value, dict):
+        return {k: _round_gaps(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [round(v, digits) if isinstance(v, float) else _round_gaps(v, digits) for v in value]
+    return value
+
+
+def dump_json(value: Any) -> str:
+    """Indented JSON, except that lists of numbers (per-token gaps) stay on one line."""
+    text = json.dumps(_round_gaps(value), indent=1)
+    return re.sub(r"\[\s+([-0-9.e,\s]+?)\s+\]", lambda m: "[" + re.sub(r"\s+", " ", m.group(1)) + "]", text) + "\n"
