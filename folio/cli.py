@@ -25,6 +25,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
+    parser.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+        help="recompute every prompt instead of reusing the KV of prefixes seen before",
+    )  # fmt: skip
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
@@ -35,6 +39,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_seqs=args.max_num_seqs,
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
+        enable_prefix_caching=args.enable_prefix_caching,
     )
 
 

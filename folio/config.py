@@ -65,6 +65,7 @@ class CacheConfig:
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of available RAM
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
+    enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -20,6 +20,7 @@ class RequestMetrics:
     first_token_time: float | None
     finish_time: float | None
     num_preemptions: int = 0
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
 
     @property
     def time_to_first_token(self) -> float | None:

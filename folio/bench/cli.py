@@ -152,13 +152,26 @@ def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False)
     )
 
 
+def option_words(key: str, value: object) -> list[str]:
+    """One option as command-line words; `enable_x=False` is the `--no-x` switch, True its default."""
+    if isinstance(value, bool) and key.startswith("enable_"):
+        return [] if value else [f"--no-{key.removeprefix('enable_').replace('_', '-')}"]
+    option = f"--{key.replace('_', '-')}"
+    return [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
+
+
+def engine_flags(engine_args: dict[str, object]) -> list[str]:
+    """`folio serve` flags for LLM keyword arguments (as folio.cli.engine_kwargs builds them)."""
+    return [word for key, value in engine_args.items() if value is not None for word in option_words(key, value)]
+
+
 def _command_line(args: argparse.Namespace) -> str:
     """The run as a `folio` command with every option spelled out, defaults included."""
     words = ["folio", "bench", args.bench_command, str(args.model)]
     for key, value in vars(args).items():
         if key in _NOT_OPTIONS or value is None or callable(value):
             continue
-        words += [f"--{key.replace('_', '-')}", str(value)]
+        words += option_words(key, value)
     return shlex.join(words)
 
 

@@ -34,6 +34,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
+from folio.bench.cli import engine_flags, option_words
 from folio.bench.datasets import LengthRange
 from folio.bench.llama_cpp_server import free_port, stop_process
 from folio.bench.serve import ServeConfig, ServeReport, parse_rates, run_serve
@@ -111,8 +112,7 @@ PeerLauncher = Callable[[CompareConfig], ServerSpec]
 def folio_spec(config: CompareConfig) -> ServerSpec:
     from folio import __version__
 
-    engine = [str(w) for key, value in config.engine_args.items() if value is not None
-              for w in (f"--{key.replace('_', '-')}", value)]  # fmt: skip
+    engine = engine_flags(config.engine_args)
     # Room in the queue for every request of a rate, so folio queues them as llama-server does instead of a 429.
     queue = ["--max-queue", str(config.workload.num_prompts)]
 
@@ -288,8 +288,7 @@ def compare_command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("command", "bench_command", "bench_run", "model") or value is None or callable(value):
             continue
-        option = f"--{key.replace('_', '-')}"
-        words += [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
+        words += option_words(key, value)
     return shlex.join(words)
 
 

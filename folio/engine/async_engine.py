@@ -81,13 +81,17 @@ class AsyncEngine:
         self._thread.start()
 
     # -- client side (event loop) ------------------------------------------------------------------
-    async def generate(self, prompt_token_ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
+    async def generate(
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+    ) -> AsyncIterator[RequestUpdate]:
         """Stream a request's updates; closing or cancelling the consumer aborts it within one step.
 
         A request the engine refuses (e.g. a prompt longer than the context) raises ValueError on the
         first iteration.
         """
-        request = Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids)
+        request = Request(
+            f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt
+        )
         updates: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         self._inbox.put(_Stream(request, asyncio.get_running_loop(), updates, detokenizer))

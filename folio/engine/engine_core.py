@@ -47,7 +47,7 @@ class EngineCore:
                     f"kv_cache_memory of {memory} bytes holds no block of {cache_config.block_size} tokens "
                     f"({bytes_per_token} bytes per token)"
                 )
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
         # A request must always fit the pool alone, or preemption could never make room for it.
         max_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings, self.kv.capacity_tokens)
         scheduler_config.max_model_len = max_len
@@ -57,13 +57,15 @@ class EngineCore:
         self.kv_bytes_per_token = bytes_per_token
         self.last_step: StepStats | None = None
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); context length %d",
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); context length %d; "
+            "prefix caching %s",
             num_blocks,
             cache_config.block_size,
             self.kv.capacity_tokens,
             num_blocks * cache_config.block_size * bytes_per_token / 2**20,
             bytes_per_token,
             max_len,
+            "on" if cache_config.enable_prefix_caching else "off",
         )
 
     @property

@@ -35,6 +35,7 @@ class LLM:
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
+        enable_prefix_caching: bool = True,
     ) -> None:
         from folio.loaders.catalog import resolve_model
 
@@ -47,7 +48,12 @@ class LLM:
         self.engine = EngineCore(
             self.loaded.model,
             self.model_config,
-            CacheConfig(block_size=block_size, kv_cache_memory=parse_memory(kv_cache_memory), num_blocks=num_kv_blocks),
+            CacheConfig(
+                block_size=block_size,
+                kv_cache_memory=parse_memory(kv_cache_memory),
+                num_blocks=num_kv_blocks,
+                enable_prefix_caching=enable_prefix_caching,
+            ),
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
@@ -82,7 +88,11 @@ class LLM:
             outputs=[CompletionOutput(text, list(request.output_token_ids), reason, logprobs)],
             finished=request.is_finished,
             metrics=RequestMetrics(
-                request.arrival_time, request.first_token_time, request.finish_time, request.num_preemptions
+                request.arrival_time,
+                request.first_token_time,
+                request.finish_time,
+                request.num_preemptions,
+                request.num_cached_tokens,
             ),
         )
 

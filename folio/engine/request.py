@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from folio.kv_cache.hashing import BlockKey
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
 
@@ -32,11 +33,14 @@ class Request:
     sampling_params: SamplingParams
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
+    cache_salt: str | None = None  # keeps a tenant's prefix cache apart from others'
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
+    num_cached_tokens: int = 0  # of the prompt, tokens whose KV came from the prefix cache
+    block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None  # end of queueing, for the queue-time metric
     first_token_time: float | None = None
@@ -55,6 +59,9 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     def token_ids_between(self, start: int, end: int) -> list[int]:
         """Token ids at positions [start, end) of prompt + output."""

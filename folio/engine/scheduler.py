@@ -81,9 +81,15 @@ class Scheduler:
         if not preempted:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
-                num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-                if not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+                cached = self.kv.find_cached_prefix(request)
+                num_cached = len(cached) * self.kv.block_size
+                num_new = min(request.num_tokens - num_cached, budget)
+                if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
                     break
+                self.kv.record_lookup(request.num_tokens, num_cached)
+                request.num_computed_tokens = num_cached
+                if request.first_scheduled_time is None:  # the first admission: prompt tokens only
+                    request.num_cached_tokens = num_cached
                 self.waiting.popleft()
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
@@ -130,6 +136,7 @@ class Scheduler:
         for item in output.scheduled:
             request = self.requests[item.request_id]
             request.num_computed_tokens += item.num_tokens
+            self.kv.cache_full_blocks(request)
             token = sampled.get(item.request_id)
             if token is None:
                 continue

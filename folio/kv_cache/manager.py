@@ -1,15 +1,31 @@
-"""Maps requests to block tables and grows them as their sequences grow."""
+"""Maps requests to block tables, grows them as their sequences grow, and finds cached prefixes.
+
+With prefix caching on, a request being admitted first takes every cached block of its longest
+cached prefix (`find_cached_prefix`), and each block it fills afterwards is registered in the pool
+(`cache_full_blocks`), so the next request with that prefix skips computing it.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
 from folio.kv_cache.block_pool import BlockPool
+from folio.kv_cache.hashing import extend_block_keys
+
+if TYPE_CHECKING:
+    from folio.engine.request import Request
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         self.block_size = block_size
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the cache map
+        self.prefix_cache_queries = 0  # prompt tokens looked up at admission
+        self.prefix_cache_hits = 0  # of those, tokens whose KV came from the cache
 
     @property
     def capacity_tokens(self) -> int:
@@ -18,20 +34,57 @@ class KVCacheManager:
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
-    def allocate_slots(self, request_id: str, total_tokens: int) -> bool:
-        """Make room for `total_tokens` tokens of KV; False (and nothing changed) if the pool is short."""
-        table = self.block_tables.setdefault(request_id, [])
-        missing = self.blocks_needed(total_tokens) - len(table)
-        if missing <= 0:
-            return True
-        if missing > self.pool.num_free_blocks:
-            if not table:
-                del self.block_tables[request_id]
+    def find_cached_prefix(self, request: Request) -> list[int]:
+        """Cached blocks holding the longest prefix of the request's tokens. At least one token is
+        always left to compute, so that there are logits to sample the next token from."""
+        if not self.enable_prefix_caching:
+            return []
+        extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
+        blocks: list[int] = []
+        for key in request.block_keys[: (request.num_tokens - 1) // self.block_size]:
+            block = self.pool.lookup(key)
+            if block is None:
+                break
+            blocks.append(block)
+        return blocks
+
+    def allocate_slots(self, request_id: str, total_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+        """Make room for `total_tokens` tokens of KV, starting the table with `cached_blocks` (only
+        for a request that holds no blocks yet). False, and nothing changed, if the pool is short."""
+        table = self.block_tables.get(request_id, [])
+        if cached_blocks and table:
+            raise ValueError(f"request {request_id} already holds blocks; cached blocks start a table")
+        missing = self.blocks_needed(total_tokens) - len(table) - len(cached_blocks)
+        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # leave the free list
+        if missing > self.pool.num_free_blocks - revived:
             return False
-        table.extend(self.pool.allocate(missing))
+        for block in cached_blocks:
+            self.pool.touch(block)
+        if cached_blocks:
+            self._num_registered[request_id] = len(cached_blocks)
+        self.block_tables[request_id] = table + list(cached_blocks) + self.pool.allocate(max(missing, 0))
         return True
 
+    def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
+        self.prefix_cache_queries += num_query_tokens
+        self.prefix_cache_hits += num_hit_tokens
+
+    def cache_full_blocks(self, request: Request) -> None:
+        """Register the request's blocks that are now full and computed."""
+        if not self.enable_prefix_caching:
+            return
+        full = request.num_computed_tokens // self.block_size
+        done = self._num_registered.get(request.request_id, 0)
+        if full <= done:
+            return
+        extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
+        table = self.block_tables[request.request_id]
+        for index in range(done, full):
+            self.pool.register(table[index], request.block_keys[index])
+        self._num_registered[request.request_id] = full
+
     def free(self, request_id: str) -> None:
+        self._num_registered.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.free(table)

@@ -47,5 +47,5 @@ class ServerContext:
     def default_max_tokens(self, prompt_len: int) -> int:
         return self.max_model_len - prompt_len
 
-    def generate(self, ids: list[int], params: SamplingParams) -> AsyncIterator[RequestUpdate]:
-        return self.engine.generate(ids, params)
+    def generate(self, ids: list[int], params: SamplingParams, cache_salt: str | None) -> AsyncIterator[RequestUpdate]:
+        return self.engine.generate(ids, params, cache_salt)

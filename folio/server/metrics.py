@@ -47,6 +47,9 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted once per request).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
+        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
+        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.")
+        self._prefix_seen = (0, 0)
         self.success = Counter(
             "folio:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
             registry=self.registry,
@@ -59,6 +62,11 @@ class ServerMetrics:
         if stats is not None and stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
         self.generation_tokens.inc(len(updated))
+        kv = self.engine.kv
+        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        self.prefix_queries.inc(queries - self._prefix_seen[0])
+        self.prefix_hits.inc(hits - self._prefix_seen[1])
+        self._prefix_seen = (queries, hits)
         for request in updated:
             if len(request.output_token_ids) == 1:
                 self.prompt_tokens.inc(request.num_prompt_tokens)

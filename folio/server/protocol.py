@@ -51,6 +51,7 @@ class _SamplingFields(_Strict):
     include_stop_str_in_output: bool = False
     user: str | None = None
     logit_bias: dict[str, float] | None = None
+    cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants (as vLLM)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
