@@ -10,6 +10,7 @@ MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat AP
 @dataclass
 class SamplingParams:
     max_tokens: int = 16
+    n: int = 1  # samples per prompt; they share the prompt's KV blocks (seeds seed, seed+1, ...)
     temperature: float = 1.0  # 0 means greedy
     top_k: int = 0  # 0 or -1: off
     top_p: float = 1.0
@@ -27,6 +28,8 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k alternatives
 
     def __post_init__(self) -> None:
+        if self.n < 1:
+            raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:

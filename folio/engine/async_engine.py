@@ -58,6 +58,11 @@ class _Stream:
 
 
 @dataclass
+class _AddGroup:
+    streams: list[_Stream]  # the first computes the prompt; the rest fork from it
+
+
+@dataclass
 class _Abort:
     request_id: str
 
@@ -74,7 +79,7 @@ class AsyncEngine:
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.observer = observer
-        self._inbox: queue.Queue[_Stream | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_AddGroup | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
@@ -86,19 +91,35 @@ class AsyncEngine:
     ) -> AsyncIterator[RequestUpdate]:
         """Stream a request's updates; closing or cancelling the consumer aborts it within one step.
 
-        A request the engine refuses (e.g. a prompt longer than the context) raises ValueError on the
-        first iteration.
+        The request reaches the engine on the first iteration. One the engine refuses (e.g. a prompt
+        longer than the context) raises ValueError there.
         """
+        stream = self._new_stream(prompt_token_ids, params, cache_salt)
+        self._inbox.put(_AddGroup([stream]))
+        async for update in self._consume(stream):
+            yield update
+
+    def generate_samples(
+        self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None
+    ) -> list[AsyncIterator[RequestUpdate]]:
+        """Several samples of one prompt, submitted now: the first computes the prompt and the others
+        fork from it, sharing its KV blocks. Each stream must be consumed or closed."""
+        streams = [self._new_stream(prompt_token_ids, p, cache_salt) for p in params]
+        self._inbox.put(_AddGroup(streams))
+        return [self._consume(s) for s in streams]
+
+    def _new_stream(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> _Stream:
         request = Request(
             f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt
         )
-        updates: asyncio.Queue[RequestUpdate | BaseException] = asyncio.Queue()
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        self._inbox.put(_Stream(request, asyncio.get_running_loop(), updates, detokenizer))
+        return _Stream(request, asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
+
+    async def _consume(self, stream: _Stream) -> AsyncIterator[RequestUpdate]:
         finished = False
         try:
             while not finished:
-                update = await updates.get()
+                update = await stream.updates.get()
                 if isinstance(update, BaseException):
                     finished = True
                     raise update
@@ -106,7 +127,7 @@ class AsyncEngine:
                 yield update
         finally:
             if not finished:
-                self._inbox.put(_Abort(request.request_id))
+                self._inbox.put(_Abort(stream.request.request_id))
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -145,19 +166,22 @@ class AsyncEngine:
             stream.loop.call_soon_threadsafe(stream.updates.put_nowait, error)
         self._streams.clear()
 
-    def _handle(self, message: _Stream | _Abort) -> None:
+    def _handle(self, message: _AddGroup | _Abort) -> None:
         if isinstance(message, _Abort):
             request = self.engine.abort_request(message.request_id)
             self._streams.pop(message.request_id, None)
             if request is not None and self.observer is not None:
                 self.observer.on_finished(request, time.monotonic())
             return
+        first, *forks = message.streams
         try:
-            self.engine.add_request(message.request)
-        except ValueError as exc:  # e.g. prompt longer than the context: hand the error to the caller
-            message.loop.call_soon_threadsafe(message.updates.put_nowait, exc)
+            self.engine.add_request(first.request, [s.request for s in forks])
+        except ValueError as exc:  # e.g. prompt longer than the context: hand the error to the callers
+            for stream in message.streams:
+                stream.loop.call_soon_threadsafe(stream.updates.put_nowait, exc)
             return
-        self._streams[message.request.request_id] = message
+        for stream in message.streams:
+            self._streams[stream.request.request_id] = stream
 
     def _publish(self, request: Request) -> None:
         stream = self._streams.get(request.request_id)

@@ -72,7 +72,8 @@ class EngineCore:
     def max_model_len(self) -> int:
         return self.scheduler_config.max_model_len
 
-    def add_request(self, request: Request) -> None:
+    def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
+        """Queue a request; `forks` (more samples of the same prompt) share its prompt's KV blocks."""
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
         if request.num_prompt_tokens >= self.max_model_len:
@@ -80,7 +81,7 @@ class EngineCore:
                 f"the prompt has {request.num_prompt_tokens} tokens but the context length is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
-        self.scheduler.add_request(request)
+        self.scheduler.add_request(request, forks)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         return self.scheduler.abort_request(request_id, reason)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator, Sequence
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -77,22 +78,29 @@ class LLM:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
 
-    def _output(self, request: Request, prompt: str | None, detok: IncrementalDetokenizer | None) -> RequestOutput:
-        reason = request.finish_reason.value if request.finish_reason else None
-        text = detok.text if detok is not None else self.tokenizer.decode(request.output_token_ids)
-        logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
+    def _output(
+        self, group: list[Request], prompt: str | None, detoks: dict[str, IncrementalDetokenizer]
+    ) -> RequestOutput:
+        first = group[0]
+        outputs = []
+        for request in group:
+            detok = detoks.get(request.request_id)
+            text = detok.text if detok is not None else self.tokenizer.decode(request.output_token_ids)
+            logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
+            reason = request.finish_reason.value if request.finish_reason else None
+            outputs.append(CompletionOutput(text, list(request.output_token_ids), reason, logprobs))
         return RequestOutput(
-            request_id=request.request_id,
+            request_id=first.request_id,
             prompt=prompt,
-            prompt_token_ids=request.prompt_token_ids,
-            outputs=[CompletionOutput(text, list(request.output_token_ids), reason, logprobs)],
-            finished=request.is_finished,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=outputs,
+            finished=all(r.is_finished for r in group),
             metrics=RequestMetrics(
-                request.arrival_time,
-                request.first_token_time,
-                request.finish_time,
-                request.num_preemptions,
-                request.num_cached_tokens,
+                first.arrival_time,
+                first.first_token_time,
+                max((r.finish_time for r in group if r.finish_time is not None), default=None),
+                sum(r.num_preemptions for r in group),
+                first.num_cached_tokens,
             ),
         )
 
@@ -111,13 +119,14 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
-        requests = [self._make_request(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        groups = [self._make_samples(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        requests = [r for group in groups for r in group]
         # Only requests with stop strings need text while they run; the rest are decoded once at the end.
         detoks = {r.request_id: self._detokenizer(r.sampling_params) for r in requests if r.sampling_params.stop}
         bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm or len(requests) < 2)
         try:
-            for request in requests:
-                self.engine.add_request(request)
+            for first, *forks in groups:
+                self.engine.add_request(first, forks)
             while self.engine.has_unfinished():
                 finished = 0
                 for request in self.engine.step():
@@ -134,9 +143,20 @@ class LLM:
                 if not request.is_finished:
                     self.engine.abort_request(request.request_id)
         return [
-            self._output(r, p if isinstance(p, str) else None, detoks.get(r.request_id))
-            for r, p in zip(requests, prompts, strict=True)
+            self._output(group, p if isinstance(p, str) else None, detoks)
+            for group, p in zip(groups, prompts, strict=True)
         ]
+
+    def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
+        """One request per sample; sample j draws with seed + j so that the samples differ."""
+        first = self._make_request(prompt, params)
+        forks = []
+        for j in range(1, params.n):
+            seed = None if params.seed is None else params.seed + j
+            fork = Request(str(next(self._ids)), first.prompt_token_ids, replace(params, seed=seed),
+                           eos_token_ids=first.eos_token_ids)  # fmt: skip
+            forks.append(fork)
+        return [first, *forks]
 
     def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
         return IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)

@@ -14,7 +14,7 @@ from collections import deque
 
 from folio.config import SchedulerConfig
 from folio.engine.request import FinishReason, Request, RequestStatus
-from folio.engine.scheduler_output import ScheduledRequest, SchedulerOutput
+from folio.engine.scheduler_output import ForkedSample, ScheduledRequest, SchedulerOutput
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
 
@@ -29,10 +29,14 @@ class Scheduler:
         self.num_preemptions = 0
 
     # -- queue management --------------------------------------------------------------------------
-    def add_request(self, request: Request) -> None:
-        if request.request_id in self.requests:
-            raise ValueError(f"request id {request.request_id!r} is already in use")
-        self.requests[request.request_id] = request
+    def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
+        """Queue a request. `forks` are further samples of the same prompt: they wait until the request
+        samples its first token, then share its prompt blocks instead of computing the prompt again."""
+        for r in [request, *(forks or [])]:
+            if r.request_id in self.requests:
+                raise ValueError(f"request id {r.request_id!r} is already in use")
+            self.requests[r.request_id] = r
+        request.forks = list(forks or [])
         self.waiting.append(request)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
@@ -40,6 +44,10 @@ class Scheduler:
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._release_forks(request)
+        for parent in [*self.running, *self.waiting]:
+            if request in parent.forks:  # a fork that never started
+                parent.forks.remove(request)
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
@@ -63,7 +71,8 @@ class Scheduler:
         while index < len(self.running) and budget > 0:
             request = self.running[index]
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            while not self.kv.allocate_slots(request.request_id, request.num_computed_tokens + num_new):
+            start = request.num_computed_tokens
+            while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
                 victim = self.running.pop()
                 self._preempt(victim)
                 preempted.append(victim)
@@ -102,6 +111,9 @@ class Scheduler:
         for request, num_new in chosen:
             start = request.num_computed_tokens
             end = start + num_new
+            forks = []
+            if request.forks and end == request.num_tokens and not request.output_token_ids:
+                forks = self._forks_to_sample(request)
             output.scheduled.append(
                 ScheduledRequest(
                     request_id=request.request_id,
@@ -113,9 +125,40 @@ class Scheduler:
                     generator=request.generator,
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
+                    forks=forks,
                 )
             )
+        output.block_copies = self.kv.take_copies()
         return output
+
+    def _forks_to_sample(self, request: Request) -> list[ForkedSample]:
+        """Forks that sample alongside the request's first token; if the running batch has no room for
+        them, they become ordinary requests instead (the prefix cache still shares its full blocks)."""
+        if len(self.running) + len(request.forks) > self.config.max_num_seqs:
+            self._release_forks(request)
+            return []
+        return [ForkedSample(f.request_id, f.sampling_params, f.generator, f.prompt_token_ids) for f in request.forks]
+
+    def _release_forks(self, request: Request) -> None:
+        for fork in reversed(request.forks):
+            self.waiting.appendleft(fork)
+        request.forks = []
+
+    def _start_forks(self, parent: Request, item: ScheduledRequest, now: float) -> list[Request]:
+        """Forks sampled this step join the running batch holding the parent's blocks."""
+        started = []
+        for sample in item.forks:
+            fork = self.requests.get(sample.request_id)
+            if fork is None or fork not in parent.forks:  # aborted meanwhile
+                continue
+            self.kv.fork(parent.request_id, fork.request_id)
+            fork.num_computed_tokens = parent.num_computed_tokens
+            fork.status = RequestStatus.RUNNING
+            fork.first_scheduled_time = now
+            self.running.append(fork)
+            started.append(fork)
+        parent.forks = []
+        return started
 
     def _preempt(self, request: Request) -> None:
         self.kv.free(request.request_id)
@@ -133,17 +176,21 @@ class Scheduler:
         Returns the requests that produced a token this step (finished ones included).
         """
         updated: list[Request] = []
+        now = time.monotonic()
         for item in output.scheduled:
             request = self.requests[item.request_id]
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
-            token = sampled.get(item.request_id)
-            if token is None:
-                continue
-            request.append_output_token(token, self.config.max_model_len, (logprobs or {}).get(item.request_id))
-            updated.append(request)
-            if request.is_finished:
-                self.running.remove(request)
-                self.kv.free(request.request_id)
-                del self.requests[request.request_id]
+            forks = self._start_forks(request, item, now) if item.forks else []
+            for sampler in [request, *forks]:  # forks first share the blocks, then anyone may finish
+                token = sampled.get(sampler.request_id)
+                if token is None:
+                    continue
+                lp = (logprobs or {}).get(sampler.request_id)
+                sampler.append_output_token(token, self.config.max_model_len, lp)
+                updated.append(sampler)
+                if sampler.is_finished:
+                    self.running.remove(sampler)
+                    self.kv.free(sampler.request_id)
+                    del self.requests[sampler.request_id]
         return updated

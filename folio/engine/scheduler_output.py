@@ -10,6 +10,17 @@ from folio.sampling_params import SamplingParams
 
 
 @dataclass
+class ForkedSample:
+    """A request forked from the one scheduled: it shares that request's prompt blocks and samples its
+    first token from the same logits row, with its own parameters and generator."""
+
+    request_id: str
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+
+
+@dataclass
 class ScheduledRequest:
     request_id: str
     token_ids: list[int]  # the tokens to compute this step
@@ -20,6 +31,7 @@ class ScheduledRequest:
     generator: torch.Generator | None
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # tokens generated so far (for penalties)
+    forks: list[ForkedSample] = field(default_factory=list)  # sampled from this request's row, this step
 
     @property
     def num_tokens(self) -> int:
@@ -30,6 +42,7 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted_ids: list[str] = field(default_factory=list)
+    block_copies: list[tuple[int, int]] = field(default_factory=list)  # (src, dst): copy-on-write, before the forward
 
     @property
     def num_batched_tokens(self) -> int:

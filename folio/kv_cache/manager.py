@@ -26,6 +26,7 @@ class KVCacheManager:
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the cache map
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV came from the cache
+        self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
 
     @property
     def capacity_tokens(self) -> int:
@@ -48,22 +49,54 @@ class KVCacheManager:
             blocks.append(block)
         return blocks
 
-    def allocate_slots(self, request_id: str, total_tokens: int, cached_blocks: Sequence[int] = ()) -> bool:
+    def allocate_slots(
+        self,
+        request_id: str,
+        total_tokens: int,
+        cached_blocks: Sequence[int] = (),
+        write_from: int | None = None,
+    ) -> bool:
         """Make room for `total_tokens` tokens of KV, starting the table with `cached_blocks` (only
-        for a request that holds no blocks yet). False, and nothing changed, if the pool is short."""
+        for a request that holds no blocks yet). `write_from` is the first position written this step:
+        if it falls inside a block another request also holds (a fork's last prompt block), that block
+        is copied first. False, and nothing changed, if the pool is short."""
         table = self.block_tables.get(request_id, [])
         if cached_blocks and table:
             raise ValueError(f"request {request_id} already holds blocks; cached blocks start a table")
-        missing = self.blocks_needed(total_tokens) - len(table) - len(cached_blocks)
+        missing = max(self.blocks_needed(total_tokens) - len(table) - len(cached_blocks), 0)
+        copy_at = None
+        index = None if write_from is None else write_from // self.block_size
+        partial = write_from is not None and write_from % self.block_size != 0
+        if partial and index is not None and index < len(table) and self.pool.ref_counts[table[index]] > 1:
+            copy_at = index
         revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # leave the free list
-        if missing > self.pool.num_free_blocks - revived:
+        if missing + (copy_at is not None) > self.pool.num_free_blocks - revived:
             return False
         for block in cached_blocks:
             self.pool.touch(block)
         if cached_blocks:
             self._num_registered[request_id] = len(cached_blocks)
-        self.block_tables[request_id] = table + list(cached_blocks) + self.pool.allocate(max(missing, 0))
+        table = table + list(cached_blocks) + self.pool.allocate(missing)
+        if copy_at is not None:
+            [copy] = self.pool.allocate(1)
+            self.pending_copies.append((table[copy_at], copy))
+            self.pool.free([table[copy_at]])  # still held by the other owners
+            table[copy_at] = copy
+        self.block_tables[request_id] = table
         return True
+
+    def fork(self, parent_id: str, child_id: str) -> None:
+        """The child holds every block of the parent, by reference; writes into a shared partial
+        block copy it first (see allocate_slots)."""
+        table = list(self.block_tables[parent_id])
+        for block in table:
+            self.pool.share(block)
+        self.block_tables[child_id] = table
+        self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        copies, self.pending_copies = self.pending_copies, []
+        return copies
 
     def record_lookup(self, num_query_tokens: int, num_hit_tokens: int) -> None:
         self.prefix_cache_queries += num_query_tokens

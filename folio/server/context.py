@@ -47,5 +47,10 @@ class ServerContext:
     def default_max_tokens(self, prompt_len: int) -> int:
         return self.max_model_len - prompt_len
 
-    def generate(self, ids: list[int], params: SamplingParams, cache_salt: str | None) -> AsyncIterator[RequestUpdate]:
-        return self.engine.generate(ids, params, cache_salt)
+    def generate(
+        self, ids: list[int], params: list[SamplingParams], cache_salt: str | None
+    ) -> list[AsyncIterator[RequestUpdate]]:
+        """One stream per sample; several samples share the prompt's KV blocks."""
+        if len(params) == 1:
+            return [self.engine.generate(ids, params[0], cache_salt)]
+        return self.engine.generate_samples(ids, params, cache_salt)

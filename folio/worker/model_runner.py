@@ -16,6 +16,7 @@ from folio.engine.scheduler_output import SchedulerOutput
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
 from folio.sample.sampler import SamplingBatch, sample
+from folio.sampling_params import SamplingParams
 
 
 @dataclass
@@ -23,8 +24,17 @@ class BatchInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     meta: AttentionMetadata
-    logits_rows: list[int]  # row in [T] of each request that samples this step
+    logits_rows: list[int]  # row in [T] of each request that samples this step (a fork repeats its parent's)
     sampled_ids: list[str]  # request ids, aligned with logits_rows
+    samplers: list[SampleSpec]  # sampling settings, aligned with logits_rows
+
+
+@dataclass
+class SampleSpec:
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    prompt_token_ids: list[int]
+    output_token_ids: list[int]
 
 
 @dataclass
@@ -79,12 +89,20 @@ class ModelRunner:
         positions: list[int] = []
         logits_rows: list[int] = []
         sampled_ids: list[str] = []
+        samplers: list[SampleSpec] = []
         for item in out.scheduled:
             input_ids.extend(item.token_ids)
             positions.extend(range(item.start_position, item.start_position + item.num_tokens))
             if item.needs_sample:
                 logits_rows.append(len(input_ids) - 1)
                 sampled_ids.append(item.request_id)
+                samplers.append(
+                    SampleSpec(item.sampling_params, item.generator, item.prompt_token_ids, item.output_token_ids)
+                )
+                for fork in item.forks:
+                    logits_rows.append(len(input_ids) - 1)
+                    sampled_ids.append(fork.request_id)
+                    samplers.append(SampleSpec(fork.sampling_params, fork.generator, fork.prompt_token_ids, []))
         meta = build_attention_metadata(
             [s.start_position for s in out.scheduled],
             [s.num_tokens for s in out.scheduled],
@@ -98,7 +116,18 @@ class ModelRunner:
             meta=meta,
             logits_rows=logits_rows,
             sampled_ids=sampled_ids,
+            samplers=samplers,
         )
+
+    @torch.inference_mode()
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copy-on-write: duplicate whole blocks of every layer's K and V before they diverge."""
+        src = torch.tensor([s for s, _ in copies], device=self.device)
+        dst = torch.tensor([d for _, d in copies], device=self.device)
+        for k_cache, v_cache in self.kv_caches:
+            for cache in (k_cache, v_cache):
+                blocks = cache.view(self.num_blocks, self.block_size, *cache.shape[1:])
+                blocks[dst] = blocks[src]
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> torch.Tensor:
@@ -113,13 +142,14 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> RunnerOutput:
         """One forward over the batch; samples a token for each request whose chunk reached its end."""
         inputs = self.prepare(out)
+        if out.block_copies:
+            self.copy_blocks(out.block_copies)
         hidden = self.forward(inputs)
         if not inputs.logits_rows:
             return RunnerOutput({}, {})
         # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
         logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
-        by_id = {s.request_id: s for s in out.scheduled}
-        rows = [by_id[rid] for rid in inputs.sampled_ids]
+        rows = inputs.samplers
         batch = SamplingBatch.from_params(
             [r.sampling_params for r in rows],
             [r.generator for r in rows],

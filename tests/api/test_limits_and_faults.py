@@ -190,3 +190,18 @@ def _healthy(url: str) -> bool:
         return httpx.get(f"{url}/health", timeout=1).status_code == 200
     except httpx.HTTPError:
         return False
+
+
+def test_prefix_cache_hits_are_counted_and_cache_salt_keeps_tenants_apart(base_url, client):
+    prompt = "Here is a long shared system prompt about cats and dogs. " * 12  # ~150 tokens
+    hits = ("folio:prefix_cache_hits_total", ())
+
+    def run(**extra) -> float:
+        before = _metrics(base_url)[hits]
+        client.completions.create(model=MODEL, prompt=prompt, max_tokens=2, temperature=0, extra_body=extra)
+        return _metrics(base_url)[hits] - before
+
+    run(cache_salt="tenant-a")
+    assert run(cache_salt="tenant-b") == 0  # another tenant's identical prompt: no hit
+    assert run(cache_salt="tenant-a") >= 128  # the same tenant again: every full block but the last
+    assert _metrics(base_url)[("folio:prefix_cache_queries_total", ())] >= _metrics(base_url)[hits]
