@@ -87,30 +87,41 @@ class AsyncEngine:
 
     # -- client side (event loop) ------------------------------------------------------------------
     async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None, priority: int = 0
     ) -> AsyncIterator[RequestUpdate]:
         """Stream a request's updates; closing or cancelling the consumer aborts it within one step.
 
         The request reaches the engine on the first iteration. One the engine refuses (e.g. a prompt
         longer than the context) raises ValueError there.
         """
-        stream = self._new_stream(prompt_token_ids, params, cache_salt)
+        stream = self._new_stream(prompt_token_ids, params, cache_salt, priority)
         self._inbox.put(_AddGroup([stream]))
         async for update in self._consume(stream):
             yield update
 
     def generate_samples(
-        self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None
+        self,
+        prompt_token_ids: list[int],
+        params: list[SamplingParams],
+        cache_salt: str | None = None,
+        priority: int = 0,
     ) -> list[AsyncIterator[RequestUpdate]]:
         """Several samples of one prompt, submitted now: the first computes the prompt and the others
         fork from it, sharing its KV blocks. Each stream must be consumed or closed."""
-        streams = [self._new_stream(prompt_token_ids, p, cache_salt) for p in params]
+        streams = [self._new_stream(prompt_token_ids, p, cache_salt, priority) for p in params]
         self._inbox.put(_AddGroup(streams))
         return [self._consume(s) for s in streams]
 
-    def _new_stream(self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None) -> _Stream:
+    def _new_stream(
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
+    ) -> _Stream:
         request = Request(
-            f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids, cache_salt=cache_salt
+            f"req-{next(self._ids)}",
+            prompt_token_ids,
+            params,
+            eos_token_ids=self.eos_token_ids,
+            cache_salt=cache_salt,
+            priority=priority,
         )
         detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
         return _Stream(request, asyncio.get_running_loop(), asyncio.Queue(), detokenizer)

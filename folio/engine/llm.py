@@ -110,8 +110,10 @@ class LLM:
         prompts: Prompt | Sequence[Prompt],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
-        """Run every prompt to completion with continuous batching; outputs come back in prompt order."""
+        """Run every prompt to completion with continuous batching; outputs come back in prompt order.
+        `priority` (one per prompt, lower first) orders admission and preemption."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -119,7 +121,13 @@ class LLM:
         params_list = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         if len(params_list) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(params_list)} sampling params")
+        priorities = list(priority) if priority is not None else [0] * len(prompts)
+        if len(priorities) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         groups = [self._make_samples(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
+        for group, rank in zip(groups, priorities, strict=True):
+            for request in group:
+                request.priority = rank
         requests = [r for group in groups for r in group]
         # Only requests with stop strings need text while they run; the rest are decoded once at the end.
         detoks = {r.request_id: self._detokenizer(r.sampling_params) for r in requests if r.sampling_params.stop}

@@ -34,6 +34,8 @@ class Request:
     eos_token_ids: frozenset[int] = frozenset()
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # keeps a tenant's prefix cache apart from others'
+    priority: int = 0  # lower is more urgent: admitted first, preempted last
+    arrival_order: int = 0  # set by the scheduler
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set

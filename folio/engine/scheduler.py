@@ -9,8 +9,9 @@ preempted: its blocks are freed and it goes back to the front of the queue to be
 
 from __future__ import annotations
 
+import bisect
+import itertools
 import time
-from collections import deque
 
 from folio.config import SchedulerConfig
 from folio.engine.request import FinishReason, Request, RequestStatus
@@ -19,11 +20,17 @@ from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
 
 
+def _queue_order(request: Request) -> tuple[int, int]:
+    """Lower priority values first (as vLLM), then arrival."""
+    return request.priority, request.arrival_order
+
+
 class Scheduler:
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
         self.config = config
         self.kv = kv_manager
-        self.waiting: deque[Request] = deque()
+        self.waiting: list[Request] = []  # kept in admission order: (priority, arrival)
+        self._arrivals = itertools.count()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
         self.num_preemptions = 0
@@ -36,8 +43,13 @@ class Scheduler:
             if r.request_id in self.requests:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
             self.requests[r.request_id] = r
+            r.arrival_order = next(self._arrivals)
         request.forks = list(forks or [])
-        self.waiting.append(request)
+        self._enqueue(request)
+
+    def _enqueue(self, request: Request) -> None:
+        # A preempted request keeps its arrival number, so it goes back ahead of later arrivals.
+        bisect.insort(self.waiting, request, key=_queue_order)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Drop a request and free its blocks; `reason` is STOP when a stop string ended it."""
@@ -65,7 +77,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         budget = self.config.max_num_batched_tokens
         chosen: list[tuple[Request, int]] = []
-        preempted: list[Request] = []
+        self.running.sort(key=_queue_order)  # budget goes to the most urgent first
+        preempted: list[Request] = self._preempt_for_priority(budget)
+        made_room = len(preempted)
 
         index = 0
         while index < len(self.running) and budget > 0:
@@ -73,7 +87,9 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             start = request.num_computed_tokens
             while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
-                victim = self.running.pop()
+                # The least urgent request not yet given tokens this step (maybe this one) makes room.
+                victim = max(self.running[index:], key=_queue_order)
+                self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
@@ -87,7 +103,7 @@ class Scheduler:
 
         # Admit waiting requests only when nobody was preempted, so a freed block is not handed
         # straight to a newcomer while the preempted request waits.
-        if not preempted:
+        if len(preempted) == made_room:
             while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
                 request = self.waiting[0]
                 cached = self.kv.find_cached_prefix(request)
@@ -99,7 +115,7 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 if request.first_scheduled_time is None:  # the first admission: prompt tokens only
                     request.num_cached_tokens = num_cached
-                self.waiting.popleft()
+                self.waiting.pop(0)
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = time.monotonic()
@@ -140,8 +156,8 @@ class Scheduler:
         return [ForkedSample(f.request_id, f.sampling_params, f.generator, f.prompt_token_ids) for f in request.forks]
 
     def _release_forks(self, request: Request) -> None:
-        for fork in reversed(request.forks):
-            self.waiting.appendleft(fork)
+        for fork in request.forks:
+            self._enqueue(fork)
         request.forks = []
 
     def _start_forks(self, parent: Request, item: ScheduledRequest, now: float) -> list[Request]:
@@ -166,7 +182,24 @@ class Scheduler:
         request.num_computed_tokens = 0
         request.num_preemptions += 1
         self.num_preemptions += 1
-        self.waiting.appendleft(request)
+        self._enqueue(request)
+
+    def _preempt_for_priority(self, budget: int) -> list[Request]:
+        """While the most urgent waiting request outranks a running one and lacks a sequence slot or
+        the blocks for its first chunk, preempt the least urgent running request for it."""
+        victims: list[Request] = []
+        while self.waiting and self.running:
+            head, worst = self.waiting[0], self.running[-1]
+            if worst.priority <= head.priority:
+                break
+            chunk = min(head.num_tokens - head.num_computed_tokens, budget)
+            has_slot = len(self.running) < self.config.max_num_seqs
+            if has_slot and self.kv.blocks_needed(chunk) <= self.kv.pool.num_free_blocks:
+                break
+            self.running.pop()
+            self._preempt(worst)
+            victims.append(worst)
+        return victims
 
     def update_from_output(
         self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob] | None = None

@@ -51,7 +51,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     # Without a limit the answer may run to the end of the context, as with OpenAI.
     max_tokens = min(body.completion_limit or ctx.max_model_len, ctx.default_max_tokens(len(prompt_ids)))
     ctx.admission.acquire(body.n)
-    streams = ctx.generate(prompt_ids, [_params(body, max_tokens, j) for j in range(body.n)], body.cache_salt)
+    choice_params = [_params(body, max_tokens, j) for j in range(body.n)]
+    streams = ctx.generate(prompt_ids, choice_params, body.cache_salt, body.priority)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
     if body.stream:
         events = _stream(ctx, body, head, streams, len(prompt_ids))

@@ -59,7 +59,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     count = len(prompts) * n
     ctx.admission.acquire(count)
     choice_params = [_params(body, j) for j in range(n)]
-    streams = [stream for _, ids in prompts for stream in ctx.generate(ids, choice_params, body.cache_salt)]
+    streams = []
+    for _, ids in prompts:
+        streams += ctx.generate(ids, choice_params, body.cache_salt, body.priority)
     echoes = [(text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}  # fmt: skip

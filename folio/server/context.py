@@ -48,9 +48,9 @@ class ServerContext:
         return self.max_model_len - prompt_len
 
     def generate(
-        self, ids: list[int], params: list[SamplingParams], cache_salt: str | None
+        self, ids: list[int], params: list[SamplingParams], cache_salt: str | None, priority: int
     ) -> list[AsyncIterator[RequestUpdate]]:
         """One stream per sample; several samples share the prompt's KV blocks."""
         if len(params) == 1:
-            return [self.engine.generate(ids, params[0], cache_salt)]
-        return self.engine.generate_samples(ids, params, cache_salt)
+            return [self.engine.generate(ids, params[0], cache_salt, priority)]
+        return self.engine.generate_samples(ids, params, cache_salt, priority)

@@ -52,6 +52,7 @@ class _SamplingFields(_Strict):
     user: str | None = None
     logit_bias: dict[str, float] | None = None
     cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants (as vLLM)
+    priority: int = 0  # lower values are scheduled first and preempted last (as vLLM)
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
