@@ -89,6 +89,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "to finish after SIGTERM (default 30)")  # fmt: skip
     _add_engine_args(serve)
 
+    kv_calc = sub.add_parser("kv-calc", help="KV cache and weight memory of a model, and how many sequences fit")
+    kv_calc.add_argument("model", help="catalog name, .gguf file, Hugging Face folder or config.json")
+    kv_calc.add_argument("--seq-len", type=int, nargs="+", default=None,
+                         help="sequence lengths (default: 1024, 4096 and the model's context)")  # fmt: skip
+    kv_calc.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
+    kv_calc.add_argument("--kv-dtype", default="bfloat16", help="float32, bfloat16, float16, fp8, int8 (bfloat16)")
+    kv_calc.add_argument("--memory", default=None, help="a memory budget, e.g. 8GiB: how many sequences fit")
+    kv_calc.add_argument("--weights", default="BF16", help="weight format counted against --memory (BF16)")
+    kv_calc.add_argument("--mha", action="store_true", help="also show the model without GQA/MQA")
+
     generate = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL completions out")
     generate.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     generate.add_argument("--input", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
@@ -112,6 +122,7 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "chat": commands.cmd_chat,
         "generate": commands.cmd_generate,
         "serve": commands.cmd_serve,
+        "kv-calc": commands.cmd_kv_calc,
         "bench": commands.cmd_bench,
     }
 

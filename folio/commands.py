@@ -193,6 +193,26 @@ def _check_port_free(host: str, port: int) -> None:
         raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
+def cmd_kv_calc(args: argparse.Namespace) -> int:
+    from folio.config import parse_memory
+    from folio.kv_calc import KV_DTYPES, WEIGHT_FORMATS, load_shape, report
+    from folio.loaders.catalog import resolve_model
+
+    if args.kv_dtype not in KV_DTYPES:
+        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}")
+    if args.weights not in WEIGHT_FORMATS:
+        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}")
+    if any(n < 1 for n in (args.seq_len or []) + args.batch):
+        raise ValueError("--seq-len and --batch values must be positive")
+    given = Path(args.model)
+    path = given if given.suffix == ".json" and given.is_file() else resolve_model(args.model)
+    shape = load_shape(path)
+    seq_lens = args.seq_len or sorted({1024, 4096, shape.config.max_position_embeddings})
+    memory = parse_memory(args.memory)
+    print(report(shape, seq_lens, args.batch, args.kv_dtype, memory, args.weights, args.mha))
+    return 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from folio.bench.cli import run_bench
 

@@ -1,0 +1,134 @@
+"""`folio kv-calc`: how much memory a model's KV cache and weights take, and how many sequences fit.
+
+KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element. Grouped-query
+and multi-query attention store each KV head once, which is what `--mha` shows the saving of. Only the
+model's config is read (GGUF metadata, or config.json); parameter counts come from the tensor
+directory of a GGUF file or the safetensors headers when there are any, else from the config.
+"""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+
+from folio.config import ModelConfig
+
+# Bits per weight of storage formats, scales included (GGUF block layouts; int8/int4 with one fp16
+# scale per row / per group of 128).
+WEIGHT_FORMATS: dict[str, float] = {
+    "F32": 32.0, "BF16": 16.0, "F16": 16.0, "Q8_0": 8.5, "int8": 8.0, "Q6_K": 6.5625, "Q5_K": 5.5,
+    "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5.0, "Q4_0": 4.5, "int4": 4.125,
+}  # fmt: skip
+KV_DTYPES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    config: ModelConfig
+    num_params: int
+    params_source: str  # "tensors" (counted from the files) or "config" (estimated)
+
+
+def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: float, mha: bool = False) -> float:
+    kv_heads = config.num_heads if mha else config.num_kv_heads
+    return 2 * config.num_layers * kv_heads * config.head_dim * kv_dtype_bytes
+
+
+def params_from_config(config: ModelConfig) -> int:
+    """Llama-family layout: embeddings, attention, gated MLP, norms, and an LM head unless tied."""
+    h, d = config.hidden_size, config.head_dim
+    attention = h * config.num_heads * d * 2 + h * config.num_kv_heads * d * 2
+    mlp = 3 * h * config.intermediate_size
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2)
+    return embeddings + config.num_layers * (attention + mlp + 2 * h) + h
+
+
+def load_shape(path: Path) -> ModelShape:
+    """A .gguf file, a Hugging Face folder, or a config.json file."""
+    if path.suffix == ".gguf":
+        from folio.loaders.gguf_file import GGUFFile
+        from folio.loaders.gguf_model import gguf_model_config
+
+        gguf = GGUFFile(path)
+        count = sum(t.num_elements for t in gguf.tensors.values())
+        return ModelShape(gguf_model_config(gguf), count, "tensors")
+    folder = path.parent if path.is_file() else path
+    from folio.loaders.hf_folder import read_hf_config
+
+    config = read_hf_config(folder)
+    files = sorted(folder.glob("*.safetensors"))
+    if files:
+        return ModelShape(config, sum(_safetensors_params(f) for f in files), "tensors")
+    return ModelShape(config, params_from_config(config), "config")
+
+
+def _safetensors_params(path: Path) -> int:
+    """Parameters in a safetensors file, read from its JSON header only."""
+    with path.open("rb") as file:
+        (length,) = struct.unpack("<Q", file.read(8))
+        header = json.loads(file.read(length))
+    total = 0
+    for name, info in header.items():
+        if name != "__metadata__":
+            count = 1
+            for dim in info["shape"]:
+                count *= dim
+            total += count
+    return total
+
+
+def format_bytes(value: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(value) < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def report(
+    shape: ModelShape,
+    seq_lens: list[int],
+    batches: list[int],
+    kv_dtype: str,
+    memory: int | None,
+    weight_format: str,
+    mha: bool = False,
+) -> str:
+    config = shape.config
+    kv_bytes = KV_DTYPES[kv_dtype]
+    per_token = kv_bytes_per_token(config, kv_bytes)
+    lines = [
+        f"{config.architecture}: {config.num_layers} layers, {config.num_heads} query heads, "
+        f"{config.num_kv_heads} KV heads, head dim {config.head_dim}, context {config.max_position_embeddings}",
+        f"KV cache per token ({kv_dtype}): 2 x {config.num_layers} x {config.num_kv_heads} x {config.head_dim} x "
+        f"{kv_bytes:g} B = {format_bytes(per_token)}",
+    ]
+    if mha:
+        full = kv_bytes_per_token(config, kv_bytes, mha=True)
+        lines.append(f"  without GQA/MQA ({config.num_heads} KV heads): {format_bytes(full)} per token, "
+                     f"{full / per_token:.1f}x as much")  # fmt: skip
+    lines.append("")
+    lines.append("KV cache for batch x sequence length:")
+    lines.append("  batch \\ seq " + "".join(f"{s:>12}" for s in seq_lens))
+    for batch in batches:
+        lines.append(f"  {batch:>11} " + "".join(f"{format_bytes(per_token * batch * s):>12}" for s in seq_lens))
+    lines.append("")
+    lines.append(f"Weights ({shape.num_params / 1e6:.1f}M parameters, counted from {shape.params_source}):")
+    for name, bits in WEIGHT_FORMATS.items():
+        lines.append(f"  {name:>5}: {format_bytes(shape.num_params * bits / 8)}")
+    if memory is not None:
+        weights = shape.num_params * WEIGHT_FORMATS[weight_format] / 8
+        room = memory - weights
+        lines.append("")
+        lines.append(f"In {format_bytes(memory)} with {weight_format} weights ({format_bytes(weights)}):")
+        if room <= 0:
+            lines.append("  the weights alone do not fit")
+        for seq in seq_lens:
+            fits = int(max(room, 0) // (per_token * seq))
+            line = f"  {fits} sequences of {seq} tokens"
+            if mha:
+                line += f" ({int(max(room, 0) // (kv_bytes_per_token(config, kv_bytes, True) * seq))} without GQA/MQA)"
+            lines.append(line)
+    return "\n".join(lines)
