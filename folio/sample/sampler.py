@@ -30,6 +30,7 @@ class SamplingBatch:
     all_greedy: bool
     penalties: PenaltyBatch | None = None  # None when no row has a penalty
     num_logprobs: tuple[int | None, ...] = ()  # per row; empty when no row wants logprobs
+    logit_bias: list[dict[int, float]] | None = None  # per row; None when no row has a bias
 
     @classmethod
     def from_params(
@@ -46,6 +47,7 @@ class SamplingBatch:
                 raise ValueError("penalties need each row's prompt and output token ids and the vocabulary size")
             penalties = PenaltyBatch.build(params, prompt_token_ids, output_token_ids, vocab_size)
         num_logprobs = tuple(p.logprobs for p in params) if any(p.logprobs is not None for p in params) else ()
+        logit_bias = [p.logit_bias for p in params] if any(p.logit_bias for p in params) else None
         return cls(
             temperature=torch.tensor([p.temperature for p in params], dtype=torch.float32),
             top_k=torch.tensor([p.top_k for p in params], dtype=torch.long),
@@ -55,6 +57,7 @@ class SamplingBatch:
             all_greedy=all(p.greedy for p in params),
             penalties=penalties,
             num_logprobs=num_logprobs,
+            logit_bias=logit_bias,
         )
 
 
@@ -110,6 +113,17 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     """Raw logits [N, V] -> the next token of each row, with logprobs where asked."""
     adjusted = batch.penalties.apply(logits) if batch.penalties is not None else logits
+    if batch.logit_bias is not None:
+        adjusted = _add_logit_bias(adjusted, batch.logit_bias)
     tokens = sample_tokens(adjusted, batch)
     logprobs = gather_logprobs(logits, tokens, batch.num_logprobs) if batch.num_logprobs else [None] * len(tokens)
     return SamplerOutput(tokens, logprobs)
+
+
+def _add_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:
+    rows = [row for row, bias in enumerate(biases) for _ in bias]
+    ids = [token for bias in biases for token in bias]
+    values = [value for bias in biases for value in bias.values()]
+    logits = logits.clone()
+    logits[rows, ids] += torch.tensor(values, dtype=logits.dtype)
+    return logits

@@ -25,7 +25,7 @@ def encode_messages(ctx: ServerContext, messages: list[ChatMessage], add_generat
         raise APIError(400, str(exc), param="messages") from exc
 
 
-def _params(body: ChatCompletionRequest, max_tokens: int, choice: int) -> SamplingParams:
+def _params(body: ChatCompletionRequest, max_tokens: int, choice: int, logit_bias: dict[int, float]) -> SamplingParams:
     return SamplingParams(
         max_tokens=max_tokens,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -39,6 +39,7 @@ def _params(body: ChatCompletionRequest, max_tokens: int, choice: int) -> Sampli
         stop=body.stop_list,
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
+        logit_bias=logit_bias,
         logprobs=(body.top_logprobs or 0) if body.logprobs else None,
     )
 
@@ -51,7 +52,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     # Without a limit the answer may run to the end of the context, as with OpenAI.
     max_tokens = min(body.completion_limit or ctx.max_model_len, ctx.default_max_tokens(len(prompt_ids)))
     ctx.admission.acquire(body.n)
-    choice_params = [_params(body, max_tokens, j) for j in range(body.n)]
+    logit_bias = body.token_logit_bias(ctx.vocab_size)
+    choice_params = [_params(body, max_tokens, j, logit_bias) for j in range(body.n)]
     streams = ctx.generate(prompt_ids, choice_params, body.cache_salt, body.priority)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
     if body.stream:

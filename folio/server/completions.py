@@ -29,7 +29,7 @@ def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | No
     return [(None, list(prompt))]  # type: ignore[arg-type]
 
 
-def _params(body: CompletionRequest, choice: int) -> SamplingParams:
+def _params(body: CompletionRequest, choice: int, logit_bias: dict[int, float]) -> SamplingParams:
     return SamplingParams(
         max_tokens=body.max_tokens or 16,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -43,6 +43,7 @@ def _params(body: CompletionRequest, choice: int) -> SamplingParams:
         stop=body.stop_list,
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
+        logit_bias=logit_bias,
         logprobs=body.logprobs,
     )
 
@@ -58,7 +59,8 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     n = body.n
     count = len(prompts) * n
     ctx.admission.acquire(count)
-    choice_params = [_params(body, j) for j in range(n)]
+    logit_bias = body.token_logit_bias(ctx.vocab_size)
+    choice_params = [_params(body, j, logit_bias) for j in range(n)]
     streams = []
     for _, ids in prompts:
         streams += ctx.generate(ids, choice_params, body.cache_salt, body.priority)

@@ -50,7 +50,19 @@ class _SamplingFields(_Strict):
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
     user: str | None = None
-    logit_bias: dict[str, float] | None = None
+    logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
+
+    def token_logit_bias(self, vocab_size: int) -> dict[int, float]:
+        bias: dict[int, float] = {}
+        for key, value in (self.logit_bias or {}).items():
+            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+                raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
+                               param="logit_bias")  # fmt: skip
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias values must be in [-100, 100], got {value}", param="logit_bias")
+            bias[int(key)] = value
+        return bias
+
     cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants (as vLLM)
     priority: int = 0  # lower values are scheduled first and preempted last (as vLLM)
 
@@ -73,7 +85,7 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    _unsupported = ("suffix", "best_of", "logit_bias")
+    _unsupported = ("suffix", "best_of")
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
@@ -111,7 +123,7 @@ class ChatMessage(BaseModel):
 class ChatCompletionRequest(_SamplingFields):
     _unsupported = (
         "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-        "logit_bias", "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+        "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
     )  # fmt: skip
 
     messages: list[ChatMessage] = Field(min_length=1)

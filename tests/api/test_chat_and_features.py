@@ -145,7 +145,9 @@ def test_tokenize_detokenize_round_trip(base_url):
         ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "top_logprobs": 2}, None),
         ("/v1/chat/completions", {"model": MODEL, "messages": QUESTION, "n": 0}, "n"),
         ("/v1/chat/completions", {"model": "gpt-4", "messages": QUESTION}, "model"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 10}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"five": 10}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "bogus": 1}, "bogus"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
@@ -168,3 +170,15 @@ def test_bad_requests_are_400_and_name_the_parameter(base_url, client, path, bod
     if param is not None:
         assert error["param"] == param or (error["param"] or "").startswith(param), error
     assert client.completions.create(model=MODEL, prompt="ok", max_tokens=1).usage.completion_tokens == 1
+
+
+def test_logit_bias_forces_and_bans_tokens(client, base_url):
+    banana = httpx.post(f"{base_url}/tokenize", json={"prompt": " banana"}).json()["tokens"]
+    assert len(banana) == 1
+    kwargs = dict(model=MODEL, prompt="The capital of France is", max_tokens=4, temperature=0)
+    forced = client.completions.create(logit_bias={str(banana[0]): 100}, **kwargs).choices[0].text
+    assert forced == " banana" * 4
+    plain = client.completions.create(**kwargs).choices[0].text
+    first = httpx.post(f"{base_url}/tokenize", json={"prompt": plain}).json()["tokens"][0]
+    banned = client.completions.create(logit_bias={str(first): -100}, **kwargs).choices[0]
+    assert httpx.post(f"{base_url}/tokenize", json={"prompt": banned.text}).json()["tokens"][0] != first

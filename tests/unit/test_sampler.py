@@ -56,3 +56,18 @@ def test_temperature_sharpens():
     cold = sample(logits, _batch([SamplingParams(temperature=0.25)] * 5000, list(range(5000))))
     hot = sample(logits, _batch([SamplingParams(temperature=4.0)] * 5000, list(range(5000))))
     assert cold.float().mean() > 0.95 and 0.5 < hot.float().mean() < 0.65
+
+
+def test_logit_bias_is_added_before_sampling_but_not_to_logprobs():
+    from folio.sample.sampler import sample as sample_with_logprobs
+
+    logits = torch.randn(3, 20)
+    best = logits.argmax(-1)
+    params = [
+        SamplingParams(temperature=0, logit_bias={7: 100.0}, logprobs=1),
+        SamplingParams(temperature=0, logit_bias={int(best[1]): -100.0}),
+        SamplingParams(temperature=0),
+    ]
+    out = sample_with_logprobs(logits, _batch(params))
+    assert out.token_ids[0] == 7 and out.token_ids[1] != best[1] and out.token_ids[2] == best[2]
+    assert out.logprobs[0].logprob == torch.log_softmax(logits[0], -1)[7].item()
