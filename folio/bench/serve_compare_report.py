@@ -13,6 +13,7 @@ import numpy as np
 
 from folio.bench.serve import RateResult
 from folio.bench.serve_compare import CompareReport
+from folio.bench.serve_metrics import hit_rate
 from folio.bench.serve_report import _pyplot
 from folio.bench.serve_stats import dump_json, format_rate
 
@@ -29,6 +30,7 @@ METRICS = (
     ("p99_tpot_ms", "p99 TPOT ms", ("tpot_ms", "p99"), "lower"),
     ("mean_itl_ms", "mean ITL ms", ("itl_ms", "mean"), "lower"),
     ("p99_e2e_ms", "p99 E2E ms", ("e2e_ms", "p99"), "lower"),
+    ("prefix_cache_hit_rate", "prefix hit rate", ("prefix_cache", "hit_rate"), "higher"),
 )
 SERVER_COLORS = ("#3b6ea8", "#c9822b", "#4f9a55")
 
@@ -47,9 +49,12 @@ def ratio(ours: float | None, theirs: float | None) -> float | None:
 
 
 def _shown(report: CompareReport) -> list[tuple[str, str, tuple[str, ...], str]]:
-    """The metrics this run has: goodput only with --slo, cost only with --price-per-hour."""
+    """The metrics this run has: goodput only with --slo, cost only with --price-per-hour, the prefix-cache hit
+    rate only when a server reports it."""
     workload = report.config.workload
     skip = set()
+    if all(hit_rate(result.summary) is None for run in report.runs for result in run.report.results):
+        skip.add("prefix_cache_hit_rate")
     if not workload.slo:
         skip.add("goodput_requests_per_s")
     if workload.price_per_hour is None:
@@ -101,21 +106,23 @@ def format_table(report: CompareReport) -> str:
     w = report.config.workload
     ratio_name = f"{ours.name}/{theirs.name}"
     width = max(16, len(ratio_name) + 2)
+    column = max(12, len(ours.name) + 2, len(theirs.name) + 2)  # a server's column fits its name
     lines = [
-        f"{ours.name} vs {theirs.name}: {report.config.model}, {w.dataset}, {w.num_prompts} requests, seed {w.seed}, "
+        f"{ours.name} vs {theirs.name}: {report.config.model}, {w.dataset}, {w.size_text()}, seed {w.seed}, "
         f"max concurrency {w.max_concurrency or 'none'}",
         *(f"{run.name}: {run.command}" for run in report.runs),
     ]
     for row, mine, peer in zip(ratios(report), ours.report.results, theirs.report.results, strict=True):
         lines.append("")
-        lines.append(f"{'rate ' + row['request_rate'] + ' req/s':<20}{_cell(ours.name)}{_cell(theirs.name)}"
-                     f"{_cell(ratio_name, width)}  better")  # fmt: skip
+        lines.append(f"{'rate ' + row['request_rate'] + ' req/s':<20}{_cell(ours.name, column)}"
+                     f"{_cell(theirs.name, column)}{_cell(ratio_name, width)}  better")  # fmt: skip
         done = [f"{r.summary['completed']}/{r.summary['num_requests']}" for r in (mine, peer)]
-        lines.append(f"{'completed':<20}{_cell(done[0])}{_cell(done[1])}")
+        lines.append(f"{'completed':<20}{_cell(done[0], column)}{_cell(done[1], column)}")
         for key, label, _, better in _shown(report):
             m = row["metrics"][key]
             shown = None if m["ratio"] is None else f"{m['ratio']:.2f}x"
-            lines.append(f"{label:<20}{_cell(m[ours.name])}{_cell(m[theirs.name])}{_cell(shown, width)}  {better}")
+            values = _cell(m[ours.name], column) + _cell(m[theirs.name], column)
+            lines.append(f"{label:<20}{values}{_cell(shown, width)}  {better}")
     if w.slo:
         slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in w.slo.items())
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
@@ -154,7 +161,7 @@ def _title(report: CompareReport, what: str) -> str:
     cap = f", at most {w.max_concurrency} in flight" if w.max_concurrency else ""
     names = " vs ".join(run.name for run in report.runs)
     return (
-        f"{names}: {report.config.model}, {w.dataset}, {w.num_prompts} requests{cap}, {what}\n"
+        f"{names}: {report.config.model}, {w.dataset}, {w.size_text()}{cap}, {what}\n"
         f"{m['cpu']} ({m['cores']} cores), one server at a time, {report.date_utc}"
     )
 

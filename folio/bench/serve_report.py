@@ -29,7 +29,7 @@ def format_table(report: ServeReport) -> str:
     sources = "/".join(sorted({r.summary["output_tokens_source"] for r in results} - {None})) or "-"
     c = report.config
     head = (
-        f"{report.label}: {c.dataset}, {c.num_prompts} requests, seed {c.seed}, "
+        f"{report.label}: {c.dataset}{_dataset_detail(report)}, {c.size_text()}, seed {c.seed}, "
         f"max concurrency {c.max_concurrency or 'none'}, output tokens from {sources}"
     )
     lines = [head, f"{'request rate':<20}" + "".join(_cell(format_rate(r.request_rate)) for r in results)]
@@ -46,13 +46,35 @@ def format_table(report: ServeReport) -> str:
     row("total tok/s", [r.summary["total_tokens_per_s"] for r in results])
     if report.config.price_per_hour is not None:
         row("$/1M output tok", [r.summary["cost_per_1m_output_tokens"] for r in results])
+    caches = [r.summary.get("prefix_cache") for r in results]
+    if any(isinstance(cache, dict) for cache in caches):
+        row("prefix query tok", [_count(cache, "queried_tokens") for cache in caches])
+        row("prefix hit tok", [_count(cache, "hit_tokens") for cache in caches])
+        row("prefix hit rate", [_percent(cache) for cache in caches])
     for key, name in LATENCIES:
         for stat in TABLE_STATS:
             row(f"{stat} {name} ms", [(r.summary[key] or {}).get(stat) for r in results])
     if report.config.slo:
         slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in report.config.slo.items())
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
+    if not any(isinstance(cache, dict) for cache in caches):
+        lines.append("prefix cache: not reported (the server has no prefix_cache_* counters at /metrics)")
     return "\n".join(lines)
+
+
+def _dataset_detail(report: ServeReport) -> str:
+    if "document_tokens" in report.workload:
+        return f" (a {report.workload['document_tokens']}-token document)"
+    return ""
+
+
+def _count(cache: Any, key: str) -> str | None:
+    return str(cache[key]) if isinstance(cache, dict) else None
+
+
+def _percent(cache: Any) -> str | None:
+    rate = cache.get("hit_rate") if isinstance(cache, dict) else None
+    return None if rate is None else f"{rate:.1%}"
 
 
 def file_stem(report: ServeReport) -> str:
@@ -91,7 +113,7 @@ def _title(report: ServeReport) -> str:
     c = report.config
     cap = f", at most {c.max_concurrency} in flight" if c.max_concurrency else ""
     return (
-        f"{report.label} at {c.base_url}, {c.dataset}, {c.num_prompts} requests{cap}\n"
+        f"{report.label} at {c.base_url}, {c.dataset}, {c.size_text()}{cap}\n"
         f"client: {report.machine['cpu']} ({report.machine['cores']} cores)"
     )
 

@@ -34,6 +34,8 @@ class RequestRecord:
     output_tokens_source: str = "chunks"  # "usage" (the server's final usage chunk) or "chunks" (counted)
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens, when it sent usage
     finish_reason: str | None = None
+    conversation: int | None = None  # multi-turn: the conversation and the turn in it (from 0)
+    turn: int | None = None
 
     @property
     def tpot_s(self) -> float | None:
@@ -43,7 +45,10 @@ class RequestRecord:
         return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "tpot_s": self.tpot_s}
+        record = {**asdict(self), "tpot_s": self.tpot_s}
+        if self.conversation is None:  # single requests: keep the file free of two nulls per request
+            del record["conversation"], record["turn"]
+        return record
 
 
 def parse_duration(text: str) -> float:

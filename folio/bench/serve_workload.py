@@ -3,12 +3,14 @@
 Random prompts are token ids decoded to text with the model's tokenizer; the server re-encodes that text,
 which can shift the count by a few tokens, so throughput uses the server's own `usage.prompt_tokens`
 whenever it reports them. Only the tokenizer is loaded (GGUF metadata or tokenizer.json), never weights.
+`document` and `multi-turn`, the workloads that share prefixes, live in serve_prefix_workloads.py.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 from folio.bench.datasets import (
     LengthRange,
@@ -24,7 +26,15 @@ from folio.bench.serve_client import ServeRequest
 from folio.config import ModelConfig
 from folio.loaders.tokenizer import Tokenizer
 
-SERVE_DATASETS = ("random", "humaneval", "chat")
+SERVE_DATASETS = ("random", "humaneval", "chat", "multi-turn", "document")
+CHAT_DATASETS = ("chat", "multi-turn")  # sent to /v1/chat/completions; the others to /v1/completions
+SHAREGPT_DATASETS = ("chat", "multi-turn", "document")  # drawn from a ShareGPT file (--dataset-path)
+
+
+@dataclass
+class ServeWorkload:
+    requests: list[ServeRequest]
+    facts: dict[str, Any] = field(default_factory=dict)  # what the report says about it beyond the requests
 
 
 @dataclass
@@ -67,12 +77,14 @@ def check_dataset(dataset: str, dataset_path: str | None) -> None:
     if dataset not in SERVE_DATASETS:
         raise ValueError(f"unknown dataset {dataset!r}; choose from {', '.join(SERVE_DATASETS)}")
     if dataset_path is not None:
-        if dataset != "chat":
-            raise ValueError("--dataset-path is for --dataset chat (a ShareGPT-format JSON file)")
+        if dataset not in SHAREGPT_DATASETS:
+            raise ValueError(
+                "--dataset-path is for --dataset chat, multi-turn or document (a ShareGPT-format JSON file)"
+            )
         if not Path(dataset_path).is_file():
             raise ValueError(f"--dataset-path {dataset_path}: no such file")
-    elif dataset == "chat":
-        sharegpt_path()
+    elif dataset in SHAREGPT_DATASETS:
+        sharegpt_path(dataset)
     elif dataset == "humaneval":
         from folio.bench.datasets import humaneval_path
 
@@ -87,6 +99,36 @@ def build_serve_requests(
     output_range: LengthRange,
     seed: int,
     dataset_path: str | None = None,
+    turns: int = 4,
+    document_len: int = 2000,
+) -> ServeWorkload:
+    tokenizer = bench_tokenizer.tokenizer
+    path = Path(dataset_path) if dataset_path else None
+    alone = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731 - a piece of text, no BOS
+    if dataset == "document":
+        from folio.bench.serve_prefix_workloads import document_requests, sharegpt_answers
+
+        requests, document_tokens = document_requests(
+            sharegpt_answers(path), alone, tokenizer.decode, tokenizer.encode, num, document_len, output_range, seed
+        )
+        return ServeWorkload(requests, {"document_tokens": document_tokens})
+    if dataset == "multi-turn":
+        from folio.bench.serve_prefix_workloads import multi_turn_requests, sharegpt_dialogues
+
+        dialogues = sharegpt_dialogues(path, turns)
+        requests = multi_turn_requests(dialogues, alone, num, turns, input_range, output_range, seed)
+        return ServeWorkload(requests, {"conversations": num, "turns": turns})
+    return ServeWorkload(_single_requests(dataset, bench_tokenizer, num, input_range, output_range, seed, path))
+
+
+def _single_requests(
+    dataset: str,
+    bench_tokenizer: BenchTokenizer,
+    num: int,
+    input_range: LengthRange,
+    output_range: LengthRange,
+    seed: int,
+    path: Path | None,
 ) -> list[ServeRequest]:
     tokenizer, config = bench_tokenizer.tokenizer, bench_tokenizer.config
     if dataset == "random":
@@ -105,7 +147,7 @@ def build_serve_requests(
             ServeRequest(texts[i % used], len(r.prompt_token_ids), r.output_len)
             for i, r in enumerate(humaneval_requests(tokenizer.encode, num, output_range, seed, prompts=texts))
         ]
-    prompts = chat_prompts(Path(dataset_path) if dataset_path else None)
+    prompts = chat_prompts(path)
     encode = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731 - the message alone
     return [
         ServeRequest(r.prompt, r.prompt_len, r.output_len)

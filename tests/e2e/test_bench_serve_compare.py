@@ -119,7 +119,8 @@ def test_folio_against_a_stand_in_peer(tiny_llama, tmp_path, capsys, monkeypatch
              "cost_per_1m_output_tokens": ("cost_per_1m_output_tokens",)}  # fmt: skip
     for row, ours, theirs in zip(report["ratios"], folio["result"]["results"], twin["result"]["results"], strict=True):
         assert row["request_rate"] == ours["request_rate"]
-        assert len(row["metrics"]) == 11  # goodput and cost included: --slo and --price-per-hour were given
+        # goodput and cost included (--slo and --price-per-hour were given), and both servers' prefix hit rates
+        assert len(row["metrics"]) == 12
         for key, path in where.items():
             a, b = ours, theirs
             for part in path:
@@ -190,7 +191,9 @@ def test_peer_problems_fail_before_any_server_starts(tiny_llama, tmp_path, capsy
     assert _one_error_line(capsys) == f"folio: error: --peer llama.cpp needs a GGUF model, and {tiny_llama} is " \
                                       f"{tiny_llama}"  # fmt: skip
     assert main(_argv(tiny_llama, tmp_path / "out", "--peer", "vllm")) == 1
-    assert _one_error_line(capsys) == "folio: error: unknown --peer 'vllm'; choose from llama.cpp"
+    assert (
+        _one_error_line(capsys) == "folio: error: unknown --peer 'vllm'; choose from folio-no-prefix-cache, llama.cpp"
+    )
     assert main(_argv(tiny_llama, tmp_path / "out", "--llama-extra-body", '{"stream": false}')) == 1
     assert "--llama-extra-body must not set stream" in _one_error_line(capsys)
     assert started == []
