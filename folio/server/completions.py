@@ -9,7 +9,7 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from folio.sampling_params import SamplingParams
-from folio.server.choices import collect, merge_updates
+from folio.server.choices import ChoiceResult, collect, merge_updates
 from folio.server.context import ServerContext
 from folio.server.errors import APIError
 from folio.server.logprobs_format import TokenText, completion_logprobs
@@ -30,6 +30,8 @@ def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | No
 
 
 def _params(body: CompletionRequest, choice: int, logit_bias: dict[int, float]) -> SamplingParams:
+    # best_of ranks samples by the sum of their tokens' logprobs, so it needs them even if not asked.
+    logprobs = body.logprobs if body.num_samples == body.n else max(body.logprobs or 0, 0)
     return SamplingParams(
         max_tokens=body.max_tokens or 16,
         temperature=1.0 if body.temperature is None else body.temperature,
@@ -44,7 +46,7 @@ def _params(body: CompletionRequest, choice: int, logit_bias: dict[int, float]) 
         include_stop_str_in_output=body.include_stop_str_in_output,
         ignore_eos=body.ignore_eos,
         logit_bias=logit_bias,
-        logprobs=body.logprobs,
+        logprobs=logprobs,
     )
 
 
@@ -56,11 +58,11 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     prompts = _prompts(ctx, body)
     for _, ids in prompts:
         ctx.check_prompt(ids)
-    n = body.n
-    count = len(prompts) * n
+    n, samples = body.n, body.num_samples
+    count = len(prompts) * samples
     ctx.admission.acquire(count)
     logit_bias = body.token_logit_bias(ctx.vocab_size)
-    choice_params = [_params(body, j, logit_bias) for j in range(n)]
+    choice_params = [_params(body, j, logit_bias) for j in range(samples)]
     streams = []
     for _, ids in prompts:
         streams += ctx.generate(ids, choice_params, body.cache_salt, body.priority)
@@ -77,6 +79,13 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
         raise APIError(500, str(exc)) from exc
     finally:
         ctx.admission.release(count)
+    completion_tokens = sum(len(r.token_ids) for r in results)  # best_of: every sample is paid for
+    if samples > n:
+        results = [
+            result
+            for start in range(0, len(results), samples)
+            for result in _most_likely(results[start : start + samples], n)
+        ]
     token_text = TokenText(ctx.tokenizer)
     choices = []
     for index, result in enumerate(results):
@@ -86,8 +95,12 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
             logprobs, _ = completion_logprobs(token_text, result.logprobs, len(echo))
         choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs,
                         "finish_reason": result.finish_reason})  # fmt: skip
-    completion_tokens = sum(len(r.token_ids) for r in results)
     return {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _most_likely(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
+    """The n samples with the highest total logprob, best first (OpenAI's best_of)."""
+    return sorted(results, key=lambda r: sum(lp.logprob for lp in r.logprobs), reverse=True)[:n]
 
 
 async def _stream(

@@ -85,20 +85,28 @@ class _SamplingFields(_Strict):
 
 
 class CompletionRequest(_SamplingFields):
-    _unsupported = ("suffix", "best_of")
+    _unsupported = ("suffix",)
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
-    best_of: int | None = None
+    best_of: int | None = Field(None, ge=1, le=MAX_N)  # sample this many, return the n most likely
 
     @model_validator(mode="after")
     def _prompt_not_empty(self) -> CompletionRequest:
         if self.prompt == "" or self.prompt == [] or self.prompt == [[]]:
             raise ValueError("prompt must not be empty")
+        if self.best_of is not None and self.best_of < self.n:
+            raise ValueError("best_of must be at least n")
+        if self.best_of is not None and self.best_of > self.n and self.stream:
+            raise ValueError("best_of cannot be streamed: the best choices are known only at the end")
         return self
+
+    @property
+    def num_samples(self) -> int:
+        return self.best_of or self.n
 
 
 class TextPart(BaseModel):

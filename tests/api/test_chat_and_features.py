@@ -148,7 +148,8 @@ def test_tokenize_detokenize_round_trip(base_url):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"five": 10}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"5": 101}}, "logit_bias"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logit_bias": {"99999999": 1}}, "logit_bias"),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 2}, "best_of"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 1, "n": 2}, None),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "best_of": 3, "stream": True}, None),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "bogus": 1}, "bogus"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "frequency_penalty": 3}, "frequency_penalty"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
@@ -182,3 +183,14 @@ def test_logit_bias_forces_and_bans_tokens(client, base_url):
     first = httpx.post(f"{base_url}/tokenize", json={"prompt": plain}).json()["tokens"][0]
     banned = client.completions.create(logit_bias={str(first): -100}, **kwargs).choices[0]
     assert httpx.post(f"{base_url}/tokenize", json={"prompt": banned.text}).json()["tokens"][0] != first
+
+
+def test_best_of_returns_the_most_likely_samples(client):
+    kwargs = dict(model=MODEL, prompt="My favourite colour is", max_tokens=6, temperature=1.0, seed=21,
+                  extra_body={"ignore_eos": True})  # fmt: skip
+    every = client.completions.create(n=4, logprobs=0, **kwargs)
+    ranked = sorted(every.choices, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)
+    best = client.completions.create(n=2, best_of=4, **kwargs)
+    assert [c.text for c in best.choices] == [c.text for c in ranked[:2]]
+    assert [c.index for c in best.choices] == [0, 1] and best.choices[0].logprobs is None
+    assert best.usage.completion_tokens == 4 * 6  # every sample counts
