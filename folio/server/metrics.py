@@ -47,8 +47,11 @@ class ServerMetrics:
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted once per request).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
-        self.prefix_queries = counter("prefix_cache_queries", "Prompt tokens looked up in the prefix cache.")
-        self.prefix_hits = counter("prefix_cache_hits", "Prompt tokens whose KV came from the prefix cache.")
+        self.prefix_queries = counter(
+            "prefix_cache_queries", "Tokens looked up in the prefix cache at admission (a preempted request "
+            "coming back looks up its generated tokens too)."
+        )  # fmt: skip
+        self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens whose KV came from the prefix cache.")
         self._prefix_seen = (0, 0)
         self.success = Counter(
             "folio:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
