@@ -26,6 +26,13 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
     parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
     parser.add_argument(
+        "--batching", default="continuous", choices=("continuous", "static", "dynamic"),
+        help="continuous (default; requests join at any step), static (wait for a full batch, run it to the "
+        "end) or dynamic (a full batch or --batch-timeout-ms, whichever first)",
+    )  # fmt: skip
+    parser.add_argument("--batch-size", type=int, default=None, help="static/dynamic batch size (--max-num-seqs)")
+    parser.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait (default 50)")
+    parser.add_argument(
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="recompute every prompt instead of reusing the KV of prefixes seen before",
     )  # fmt: skip
@@ -40,6 +47,9 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        batching=args.batching,
+        batch_size=args.batch_size,
+        batch_timeout_ms=args.batch_timeout_ms,
     )
 
 

@@ -81,6 +81,9 @@ class SchedulerConfig:
     max_num_batched_tokens: int = 1024  # token budget of one engine step (prefill chunks + decodes)
     max_num_seqs: int = 128  # running requests at most
     max_model_len: int = 4096  # context length served (capped by the model's own)
+    batching: str = "continuous"  # or "static" / "dynamic" (request-level, see folio/engine/batching.py)
+    batch_size: int | None = None  # static/dynamic batch size; None: max_num_seqs
+    batch_timeout: float = 0.05  # dynamic: seconds the oldest waiting request waits for a full batch
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0 or self.max_model_len <= 0:

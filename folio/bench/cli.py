@@ -108,8 +108,9 @@ def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: 
     parser.add_argument(
         "--peer",
         default="llama.cpp",
-        help="the server to compare with: llama.cpp (default), or folio-no-prefix-cache (folio serve with the "
-        "same engine options and --no-prefix-caching)",
+        help="the server to compare with: llama.cpp (default); or folio serve with the same engine options "
+        "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static) or --batching "
+        "dynamic (folio-dynamic)",
     )
     _add_workload_args(parser)
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")

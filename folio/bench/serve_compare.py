@@ -134,6 +134,16 @@ def folio_no_prefix_cache_spec(config: CompareConfig) -> ServerSpec:
     return replace(folio_spec(replace(config, engine_args=engine_args)), name="folio-no-prefix-cache")
 
 
+def folio_batching_spec(policy: str) -> PeerLauncher:
+    """folio serve as folio_spec starts it, with request-level batching (`--batching static|dynamic`)."""
+
+    def spec(config: CompareConfig) -> ServerSpec:
+        engine_args = {**config.engine_args, "batching": policy}
+        return replace(folio_spec(replace(config, engine_args=engine_args)), name=f"folio-{policy}")
+
+    return spec
+
+
 def default_ctx_size(parallel: int, longest_prompt: int, longest_output: int) -> int:
     """Enough KV tokens for every slot to hold the longest request; each slot rounded up to 256 tokens."""
     per_slot = math.ceil((longest_prompt + longest_output + SLOT_MARGIN) / 256) * 256
@@ -190,7 +200,12 @@ def llama_cpp_spec(config: CompareConfig) -> ServerSpec:
     return ServerSpec("llama.cpp", argv, extra_body=dict(options.extra_body), info=info)
 
 
-PEERS: dict[str, PeerLauncher] = {"llama.cpp": llama_cpp_spec, "folio-no-prefix-cache": folio_no_prefix_cache_spec}
+PEERS: dict[str, PeerLauncher] = {
+    "llama.cpp": llama_cpp_spec,
+    "folio-no-prefix-cache": folio_no_prefix_cache_spec,
+    "folio-static": folio_batching_spec("static"),
+    "folio-dynamic": folio_batching_spec("dynamic"),
+}
 
 
 def start_process(argv: list[str], log_path: Path) -> subprocess.Popen[bytes]:

@@ -146,18 +146,24 @@ class AsyncEngine:
 
     # -- engine side (background thread) -----------------------------------------------------------
     def _run(self) -> None:
+        stalled = False  # the last step scheduled nothing: requests wait for a batch to form
         while True:
-            # Block for work only when idle; otherwise just drain what arrived since the last step.
-            block = not self.engine.has_unfinished()
+            # Wait for work when idle (or, stalled, until a dynamic batch times out); otherwise just
+            # drain what arrived since the last step.
+            timeout: float | None = 0.0
+            if not self.engine.has_unfinished():
+                timeout = None
+            elif stalled:
+                timeout = self.engine.scheduler.seconds_until_batch()
             while True:
                 try:
-                    message = self._inbox.get(block=block, timeout=None)
+                    message = self._inbox.get(timeout=timeout) if timeout != 0.0 else self._inbox.get_nowait()
                 except queue.Empty:
                     break
                 if message is None:
                     return
                 self._handle(message)
-                block = False
+                timeout = 0.0
             if self.engine.has_unfinished():
                 try:
                     updated = self.engine.step()
@@ -165,6 +171,7 @@ class AsyncEngine:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_all(exc)
                     continue
+                stalled = self.engine.last_step is not None and self.engine.last_step.num_batched_tokens == 0
                 if self.observer is not None:
                     self.observer.on_step(updated, time.monotonic())
                 for request in updated:

@@ -37,6 +37,9 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        batching: str = "continuous",
+        batch_size: int | None = None,
+        batch_timeout_ms: float = 50.0,
     ) -> None:
         from folio.loaders.catalog import resolve_model
 
@@ -59,11 +62,16 @@ class LLM:
                 max_num_batched_tokens=max_num_batched_tokens,
                 max_num_seqs=max_num_seqs,
                 max_model_len=max_model_len or self.model_config.max_position_embeddings,
+                batching=batching,
+                batch_size=batch_size,
+                batch_timeout=batch_timeout_ms / 1000,
             ),
             self.dtype,
             self.device,
         )
         self._ids = itertools.count()
+        # Offline, every request is submitted before the engine steps: a partial batch never waits.
+        self.engine.scheduler.gate.flush = True
 
     # -- requests ----------------------------------------------------------------------------------
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:

@@ -14,6 +14,7 @@ import itertools
 import time
 
 from folio.config import SchedulerConfig
+from folio.engine.batching import BatchGate
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.scheduler_output import ForkedSample, ScheduledRequest, SchedulerOutput
 from folio.kv_cache.manager import KVCacheManager
@@ -30,6 +31,8 @@ class Scheduler:
         self.config = config
         self.kv = kv_manager
         self.waiting: list[Request] = []  # kept in admission order: (priority, arrival)
+        batch_size = min(config.batch_size or config.max_num_seqs, config.max_num_seqs)
+        self.gate = BatchGate(config.batching, batch_size, config.batch_timeout)
         self._arrivals = itertools.count()
         self.running: list[Request] = []
         self.requests: dict[str, Request] = {}
@@ -65,9 +68,14 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
+        self.gate.leave(request_id)
         if not request.is_finished:
             request.finish(reason)
         return request
+
+    def seconds_until_batch(self) -> float | None:
+        """With nothing running: how long until the batching policy starts a batch (None: on arrivals)."""
+        return self.gate.seconds_until_ready(self.waiting, time.monotonic())
 
     @property
     def has_unfinished(self) -> bool:
@@ -104,8 +112,11 @@ class Scheduler:
         # Admit waiting requests only when nobody was preempted, so a freed block is not handed
         # straight to a newcomer while the preempted request waits.
         if len(preempted) == made_room:
-            while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = self.waiting[0]
+            self.gate.maybe_form(self.waiting, time.monotonic())
+            while budget > 0 and len(self.running) < self.config.max_num_seqs:
+                request = next((r for r in self.waiting if self.gate.admits(r)), None)
+                if request is None:
+                    break
                 cached = self.kv.find_cached_prefix(request)
                 num_cached = len(cached) * self.kv.block_size
                 num_new = min(request.num_tokens - num_cached, budget)
@@ -115,7 +126,7 @@ class Scheduler:
                 request.num_computed_tokens = num_cached
                 if request.first_scheduled_time is None:  # the first admission: prompt tokens only
                     request.num_cached_tokens = num_cached
-                self.waiting.pop(0)
+                self.waiting.remove(request)
                 request.status = RequestStatus.RUNNING
                 if request.first_scheduled_time is None:
                     request.first_scheduled_time = time.monotonic()
@@ -157,6 +168,7 @@ class Scheduler:
 
     def _release_forks(self, request: Request) -> None:
         for fork in request.forks:
+            self.gate.join(fork.request_id)
             self._enqueue(fork)
         request.forks = []
 
@@ -168,6 +180,7 @@ class Scheduler:
             if fork is None or fork not in parent.forks:  # aborted meanwhile
                 continue
             self.kv.fork(parent.request_id, fork.request_id)
+            self.gate.join(fork.request_id)
             fork.num_computed_tokens = parent.num_computed_tokens
             fork.status = RequestStatus.RUNNING
             fork.first_scheduled_time = now
@@ -223,6 +236,7 @@ class Scheduler:
                 sampler.append_output_token(token, self.config.max_model_len, lp)
                 updated.append(sampler)
                 if sampler.is_finished:
+                    self.gate.leave(sampler.request_id)
                     self.running.remove(sampler)
                     self.kv.free(sampler.request_id)
                     del self.requests[sampler.request_id]

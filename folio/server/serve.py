@@ -64,6 +64,7 @@ class _GracefulServer(uvicorn.Server):
 
 def build_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Server:
     options = options or ServerOptions()
+    llm.engine.scheduler.gate.flush = False  # requests keep arriving: a static batch waits to be full
     metrics = ServerMetrics(llm.engine, model_name)
     engine = AsyncEngine(llm.engine, llm.tokenizer, frozenset(llm.model_config.eos_token_ids), observer=metrics)
     ctx = ServerContext(

@@ -14,9 +14,9 @@ from tests.api.server_runner import MODEL
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
 
 
-def test_chat_matches_offline_chat_and_counts_usage(client, base_url, smollm2_llm):
+def test_chat_matches_offline_chat_and_counts_usage(client, base_url, offline_llm):
     result = client.chat.completions.create(model=MODEL, messages=QUESTION, max_tokens=24, temperature=0)
-    offline = smollm2_llm.chat(QUESTION, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
+    offline = offline_llm.chat(QUESTION, SamplingParams(max_tokens=24, temperature=0), use_tqdm=False)[0]
     choice = result.choices[0]
     assert result.object == "chat.completion" and choice.message.role == "assistant"
     assert choice.message.content == offline.text and "Paris" in offline.text
@@ -114,13 +114,13 @@ def test_chat_logprobs_count_every_token(client):
     assert all(bytes(item.bytes) == item.token.encode() for item in content)
 
 
-def test_penalties_change_greedy_output_like_the_offline_engine(client, smollm2_llm):
+def test_penalties_change_greedy_output_like_the_offline_engine(client, offline_llm):
     kwargs = dict(model=MODEL, prompt="1, 2, 1, 2, 1, 2,", max_tokens=12, temperature=0)
     plain = client.completions.create(**kwargs).choices[0].text
     penalised = client.completions.create(frequency_penalty=2.0, presence_penalty=1.0, **kwargs).choices[0].text
     repeated = client.completions.create(extra_body={"repetition_penalty": 1.5}, **kwargs).choices[0].text
     assert penalised != plain and repeated != plain
-    offline = smollm2_llm.generate(
+    offline = offline_llm.generate(
         kwargs["prompt"],
         SamplingParams(max_tokens=12, temperature=0, frequency_penalty=2.0, presence_penalty=1.0),
         use_tqdm=False,

@@ -205,3 +205,25 @@ def test_prefix_cache_hits_are_counted_and_cache_salt_keeps_tenants_apart(base_u
     assert run(cache_salt="tenant-b") == 0  # another tenant's identical prompt: no hit
     assert run(cache_salt="tenant-a") >= 128  # the same tenant again: every full block but the last
     assert _metrics(base_url)[("folio:prefix_cache_queries_total", ())] >= _metrics(base_url)[hits]
+
+
+def test_dynamic_batching_serves_a_lone_request_after_the_timeout(smollm2_gguf):
+    llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", batching="dynamic", batch_size=4, batch_timeout_ms=3000)
+    with running_server(llm, MODEL) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0)
+        started = time.monotonic()
+        stream = client.completions.create(model=MODEL, prompt="Hi", max_tokens=3, stream=True)
+        chunks = list(stream)
+        first_wait = time.monotonic() - started
+        assert chunks[-1].choices[0].finish_reason in ("stop", "length")
+        assert first_wait >= 3.0  # it waited for company, then ran alone
+
+        async def four():
+            async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0) as c:
+                calls = [c.completions.create(model=MODEL, prompt=f"Count {i}", max_tokens=3) for i in range(4)]
+                return await asyncio.gather(*calls)
+
+        started = time.monotonic()
+        results = asyncio.run(four())
+        assert all(r.usage.completion_tokens == 3 for r in results)
+        assert time.monotonic() - started < 3.0  # a full batch starts at once, without the timeout
