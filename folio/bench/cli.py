@@ -80,6 +80,11 @@ def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
         help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
         "llama-server's prompt cache (on by default there, as folio's prefix cache is) (default none)",
     )
+    parser.add_argument(
+        "--no-probe-request", dest="probe_request", action="store_false",
+        help="only list the server's models before timing, without the one short probe request "
+        "(a static-batching server would hold it until a full batch arrived)",
+    )  # fmt: skip
     parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
     parser.set_defaults(bench_run=run)
@@ -181,8 +186,9 @@ def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False)
 
 
 def option_words(key: str, value: object) -> list[str]:
-    """One option as command-line words; `enable_x=False` is the `--no-x` switch, True its default."""
-    if isinstance(value, bool) and key.startswith("enable_"):
+    """One option as command-line words. Booleans are `--no-...` switches whose default is True:
+    `enable_x=False` is `--no-x`, `probe_request=False` is `--no-probe-request`."""
+    if isinstance(value, bool):
         return [] if value else [f"--no-{key.removeprefix('enable_').replace('_', '-')}"]
     option = f"--{key.replace('_', '-')}"
     return [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]

@@ -25,6 +25,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
+from folio.bench.cli import option_words
 from folio.bench.datasets import LengthRange
 from folio.bench.serve_client import (
     ServeRequest,
@@ -58,6 +59,7 @@ class ServeConfig:
     use_tqdm: bool = True
     turns: int = 4  # multi-turn: user turns per conversation
     document_len: int = 2000  # document: tokens of the shared document
+    probe_request: bool = True  # send one short request before timing (a static-batching server holds it)
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
@@ -183,7 +185,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
     target = Target(
         config.base_url, config.model, chat=config.chat, timeout_s=config.timeout_s, extra_body=config.extra_body
     )
-    target, server = asyncio.run(probe(target, requests[0]))
+    target, server = asyncio.run(probe(target, requests[0], config.probe_request))
     if not target.include_usage:
         print("folio: the server refused stream_options; counting output tokens from chunks", file=sys.stderr)
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -227,8 +229,7 @@ def serve_command_line(args: argparse.Namespace) -> str:
     for key, value in vars(args).items():
         if key in ("command", "bench_command", "bench_run") or value is None or callable(value):
             continue
-        option = f"--{key.replace('_', '-')}"
-        words += [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
+        words += option_words(key, value)
     return shlex.join(words)
 
 
@@ -255,6 +256,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         timeout_s=args.timeout,
         extra_body=parse_extra_body(args.extra_body),
+        probe_request=args.probe_request,
         turns=args.turns,
         document_len=args.document_len,
     )

@@ -270,10 +270,11 @@ async def run_rate(
     return records, duration
 
 
-async def probe(target: Target, request: ServeRequest) -> tuple[Target, dict[str, Any]]:
+async def probe(target: Target, request: ServeRequest, with_request: bool = True) -> tuple[Target, dict[str, Any]]:
     """Check the server before timing anything: list its models and send one short request. A server that
     refuses `stream_options` is asked again without it, and output tokens are then counted from chunks.
-    Raises RuntimeError with one line when the server cannot be used."""
+    `with_request=False` only lists the models: a static-batching server would hold a lone request until
+    a full batch arrived. Raises RuntimeError with one line when the server cannot be used."""
     import httpx
 
     info: dict[str, Any] = {"models": None, "server_header": None, "include_usage": target.include_usage}
@@ -287,6 +288,9 @@ async def probe(target: Target, request: ServeRequest) -> tuple[Target, dict[str
         if resp.status_code == 200:
             with contextlib.suppress(ValueError, AttributeError):
                 info["models"] = [m.get("id") for m in resp.json().get("data", [])]
+        if not with_request:
+            info["probe_output_tokens_source"] = None
+            return target, info
         record = RequestRecord(0, short.prompt_len, short.output_len)
         await send_request(client, target, short, record, time.perf_counter())
         if (

@@ -88,6 +88,7 @@ class ServerSpec:
     argv: Callable[[int], list[str]]  # the command line for a port, which is picked just before the start
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request to this server
     info: dict[str, Any] = field(default_factory=dict)  # versions, slots, context size: kept in the report
+    probe_request: bool = True  # False for a static-batching server, which would hold the lone probe
 
 
 @dataclass
@@ -139,7 +140,8 @@ def folio_batching_spec(policy: str) -> PeerLauncher:
 
     def spec(config: CompareConfig) -> ServerSpec:
         engine_args = {**config.engine_args, "batching": policy}
-        return replace(folio_spec(replace(config, engine_args=engine_args)), name=f"folio-{policy}")
+        spec = folio_spec(replace(config, engine_args=engine_args))
+        return replace(spec, name=f"folio-{policy}", probe_request=policy != "static")
 
     return spec
 
@@ -298,7 +300,9 @@ def run_compare(config: CompareConfig, command: str) -> CompareReport:
             for spec in specs:
                 with running_server(spec, log_dir / f"{spec.name}.log", config.startup_timeout_s) as (url, line):
                     print(f"folio: [{spec.name}] {line}", file=sys.stderr, flush=True)
-                    workload = replace(config.workload, base_url=url, extra_body=spec.extra_body)
+                    workload = replace(
+                        config.workload, base_url=url, extra_body=spec.extra_body, probe_request=spec.probe_request
+                    )
                     runs.append(ServerRun(spec.name, line, spec.info, run_serve(workload, command, spec.name)))
     except ServerError:
         keep_logs = True  # the error names the log

@@ -322,6 +322,20 @@ def test_probe_drops_stream_options_when_refused(monkeypatch):
                     "probe_output_tokens_source": "chunks"}  # fmt: skip
 
 
+def test_probe_without_a_request_only_lists_the_models(monkeypatch):
+    paths: list[str] = []
+
+    def handler(request: httpx.Request) -> httpx.Response:
+        paths.append(request.url.path)
+        return httpx.Response(200, json={"data": [{"id": "m"}]})
+
+    monkeypatch.setattr(
+        serve_client, "make_client", lambda *_: httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    )
+    target, info = asyncio.run(probe(Target("http://test", "m", chat=False), ServeRequest("hi", 1, 9), False))
+    assert paths == ["/v1/models"] and target.include_usage and info["probe_output_tokens_source"] is None
+
+
 def test_extra_body_is_merged_and_every_request_asks_for_a_new_connection():
     headers: list[httpx.Headers] = []
 
