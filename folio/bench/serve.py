@@ -223,6 +223,30 @@ def _workload(requests: list[ServeRequest]) -> dict[str, Any]:
     }
 
 
+def workload_config(args: argparse.Namespace, base_url: str, **settings: Any) -> ServeConfig:
+    """A ServeConfig from the workload options `bench serve` and `bench serve-compare` share."""
+    from folio.bench.serve_stats import parse_slo
+
+    return ServeConfig(
+        base_url=base_url,
+        model=args.model,
+        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
+        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
+        dataset=args.dataset,
+        dataset_path=args.dataset_path,
+        num_prompts=args.num_prompts,
+        request_rates=parse_rates(args.request_rate),
+        max_concurrency=args.max_concurrency,
+        slo=parse_slo(args.slo),
+        price_per_hour=args.price_per_hour,
+        seed=args.seed,
+        timeout_s=args.timeout,
+        turns=args.turns,
+        document_len=args.document_len,
+        **settings,
+    )
+
+
 def serve_command_line(args: argparse.Namespace) -> str:
     """The run as a `folio bench serve` command with every option spelled out, defaults included."""
     words = ["folio", "bench", "serve"]
@@ -238,27 +262,13 @@ def run_serve_command(args: argparse.Namespace) -> int:
     from pathlib import Path
 
     from folio.bench.serve_report import format_table, write_report
-    from folio.bench.serve_stats import parse_slo
 
-    config = ServeConfig(
-        base_url=args.base_url,
-        model=args.model,
-        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
-        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
-        dataset=args.dataset,
-        dataset_path=args.dataset_path,
-        num_prompts=args.num_prompts,
-        request_rates=parse_rates(args.request_rate),
-        max_concurrency=args.max_concurrency,
-        slo=parse_slo(args.slo),
-        price_per_hour=args.price_per_hour,
-        seed=args.seed,
+    config = workload_config(
+        args,
+        args.base_url,
         tokenizer=args.tokenizer,
-        timeout_s=args.timeout,
         extra_body=parse_extra_body(args.extra_body),
         probe_request=args.probe_request,
-        turns=args.turns,
-        document_len=args.document_len,
     )
     report = run_serve(config, serve_command_line(args), args.label)
     print(format_table(report))

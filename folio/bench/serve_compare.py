@@ -40,9 +40,8 @@ from pathlib import Path
 from typing import Any
 
 from folio.bench.cli import engine_flags, option_words
-from folio.bench.datasets import LengthRange
 from folio.bench.llama_cpp_server import free_port, stop_process
-from folio.bench.serve import ServeConfig, ServeReport, parse_rates, run_serve
+from folio.bench.serve import ServeConfig, ServeReport, run_serve, workload_config
 from folio.bench.serve_client import check_extra_body, parse_extra_body
 
 STARTUP_TIMEOUT_S = 600.0  # a first start may build kernels or load a large model
@@ -326,30 +325,13 @@ def compare_command_line(args: argparse.Namespace) -> str:
 def run_serve_compare_command(args: argparse.Namespace) -> int:
     """The runner `folio bench serve-compare` stores in `args.bench_run`."""
     from folio.bench.serve_compare_report import format_table, write_report
-    from folio.bench.serve_stats import parse_slo
     from folio.cli import engine_kwargs
 
     try:
         llama_extra_body = parse_extra_body(args.llama_extra_body)
     except ValueError as exc:
         raise ValueError(str(exc).replace("--extra-body", "--llama-extra-body")) from None
-    workload = ServeConfig(
-        base_url="http://127.0.0.1",  # each server's own, once it runs
-        model=args.model,
-        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
-        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
-        dataset=args.dataset,
-        dataset_path=args.dataset_path,
-        num_prompts=args.num_prompts,
-        request_rates=parse_rates(args.request_rate),
-        max_concurrency=args.max_concurrency,
-        slo=parse_slo(args.slo),
-        price_per_hour=args.price_per_hour,
-        seed=args.seed,
-        timeout_s=args.timeout,
-        turns=args.turns,
-        document_len=args.document_len,
-    )
+    workload = workload_config(args, "http://127.0.0.1")  # each server's own URL, once it runs
     llama = LlamaOptions(args.llama_parallel, args.llama_ctx_size, args.llama_threads, llama_extra_body,
                          args.llama_version)  # fmt: skip
     config = CompareConfig(args.model, workload, args.peer, engine_kwargs(args), llama)

@@ -9,7 +9,6 @@ from collections.abc import AsyncIterator
 from fastapi.responses import StreamingResponse
 
 from folio.loaders.tokenizer import ChatTemplateError
-from folio.sampling_params import SamplingParams
 from folio.server.choices import collect, merge_updates
 from folio.server.context import ServerContext
 from folio.server.errors import APIError
@@ -25,25 +24,6 @@ def encode_messages(ctx: ServerContext, messages: list[ChatMessage], add_generat
         raise APIError(400, str(exc), param="messages") from exc
 
 
-def _params(body: ChatCompletionRequest, max_tokens: int, choice: int, logit_bias: dict[int, float]) -> SamplingParams:
-    return SamplingParams(
-        max_tokens=max_tokens,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        seed=None if body.seed is None else body.seed + choice,
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        stop=body.stop_list,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos,
-        logit_bias=logit_bias,
-        logprobs=(body.top_logprobs or 0) if body.logprobs else None,
-    )
-
-
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
     ctx.check_model(body.model)
     body.reject_unsupported()
@@ -53,7 +33,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     max_tokens = min(body.completion_limit or ctx.max_model_len, ctx.default_max_tokens(len(prompt_ids)))
     ctx.admission.acquire(body.n)
     logit_bias = body.token_logit_bias(ctx.vocab_size)
-    choice_params = [_params(body, max_tokens, j, logit_bias) for j in range(body.n)]
+    logprobs = (body.top_logprobs or 0) if body.logprobs else None
+    choice_params = [body.sampling_params(max_tokens, j, logit_bias, logprobs) for j in range(body.n)]
     streams = ctx.generate(prompt_ids, choice_params, body.cache_salt, body.priority)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
     if body.stream:

@@ -8,7 +8,6 @@ from collections.abc import AsyncIterator
 
 from fastapi.responses import StreamingResponse
 
-from folio.sampling_params import SamplingParams
 from folio.server.choices import ChoiceResult, collect, merge_updates
 from folio.server.context import ServerContext
 from folio.server.errors import APIError
@@ -29,27 +28,6 @@ def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | No
     return [(None, list(prompt))]  # type: ignore[arg-type]
 
 
-def _params(body: CompletionRequest, choice: int, logit_bias: dict[int, float]) -> SamplingParams:
-    # best_of ranks samples by the sum of their tokens' logprobs, so it needs them even if not asked.
-    logprobs = body.logprobs if body.num_samples == body.n else max(body.logprobs or 0, 0)
-    return SamplingParams(
-        max_tokens=body.max_tokens or 16,
-        temperature=1.0 if body.temperature is None else body.temperature,
-        top_p=1.0 if body.top_p is None else body.top_p,
-        top_k=body.top_k or 0,
-        min_p=body.min_p or 0.0,
-        seed=None if body.seed is None else body.seed + choice,  # n choices must differ
-        presence_penalty=body.presence_penalty or 0.0,
-        frequency_penalty=body.frequency_penalty or 0.0,
-        repetition_penalty=body.repetition_penalty or 1.0,
-        stop=body.stop_list,
-        include_stop_str_in_output=body.include_stop_str_in_output,
-        ignore_eos=body.ignore_eos,
-        logit_bias=logit_bias,
-        logprobs=logprobs,
-    )
-
-
 async def create_completion(ctx: ServerContext, body: CompletionRequest):
     ctx.check_model(body.model)
     body.reject_unsupported()
@@ -62,7 +40,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     count = len(prompts) * samples
     ctx.admission.acquire(count)
     logit_bias = body.token_logit_bias(ctx.vocab_size)
-    choice_params = [_params(body, j, logit_bias) for j in range(samples)]
+    # best_of ranks samples by the sum of their tokens' logprobs, so it needs them even if not asked.
+    logprobs = body.logprobs if samples == n else max(body.logprobs or 0, 0)
+    choice_params = [body.sampling_params(body.max_tokens or 16, j, logit_bias, logprobs) for j in range(samples)]
     streams = []
     for _, ids in prompts:
         streams += ctx.generate(ids, choice_params, body.cache_salt, body.priority)

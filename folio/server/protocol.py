@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from folio.sampling_params import MAX_LOGPROBS
+from folio.sampling_params import MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
 
 MAX_N = 16  # choices per request
@@ -74,6 +74,27 @@ class _SamplingFields(_Strict):
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
         return self
+
+    def sampling_params(
+        self, max_tokens: int, choice: int, logit_bias: dict[int, float], logprobs: int | None
+    ) -> SamplingParams:
+        """Engine parameters for sample `choice` of this request (seed + choice, so samples differ)."""
+        return SamplingParams(
+            max_tokens=max_tokens,
+            temperature=1.0 if self.temperature is None else self.temperature,
+            top_p=1.0 if self.top_p is None else self.top_p,
+            top_k=self.top_k or 0,
+            min_p=self.min_p or 0.0,
+            seed=None if self.seed is None else self.seed + choice,
+            presence_penalty=self.presence_penalty or 0.0,
+            frequency_penalty=self.frequency_penalty or 0.0,
+            repetition_penalty=self.repetition_penalty or 1.0,
+            stop=self.stop_list,
+            include_stop_str_in_output=self.include_stop_str_in_output,
+            ignore_eos=self.ignore_eos,
+            logit_bias=logit_bias,
+            logprobs=logprobs,
+        )
 
     @property
     def stop_list(self) -> list[str]:
