@@ -92,25 +92,33 @@ def _tail(path: Path | None, lines: int = 20) -> str:
     return "".join(path.read_text(encoding="utf-8", errors="replace").splitlines(keepends=True)[-lines:])
 
 
-def wait_for_health(
-    base_url: str, process: subprocess.Popen[bytes], *, timeout: float = 120.0, log_path: Path | None = None
-) -> None:
-    """Block until GET /health answers 200 (llama-server says 503 while it loads the model)."""
+def poll_health(base_url: str, process: subprocess.Popen[bytes], timeout: float) -> str | None:
+    """Poll GET /health until it answers 200 (llama-server says 503 while it loads the model).
+    None once healthy; otherwise why not: "exited" (the process died first) or "timeout"."""
     deadline = time.monotonic() + timeout
     while True:
         if process.poll() is not None:
-            raise RuntimeError(
-                f"llama-server exited with code {process.returncode} before it was ready\n{_tail(log_path)}"
-            )
+            return "exited"
         try:
             with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
                 if response.status == 200:
-                    return
+                    return None
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             pass  # not listening yet, or 503 while loading
         if time.monotonic() > deadline:
-            raise TimeoutError(f"llama-server at {base_url} not healthy after {timeout:.0f}s\n{_tail(log_path)}")
+            return "timeout"
         time.sleep(0.2)
+
+
+def wait_for_health(
+    base_url: str, process: subprocess.Popen[bytes], *, timeout: float = 120.0, log_path: Path | None = None
+) -> None:
+    """Block until llama-server is healthy; raise with the tail of its log if it is not."""
+    failure = poll_health(base_url, process, timeout)
+    if failure == "exited":
+        raise RuntimeError(f"llama-server exited with code {process.returncode} before it was ready\n{_tail(log_path)}")
+    if failure == "timeout":
+        raise TimeoutError(f"llama-server at {base_url} not healthy after {timeout:.0f}s\n{_tail(log_path)}")
 
 
 def free_port() -> int:

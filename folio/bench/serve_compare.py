@@ -29,9 +29,6 @@ import subprocess
 import sys
 import tempfile
 import threading
-import time
-import urllib.error
-import urllib.request
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -40,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from folio.bench.cli import engine_flags, option_words
-from folio.bench.llama_cpp_server import free_port, stop_process
+from folio.bench.llama_cpp_server import free_port, poll_health, stop_process
 from folio.bench.serve import ServeConfig, ServeReport, run_serve, workload_config
 from folio.bench.serve_client import check_extra_body, parse_extra_body
 
@@ -229,22 +226,13 @@ def _last_line(log_path: Path) -> str:
 def wait_until_ready(name: str, base_url: str, process: subprocess.Popen[bytes], timeout: float, log: Path) -> None:
     """Block until GET /health answers 200; raise ServerError (one line, naming the log) if the server
     exits first or takes longer than `timeout`."""
-    deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise ServerError(
-                f"the {name} server exited with code {process.returncode} before it was ready{_last_line(log)} "
-                f"(log: {log})"
-            )
-        try:
-            with urllib.request.urlopen(f"{base_url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
-        except (urllib.error.URLError, ConnectionError, TimeoutError):
-            pass  # not listening yet, or 503 while loading
-        if time.monotonic() > deadline:
-            raise ServerError(f"the {name} server at {base_url} was not ready after {timeout:g}s (log: {log})")
-        time.sleep(0.2)
+    failure = poll_health(base_url, process, timeout)
+    if failure == "exited":
+        raise ServerError(
+            f"the {name} server exited with code {process.returncode} before it was ready{_last_line(log)} (log: {log})"
+        )
+    if failure == "timeout":
+        raise ServerError(f"the {name} server at {base_url} was not ready after {timeout:g}s (log: {log})")
 
 
 @contextmanager
