@@ -37,6 +37,7 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | "abort" | None while running
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
+    cumulative_logprob: float | None = None  # beam search: the hypothesis's summed token logprobs
 
 
 @dataclass

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Literal
 
 MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat API
 
@@ -27,6 +28,12 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k alternatives
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
+    # Beam search (transformers' semantics): the n best of beam_width beams (default: n). It is
+    # deterministic, so temperature, top-k/p, min-p and seed do not apply.
+    use_beam_search: bool = False
+    beam_width: int | None = None
+    length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
+    early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
         if self.n < 1:
@@ -56,6 +63,28 @@ class SamplingParams:
             raise ValueError("stop strings must not be empty")
         if self.top_k == -1:
             self.top_k = 0
+        self._check_beam_search()
+
+    def _check_beam_search(self) -> None:
+        if not self.use_beam_search:
+            if self.beam_width is not None:
+                raise ValueError("beam_width needs use_beam_search")
+            return
+        self.beam_width = self.beam_width or self.n
+        if self.beam_width < self.n:
+            raise ValueError(f"beam_width ({self.beam_width}) must be at least n ({self.n})")
+        if self.early_stopping not in (True, False, "never"):
+            raise ValueError(f"early_stopping must be true, false or 'never', got {self.early_stopping!r}")
+        unsupported = {
+            "penalties": self.has_penalties,
+            "logit_bias": bool(self.logit_bias),
+            "logprobs": self.logprobs is not None,
+            "stop strings": bool(self.stop),
+        }
+        for name, is_set in unsupported.items():
+            if is_set:
+                raise ValueError(f"beam search does not support {name}")
+        self.temperature = 0.0  # the engine computes no sample for a beam, only its candidates
 
     @property
     def greedy(self) -> bool:

@@ -98,4 +98,4 @@ class EngineCore:
         if out.is_empty:
             return []
         result = self.runner.execute(out)
-        return self.scheduler.update_from_output(out, result.token_ids, result.logprobs)
+        return self.scheduler.update_from_output(out, result.token_ids, result.logprobs, result.beam_candidates)

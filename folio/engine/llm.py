@@ -96,7 +96,9 @@ class LLM:
             text = detok.text if detok is not None else self.tokenizer.decode(request.output_token_ids)
             logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
             reason = request.finish_reason.value if request.finish_reason else None
-            outputs.append(CompletionOutput(text, list(request.output_token_ids), reason, logprobs))
+            outputs.append(
+                CompletionOutput(text, list(request.output_token_ids), reason, logprobs, request.cumulative_logprob)
+            )
         return RequestOutput(
             request_id=first.request_id,
             prompt=prompt,

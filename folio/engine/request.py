@@ -39,6 +39,7 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
+    cumulative_logprob: float | None = None  # set on a beam search's results
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
     num_cached_tokens: int = 0  # of the prompt, tokens whose KV came from the prefix cache

@@ -5,6 +5,7 @@ each step gives running requests their next tokens first (1 for a decode, a chun
 still being prefilled), then admits waiting requests while budget, sequence slots and KV blocks last.
 When a running request needs a block and none is free, the most recently admitted request is
 preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+Beam search groups run their beams as ordinary requests (see beam_group.py).
 """
 
 from __future__ import annotations
@@ -15,6 +16,8 @@ import time
 
 from folio.config import SchedulerConfig
 from folio.engine.batching import BatchGate
+from folio.engine.beam_group import BeamGroup, advance, start_group
+from folio.engine.beam_search import BeamCandidates
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.scheduler_output import ForkedSample, ScheduledRequest, SchedulerOutput
 from folio.kv_cache.manager import KVCacheManager
@@ -35,19 +38,27 @@ class Scheduler:
         self.gate = BatchGate(config.batching, batch_size, config.batch_timeout)
         self._arrivals = itertools.count()
         self.running: list[Request] = []
-        self.requests: dict[str, Request] = {}
+        self.requests: dict[str, Request] = {}  # every scheduled request, live beams included
+        self._beam_groups: dict[str, BeamGroup] = {}  # by the request id of each live beam and each result
         self.num_preemptions = 0
 
     # -- queue management --------------------------------------------------------------------------
     def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
         """Queue a request. `forks` are further samples of the same prompt: they wait until the request
         samples its first token, then share its prompt blocks instead of computing the prompt again."""
-        for r in [request, *(forks or [])]:
-            if r.request_id in self.requests:
+        group = [request, *(forks or [])]
+        for r in group:
+            if r.request_id in self.requests or r.request_id in self._beam_groups:
                 raise ValueError(f"request id {r.request_id!r} is already in use")
-            self.requests[r.request_id] = r
             r.arrival_order = next(self._arrivals)
-        request.forks = list(forks or [])
+        if request.sampling_params.use_beam_search:  # the samples are the results of one search
+            beams = start_group(group, self.config.max_model_len)
+            self._beam_groups.update({r.request_id: beams for r in [*group, *beams.beams]})
+            request, group = beams.beams[0], beams.beams
+        else:
+            request.forks = list(forks or [])
+        for r in group:
+            self.requests[r.request_id] = r
         self._enqueue(request)
 
     def _enqueue(self, request: Request) -> None:
@@ -56,9 +67,12 @@ class Scheduler:
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         """Drop a request and free its blocks; `reason` is STOP when a stop string ended it."""
+        if request_id in self._beam_groups and request_id not in self.requests:
+            return self._abort_beam_result(request_id, reason)
         request = self.requests.pop(request_id, None)
         if request is None:
             return None
+        self._beam_groups.pop(request_id, None)
         self._release_forks(request)
         for parent in [*self.running, *self.waiting]:
             if request in parent.forks:  # a fork that never started
@@ -72,6 +86,22 @@ class Scheduler:
         if not request.is_finished:
             request.finish(reason)
         return request
+
+    def _abort_beam_result(self, result_id: str, reason: FinishReason) -> Request:
+        """A caller gave up on one result of a beam search; the search stops with the last one."""
+        group = self._beam_groups.pop(result_id)
+        result = next(r for r in group.results if r.request_id == result_id)
+        group.results.remove(result)
+        result.finish(reason)
+        if not group.results:
+            for beam in group.beams:
+                self.abort_request(beam.request_id)
+        return result
+
+    def _is_parked(self, request: Request) -> bool:
+        """A beam that reported its candidates and waits for its siblings to report theirs."""
+        group = self._beam_groups.get(request.request_id)
+        return group is not None and request.request_id in group.pending
 
     def seconds_until_batch(self) -> float | None:
         """With nothing running: how long until the batching policy starts a batch (None: on arrivals)."""
@@ -92,6 +122,9 @@ class Scheduler:
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
+            if self._is_parked(request):
+                index += 1
+                continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             start = request.num_computed_tokens
             while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
@@ -113,26 +146,16 @@ class Scheduler:
         # straight to a newcomer while the preempted request waits.
         if len(preempted) == made_room:
             self.gate.maybe_form(self.waiting, time.monotonic())
-            while budget > 0 and len(self.running) < self.config.max_num_seqs:
-                request = next((r for r in self.waiting if self.gate.admits(r)), None)
-                if request is None:
+            budget = self._admit(budget, chosen)
+            # Parked beams may hold the blocks the beams they wait for need: give one's up.
+            while not chosen and (parked := [r for r in self.running if self._is_parked(r)]):
+                if not any(self.gate.admits(r) and not self._is_parked(r) for r in self.waiting):
                     break
-                cached = self.kv.find_cached_prefix(request)
-                num_cached = len(cached) * self.kv.block_size
-                num_new = min(request.num_tokens - num_cached, budget)
-                if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
-                    break
-                self.kv.record_lookup(request.num_tokens, num_cached)
-                request.num_computed_tokens = num_cached
-                if request.first_scheduled_time is None:  # the first admission: prompt tokens only
-                    request.num_cached_tokens = num_cached
-                self.waiting.remove(request)
-                request.status = RequestStatus.RUNNING
-                if request.first_scheduled_time is None:
-                    request.first_scheduled_time = time.monotonic()
-                self.running.append(request)
-                chosen.append((request, num_new))
-                budget -= num_new
+                victim = max(parked, key=_queue_order)
+                self.running.remove(victim)
+                self._preempt(victim)
+                preempted.append(victim)
+                budget = self._admit(budget, chosen)
 
         output = SchedulerOutput(preempted_ids=[r.request_id for r in preempted])
         for request, num_new in chosen:
@@ -153,10 +176,35 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     forks=forks,
+                    num_beam_candidates=self._num_beam_candidates(request),
                 )
             )
         output.block_copies = self.kv.take_copies()
         return output
+
+    def _admit(self, budget: int, chosen: list[tuple[Request, int]]) -> int:
+        """Move waiting requests to running while budget, sequence slots and blocks last."""
+        while budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = next((r for r in self.waiting if self.gate.admits(r) and not self._is_parked(r)), None)
+            if request is None:
+                break
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
+                break
+            self.kv.record_lookup(request.num_tokens, num_cached)
+            request.num_computed_tokens = num_cached
+            if request.first_scheduled_time is None:  # the first admission: prompt tokens only
+                request.num_cached_tokens = num_cached
+            self.waiting.remove(request)
+            request.status = RequestStatus.RUNNING
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+            self.running.append(request)
+            chosen.append((request, num_new))
+            budget -= num_new
+        return budget
 
     def _forks_to_sample(self, request: Request) -> list[ForkedSample]:
         """Forks that sample alongside the request's first token; if the running batch has no room for
@@ -165,6 +213,10 @@ class Scheduler:
             self._release_forks(request)
             return []
         return [ForkedSample(f.request_id, f.sampling_params, f.generator, f.prompt_token_ids) for f in request.forks]
+
+    def _num_beam_candidates(self, request: Request) -> int:
+        group = self._beam_groups.get(request.request_id)
+        return 0 if group is None else group.search.num_candidates
 
     def _release_forks(self, request: Request) -> None:
         for fork in request.forks:
@@ -189,7 +241,31 @@ class Scheduler:
         parent.forks = []
         return started
 
+    def _advance_beams(self, group: BeamGroup, now: float) -> list[Request]:
+        """Every live beam reported: pick the next beams; return the results if the search ended."""
+        step = advance(group, now, self._fork_beam)
+        for beam in step.dropped:
+            self.abort_request(beam.request_id)
+        for result in step.finished:
+            self._beam_groups.pop(result.request_id, None)
+        return step.finished
+
+    def _fork_beam(self, parent: Request, child: Request) -> None:
+        """A new beam continues `parent`: it holds the parent's blocks if it has any, else it queues."""
+        self.requests[child.request_id] = child
+        self._beam_groups[child.request_id] = self._beam_groups[parent.request_id]
+        self.gate.join(child.request_id)
+        if parent.status is RequestStatus.RUNNING:
+            self.kv.fork(parent.request_id, child.request_id)
+            child.num_computed_tokens = parent.num_computed_tokens
+            child.status = RequestStatus.RUNNING
+            self.running.append(child)
+        else:
+            self._enqueue(child)
+
     def _preempt(self, request: Request) -> None:
+        if (group := self._beam_groups.get(request.request_id)) is not None:
+            group.num_preemptions += 1
         self.kv.free(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
@@ -215,11 +291,16 @@ class Scheduler:
         return victims
 
     def update_from_output(
-        self, output: SchedulerOutput, sampled: dict[str, int], logprobs: dict[str, TokenLogprob] | None = None
+        self,
+        output: SchedulerOutput,
+        sampled: dict[str, int],
+        logprobs: dict[str, TokenLogprob] | None = None,
+        beam_candidates: dict[str, BeamCandidates] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
 
-        Returns the requests that produced a token this step (finished ones included).
+        Returns the requests that produced a token this step (finished ones included); a beam search's
+        results appear once, finished, when the search ends.
         """
         updated: list[Request] = []
         now = time.monotonic()
@@ -227,6 +308,14 @@ class Scheduler:
             request = self.requests[item.request_id]
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
+            group = self._beam_groups.get(request.request_id)
+            if group is not None:
+                candidates = (beam_candidates or {}).get(request.request_id)
+                if candidates is not None:
+                    group.pending[request.request_id] = candidates
+                    if group.ready:
+                        updated.extend(self._advance_beams(group, now))
+                continue
             forks = self._start_forks(request, item, now) if item.forks else []
             for sampler in [request, *forks]:  # forks first share the blocks, then anyone may finish
                 token = sampled.get(sampler.request_id)

@@ -32,6 +32,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # tokens generated so far (for penalties)
     forks: list[ForkedSample] = field(default_factory=list)  # sampled from this request's row, this step
+    num_beam_candidates: int = 0  # a beam: report this many best next tokens instead of sampling one
 
     @property
     def num_tokens(self) -> int:

@@ -58,33 +58,37 @@ class ServerMetrics:
             registry=self.registry,
         )  # fmt: skip
         self._model_name = model_name
-        self._last_token_time: dict[str, float] = {}
+        self._progress: dict[str, tuple[float, int]] = {}  # request id -> (last update, tokens seen)
 
     def on_step(self, updated: list[Request], now: float) -> None:
         stats = self.engine.last_step
         if stats is not None and stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
-        self.generation_tokens.inc(len(updated))
         kv = self.engine.kv
         queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
+        generated = 0
         for request in updated:
-            if len(request.output_token_ids) == 1:
+            # Usually one new token; a beam search's results arrive once, with all of theirs.
+            num_tokens = len(request.output_token_ids)
+            previous = self._progress.pop(request.request_id, None)
+            if previous is None:
                 self.prompt_tokens.inc(request.num_prompt_tokens)
                 if request.first_token_time is not None:
                     self.ttft.observe(request.first_token_time - request.arrival_time)
+                generated += num_tokens
             else:
-                previous = self._last_token_time.get(request.request_id)
-                if previous is not None:
-                    self.itl.observe(now - previous)
+                self.itl.observe(now - previous[0])
+                generated += num_tokens - previous[1]
             if not request.is_finished:
-                self._last_token_time[request.request_id] = now
+                self._progress[request.request_id] = (now, num_tokens)
+        self.generation_tokens.inc(generated)
         self._refresh_gauges()
 
     def on_finished(self, request: Request, now: float) -> None:
-        self._last_token_time.pop(request.request_id, None)
+        self._progress.pop(request.request_id, None)
         reason = request.finish_reason.value if request.finish_reason else "abort"
         self.success.labels(self._model_name, reason).inc()
         finish = request.finish_time or now

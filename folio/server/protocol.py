@@ -65,6 +65,11 @@ class _SamplingFields(_Strict):
 
     cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants (as vLLM)
     priority: int = 0  # lower values are scheduled first and preempted last (as vLLM)
+    # Beam search (extension, as vLLM): the n best of beam_width beams (default n).
+    use_beam_search: bool = False
+    beam_width: int | None = Field(None, ge=1, le=MAX_N)
+    length_penalty: float = 1.0
+    early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
     def _check(self) -> _SamplingFields:
@@ -73,12 +78,24 @@ class _SamplingFields(_Strict):
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
         if any(not s for s in stops):
             raise ValueError("stop strings must not be empty")
+        if self.beam_width is not None and not self.use_beam_search:
+            raise ValueError("beam_width needs use_beam_search")
+        if self.use_beam_search and (self.beam_width or self.n) < self.n:
+            raise ValueError(f"beam_width must be at least n ({self.n})")
         return self
 
     def sampling_params(
         self, max_tokens: int, choice: int, logit_bias: dict[int, float], logprobs: int | None
     ) -> SamplingParams:
         """Engine parameters for sample `choice` of this request (seed + choice, so samples differ)."""
+        try:
+            return self._engine_params(max_tokens, choice, logit_bias, logprobs)
+        except ValueError as exc:  # a combination the engine refuses, e.g. beam search with penalties
+            raise APIError(400, str(exc)) from exc
+
+    def _engine_params(
+        self, max_tokens: int, choice: int, logit_bias: dict[int, float], logprobs: int | None
+    ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -94,6 +111,10 @@ class _SamplingFields(_Strict):
             ignore_eos=self.ignore_eos,
             logit_bias=logit_bias,
             logprobs=logprobs,
+            use_beam_search=self.use_beam_search,
+            beam_width=(self.beam_width or self.n) if self.use_beam_search else None,
+            length_penalty=self.length_penalty,
+            early_stopping=self.early_stopping,
         )
 
     @property
@@ -121,6 +142,8 @@ class CompletionRequest(_SamplingFields):
             raise ValueError("prompt must not be empty")
         if self.best_of is not None and self.best_of < self.n:
             raise ValueError("best_of must be at least n")
+        if self.best_of is not None and self.use_beam_search:
+            raise ValueError("best_of does not apply to beam search: set beam_width")
         if self.best_of is not None and self.best_of > self.n and self.stream:
             raise ValueError("best_of cannot be streamed: the best choices are known only at the end")
         return self

@@ -5,13 +5,14 @@ The runner never touches the block pool; block ids arrive in the SchedulerOutput
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 from torch import nn
 
 from folio.config import CacheConfig, ModelConfig
+from folio.engine.beam_search import BeamCandidates, top_candidates
 from folio.engine.scheduler_output import SchedulerOutput
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
@@ -35,14 +36,17 @@ class SampleSpec:
     generator: torch.Generator | None
     prompt_token_ids: list[int]
     output_token_ids: list[int]
+    num_beam_candidates: int = 0
 
 
 @dataclass
 class RunnerOutput:
-    """What one step produced, by request id: the sampled token and, if asked for, its logprobs."""
+    """What one step produced, by request id: the sampled token and, if asked for, its logprobs;
+    for a beam, its best next tokens instead."""
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob]
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
@@ -97,8 +101,9 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sampled_ids.append(item.request_id)
                 samplers.append(
-                    SampleSpec(item.sampling_params, item.generator, item.prompt_token_ids, item.output_token_ids)
-                )
+                    SampleSpec(item.sampling_params, item.generator, item.prompt_token_ids, item.output_token_ids,
+                               item.num_beam_candidates)
+                )  # fmt: skip
                 for fork in item.forks:
                     logits_rows.append(len(input_ids) - 1)
                     sampled_ids.append(fork.request_id)
@@ -160,4 +165,17 @@ class ModelRunner:
         result = sample(logits.cpu(), batch)
         tokens = dict(zip(inputs.sampled_ids, result.token_ids.tolist(), strict=True))
         logprobs = {rid: lp for rid, lp in zip(inputs.sampled_ids, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(tokens, logprobs)
+        return RunnerOutput(tokens, logprobs, self._beam_candidates(logits, inputs))
+
+    @staticmethod
+    def _beam_candidates(logits: torch.Tensor, inputs: BatchInputs) -> dict[str, BeamCandidates]:
+        beam_rows = [i for i, spec in enumerate(inputs.samplers) if spec.num_beam_candidates]
+        if not beam_rows:
+            return {}
+        k = max(inputs.samplers[i].num_beam_candidates for i in beam_rows)
+        found = top_candidates(logits[torch.tensor(beam_rows, device=logits.device)].cpu(), k)
+        candidates = {}
+        for row, best in zip(beam_rows, found, strict=True):
+            n = inputs.samplers[row].num_beam_candidates
+            candidates[inputs.sampled_ids[row]] = BeamCandidates(best.logprobs[:n], best.token_ids[:n])
+        return candidates
