@@ -3,6 +3,7 @@
 from folio.engine.llm import LLM
 from folio.outputs import CompletionOutput, RequestOutput
 from folio.sampling_params import SamplingParams
+from folio.structured.params import StructuredOutputParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "SamplingParams", "RequestOutput", "CompletionOutput", "__version__"]
+__all__ = ["LLM", "SamplingParams", "StructuredOutputParams", "RequestOutput", "CompletionOutput", "__version__"]

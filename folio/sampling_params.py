@@ -5,6 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+from folio.structured.params import StructuredOutputParams
+
 MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat API
 
 
@@ -30,6 +32,7 @@ class SamplingParams:
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
     # Beam search (transformers' semantics): the n best of beam_width beams (default: n). It is
     # deterministic, so temperature, top-k/p, min-p and seed do not apply.
+    structured_output: StructuredOutputParams | None = None  # constrain the output (JSON schema, regex...)
     use_beam_search: bool = False
     beam_width: int | None = None
     length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
@@ -80,6 +83,7 @@ class SamplingParams:
             "logit_bias": bool(self.logit_bias),
             "logprobs": self.logprobs is not None,
             "stop strings": bool(self.stop),
+            "structured output": self.structured_output is not None,
         }
         for name, is_set in unsupported.items():
             if is_set:

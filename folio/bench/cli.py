@@ -23,6 +23,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: Ad
     _add_throughput(benchmarks, add_engine_args)
     _add_serve(benchmarks)
     _add_serve_compare(benchmarks, add_engine_args)
+    _add_structured(benchmarks, add_engine_args)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -207,6 +208,41 @@ def _command_line(args: argparse.Namespace) -> str:
             continue
         words += option_words(key, value)
     return shlex.join(words)
+
+
+def _add_structured(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    parser = benchmarks.add_parser(
+        "structured",
+        help="the cost of structured output: JSON-schema requests vs the same requests unconstrained",
+        description="Run chat requests asking for JSON under a JSON schema (llguidance token masks), then the "
+        "same requests unconstrained with EOS ignored, each decoding exactly as many tokens as its constrained "
+        "run, and report both throughputs, their ratio, the time spent computing masks per step, and how many "
+        "outputs validate against their schema.",
+    )
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
+    parser.add_argument("--num-prompts", type=int, default=32, help="number of requests (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output limit per request (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (default 0)")
+    parser.add_argument("--peer", default=None, help="also run the requests on llama.cpp's llama-server: llama.cpp")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_engine_args(parser)
+    parser.set_defaults(bench_run=_run_structured)
+
+
+def _run_structured(args: argparse.Namespace) -> int:
+    from folio.bench.structured import StructuredConfig, format_table, run_structured, write_report
+    from folio.cli import engine_kwargs
+
+    config = StructuredConfig(args.model, args.num_prompts, args.max_tokens, args.temperature, args.seed,
+                              args.peer, engine_kwargs(args))  # fmt: skip
+    report = run_structured(config, _command_line(args))
+    print(f"{report.model} ({report.dtype}), {config.num_prompts} JSON-schema requests, seed {config.seed}")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0
 
 
 def _run_throughput(args: argparse.Namespace) -> int:

@@ -13,6 +13,7 @@ from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.platform import default_kv_cache_memory
+from folio.structured.grammar import GrammarCompiler
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 
 logger = logging.getLogger("folio")
@@ -56,6 +57,7 @@ class EngineCore:
         self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device)
         self.kv_bytes_per_token = bytes_per_token
         self.last_step: StepStats | None = None
+        self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); context length %d; "
             "prefix caching %s",
@@ -81,6 +83,12 @@ class EngineCore:
                 f"the prompt has {request.num_prompt_tokens} tokens but the context length is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
+        for r in [request, *(forks or [])]:
+            structured = r.sampling_params.structured_output
+            if structured is not None:
+                if self.grammars is None:
+                    raise ValueError("structured output needs the engine's tokenizer (EngineCore.grammars)")
+                r.grammar = self.grammars.compile(structured)
         self.scheduler.add_request(request, forks)
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:

@@ -18,6 +18,7 @@ from folio.engine.request import FinishReason, Request
 from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
+from folio.structured.grammar import GrammarCompiler
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -69,6 +70,7 @@ class LLM:
             self.dtype,
             self.device,
         )
+        self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._ids = itertools.count()
         # Offline, every request is submitted before the engine steps: a partial batch never waits.
         self.engine.scheduler.gate.flush = True

@@ -5,12 +5,16 @@ from __future__ import annotations
 import enum
 import time
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from folio.kv_cache.hashing import BlockKey
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from folio.structured.grammar import TokenGrammar
 
 
 class RequestStatus(enum.Enum):
@@ -51,6 +55,7 @@ class Request:
     finish_time: float | None = None
     num_preemptions: int = 0
     generator: torch.Generator | None = None
+    grammar: TokenGrammar | None = None  # structured output: what the output may continue with
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -89,7 +94,10 @@ class Request:
         if logprob is not None:
             self.output_logprobs.append(logprob)
         params = self.sampling_params
-        if (not params.ignore_eos and token_id in self.eos_token_ids) or token_id in params.stop_token_ids:
+        # A grammar that cannot go on (its language ends here, or it refused the token) ends the output.
+        grammar_ended = self.grammar is not None and (not self.grammar.accept(token_id) or self.grammar.is_finished)
+        eos = not params.ignore_eos and token_id in self.eos_token_ids
+        if eos or token_id in params.stop_token_ids or grammar_ended:
             self.finish(FinishReason.STOP, now)
         elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish(FinishReason.LENGTH, now)

@@ -176,6 +176,7 @@ class Scheduler:
                     prompt_token_ids=request.prompt_token_ids,
                     output_token_ids=request.output_token_ids,
                     forks=forks,
+                    grammar=request.grammar,
                     num_beam_candidates=self._num_beam_candidates(request),
                 )
             )
@@ -212,7 +213,8 @@ class Scheduler:
         if len(self.running) + len(request.forks) > self.config.max_num_seqs:
             self._release_forks(request)
             return []
-        return [ForkedSample(f.request_id, f.sampling_params, f.generator, f.prompt_token_ids) for f in request.forks]
+        return [ForkedSample(f.request_id, f.sampling_params, f.generator, f.prompt_token_ids, f.grammar)
+                for f in request.forks]  # fmt: skip
 
     def _num_beam_candidates(self, request: Request) -> int:
         group = self._beam_groups.get(request.request_id)

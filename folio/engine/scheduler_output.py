@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
 from folio.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from folio.structured.grammar import TokenGrammar
 
 
 @dataclass
@@ -18,6 +22,7 @@ class ForkedSample:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     prompt_token_ids: list[int]
+    grammar: TokenGrammar | None = None
 
 
 @dataclass
@@ -32,6 +37,7 @@ class ScheduledRequest:
     prompt_token_ids: list[int]  # for the repetition penalty
     output_token_ids: list[int]  # tokens generated so far (for penalties)
     forks: list[ForkedSample] = field(default_factory=list)  # sampled from this request's row, this step
+    grammar: TokenGrammar | None = None  # structured output: masks this request's logits row
     num_beam_candidates: int = 0  # a beam: report this many best next tokens instead of sampling one
 
     @property

@@ -31,6 +31,7 @@ class SamplingBatch:
     penalties: PenaltyBatch | None = None  # None when no row has a penalty
     num_logprobs: tuple[int | None, ...] = ()  # per row; empty when no row wants logprobs
     logit_bias: list[dict[int, float]] | None = None  # per row; None when no row has a bias
+    allowed: torch.Tensor | None = None  # [N, V] bool: structured output's token masks; None if no row has one
 
     @classmethod
     def from_params(
@@ -40,6 +41,7 @@ class SamplingBatch:
         prompt_token_ids: Sequence[Sequence[int]] | None = None,
         output_token_ids: Sequence[Sequence[int]] | None = None,
         vocab_size: int | None = None,
+        allowed: torch.Tensor | None = None,
     ) -> SamplingBatch:
         penalties = None
         if any(p.has_penalties for p in params):
@@ -58,6 +60,7 @@ class SamplingBatch:
             penalties=penalties,
             num_logprobs=num_logprobs,
             logit_bias=logit_bias,
+            allowed=allowed,
         )
 
 
@@ -115,6 +118,8 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
     adjusted = batch.penalties.apply(logits) if batch.penalties is not None else logits
     if batch.logit_bias is not None:
         adjusted = _add_logit_bias(adjusted, batch.logit_bias)
+    if batch.allowed is not None:  # after penalties and bias, so that nothing can revive a banned token
+        adjusted = adjusted.masked_fill(~batch.allowed, float("-inf"))
     tokens = sample_tokens(adjusted, batch)
     logprobs = gather_logprobs(logits, tokens, batch.num_logprobs) if batch.num_logprobs else [None] * len(tokens)
     return SamplerOutput(tokens, logprobs)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from folio.sampling_params import MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
+from folio.server.structured_fields import StructuredFields
 
 MAX_N = 16  # choices per request
 
@@ -33,7 +34,7 @@ class _Strict(BaseModel):
                 raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
 
 
-class _SamplingFields(_Strict):
+class _SamplingFields(StructuredFields, _Strict):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -115,6 +116,7 @@ class _SamplingFields(_Strict):
             beam_width=(self.beam_width or self.n) if self.use_beam_search else None,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
+            structured_output=self.structured_output(),
         )
 
     @property
@@ -174,8 +176,8 @@ class ChatMessage(BaseModel):
 
 class ChatCompletionRequest(_SamplingFields):
     _unsupported = (
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "response_format",
-        "modalities", "audio", "prediction", "reasoning_effort", "web_search_options",
+        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "modalities", "audio",
+        "prediction", "reasoning_effort", "web_search_options",
     )  # fmt: skip
 
     messages: list[ChatMessage] = Field(min_length=1)
@@ -189,7 +191,6 @@ class ChatCompletionRequest(_SamplingFields):
     functions: Any = None
     function_call: Any = None
     parallel_tool_calls: Any = None
-    response_format: Any = None
     modalities: Any = None
     audio: Any = None
     prediction: Any = None

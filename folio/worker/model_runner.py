@@ -18,6 +18,7 @@ from folio.layers.attention.metadata import AttentionMetadata, build_attention_m
 from folio.outputs import TokenLogprob
 from folio.sample.sampler import SamplingBatch, sample
 from folio.sampling_params import SamplingParams
+from folio.structured.grammar import MaskTiming, TokenGrammar, allowed_tokens
 
 
 @dataclass
@@ -37,6 +38,7 @@ class SampleSpec:
     prompt_token_ids: list[int]
     output_token_ids: list[int]
     num_beam_candidates: int = 0
+    grammar: TokenGrammar | None = None
 
 
 @dataclass
@@ -82,6 +84,7 @@ class ModelRunner:
         self.device = device
         slots = num_blocks * self.block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
+        self.mask_timing = MaskTiming()
         self.kv_caches = []
         for layer in model.attention_layers():
             k_cache, v_cache = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
@@ -102,12 +105,13 @@ class ModelRunner:
                 sampled_ids.append(item.request_id)
                 samplers.append(
                     SampleSpec(item.sampling_params, item.generator, item.prompt_token_ids, item.output_token_ids,
-                               item.num_beam_candidates)
+                               item.num_beam_candidates, item.grammar)
                 )  # fmt: skip
                 for fork in item.forks:
                     logits_rows.append(len(input_ids) - 1)
                     sampled_ids.append(fork.request_id)
-                    samplers.append(SampleSpec(fork.sampling_params, fork.generator, fork.prompt_token_ids, []))
+                    samplers.append(SampleSpec(fork.sampling_params, fork.generator, fork.prompt_token_ids, [],
+                                               grammar=fork.grammar))  # fmt: skip
         meta = build_attention_metadata(
             [s.start_position for s in out.scheduled],
             [s.num_tokens for s in out.scheduled],
@@ -161,6 +165,7 @@ class ModelRunner:
             prompt_token_ids=[r.prompt_token_ids for r in rows],
             output_token_ids=[r.output_token_ids for r in rows],
             vocab_size=logits.shape[-1],
+            allowed=allowed_tokens([r.grammar for r in rows], logits.shape[-1], self.mask_timing),
         )
         result = sample(logits.cpu(), batch)
         tokens = dict(zip(inputs.sampled_ids, result.token_ids.tolist(), strict=True))

@@ -1,0 +1,271 @@
+"""`folio bench structured`: what enforcing a JSON schema costs.
+
+The same chat requests run twice on one engine: first constrained by a JSON schema (token masks from
+llguidance), then unconstrained, each request forced (EOS ignored) to decode exactly as many tokens
+as its constrained run produced. Same prompts, same seeds, same token counts: the throughput ratio is
+the cost of the constraint, and the runner's mask timing says how much of it is computing masks.
+Every constrained output is checked to parse and validate against its schema.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from folio.bench.report import machine_info
+from folio.bench.structured_schemas import SCHEMAS
+
+PEERS = ("llama.cpp",)
+Chat = list[dict[str, str]]
+
+
+@dataclass
+class StructuredConfig:
+    model: str
+    num_prompts: int = 32
+    max_tokens: int = 256
+    temperature: float = 0.7
+    seed: int = 0
+    peer: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of folio.LLM
+
+    def __post_init__(self) -> None:
+        if self.num_prompts < 1 or self.max_tokens < 1:
+            raise ValueError("--num-prompts and --max-tokens must be at least 1")
+
+
+@dataclass
+class RunResult:
+    name: str  # "json_schema" or "unconstrained"
+    elapsed_s: float
+    output_tokens: int
+    num_steps_masked: int = 0
+    num_masks: int = 0
+    mask_s: float = 0.0
+
+    @property
+    def output_tokens_per_s(self) -> float:
+        return self.output_tokens / self.elapsed_s
+
+    @property
+    def mask_ms_per_step(self) -> float:
+        return 1000 * self.mask_s / self.num_steps_masked if self.num_steps_masked else 0.0
+
+    @property
+    def mask_ms_per_row(self) -> float:
+        return 1000 * self.mask_s / self.num_masks if self.num_masks else 0.0
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "output_tokens_per_s": self.output_tokens_per_s,
+                "mask_ms_per_step": self.mask_ms_per_step, "mask_ms_per_row": self.mask_ms_per_row}  # fmt: skip
+
+
+@dataclass
+class EngineStructured:
+    """One engine's pair of runs over the workload."""
+
+    engine: str
+    constrained: RunResult
+    unconstrained: RunResult
+    num_valid: int  # constrained outputs that parse and validate against their schema
+    num_finished: int  # constrained outputs that ended by themselves (not cut by max_tokens)
+
+    @property
+    def throughput_ratio(self) -> float:
+        """Constrained / unconstrained output tokens per second (1.0: the constraint is free)."""
+        return self.constrained.output_tokens_per_s / self.unconstrained.output_tokens_per_s
+
+    @property
+    def mask_share(self) -> float:
+        """Fraction of the constrained run's wall time spent computing masks (folio measures it)."""
+        return self.constrained.mask_s / self.constrained.elapsed_s
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"engine": self.engine, "throughput_ratio": self.throughput_ratio, "mask_share": self.mask_share,
+                "num_valid": self.num_valid, "num_finished": self.num_finished,
+                "constrained": self.constrained.to_dict(), "unconstrained": self.unconstrained.to_dict()}  # fmt: skip
+
+
+@dataclass
+class StructuredReport:
+    command: str
+    date_utc: str
+    model: str
+    dtype: str
+    config: dict[str, Any]
+    results: list[EngineStructured]  # folio first, then the peer if any
+    peer_info: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=machine_info)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"command": self.command, "date_utc": self.date_utc, "model": self.model, "dtype": self.dtype,
+                "config": self.config, "machine": self.machine, "peer_info": self.peer_info,
+                "results": [r.to_dict() for r in self.results]}  # fmt: skip
+
+
+def conversations(num_prompts: int) -> list[tuple[str, list[dict[str, str]]]]:
+    """(schema name, chat) pairs, cycling through the schemas."""
+    names = sorted(SCHEMAS)
+    chats = []
+    for i in range(num_prompts):
+        name = names[i % len(names)]
+        chats.append((name, [{"role": "user", "content": f"Example {i + 1}: give me a realistic {name} as JSON."}]))
+    return chats
+
+
+def is_valid(text: str, schema: dict[str, Any]) -> bool:
+    import jsonschema
+
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
+    import gc
+
+    from folio import LLM
+    from folio.loaders.catalog import resolve_model
+
+    if config.peer is not None and config.peer not in PEERS:
+        raise ValueError(f"unknown peer {config.peer!r}; choose from {', '.join(PEERS)}")
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    path = resolve_model(config.model)
+    if config.peer == "llama.cpp" and path.suffix != ".gguf":
+        raise ValueError(f"--peer llama.cpp needs a GGUF model, and {config.model} is {path}")
+    llm = LLM(path, **config.engine_args)
+    torch.set_num_threads(os.cpu_count() or 1)
+    chats = conversations(config.num_prompts)
+    prompts = [llm.tokenizer.encode_chat(chat) for _, chat in chats]
+    results = [_run_folio(llm, config, chats, prompts)]
+    dtype = str(llm.dtype).removeprefix("torch.")
+    del llm  # free folio's weights and KV pool before the peer loads its own copy
+    gc.collect()
+    peer_info: dict[str, Any] = {}
+    if config.peer == "llama.cpp":
+        from folio.bench.structured_llama import count_valid, run_llama_structured
+
+        longest = max(len(p) for p in prompts)
+        bound, free, peer_info = run_llama_structured(path, chats, longest, config.max_tokens, config.temperature,
+                                                      config.seed, threads=os.cpu_count() or 1)  # fmt: skip
+        results.append(EngineStructured(
+            "llama.cpp",
+            RunResult("json_schema", bound.elapsed_s, sum(bound.completion_tokens)),
+            RunResult("unconstrained", free.elapsed_s, sum(free.completion_tokens)),
+            count_valid(bound, chats, is_valid),
+            sum(reason == "stop" for reason in bound.finish_reasons),
+        ))  # fmt: skip
+    settings = {k: v for k, v in asdict(config).items() if k != "model"}
+    return StructuredReport(command, date, config.model, dtype, settings, results, peer_info)
+
+
+def _run_folio(
+    llm: Any, config: StructuredConfig, chats: list[tuple[str, Chat]], prompts: list[list[int]]
+) -> EngineStructured:
+    from folio import SamplingParams
+    from folio.structured.params import StructuredOutputParams
+
+    timing = llm.engine.runner.mask_timing
+    before = (timing.num_steps, timing.num_masks, timing.seconds)
+    bound_params = [
+        SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed + i,
+                       structured_output=StructuredOutputParams(json=SCHEMAS[name]))
+        for i, (name, _) in enumerate(chats)
+    ]  # fmt: skip
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, bound_params)
+    elapsed = time.perf_counter() - start
+    lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    constrained = RunResult("json_schema", elapsed, sum(lengths), timing.num_steps - before[0],
+                            timing.num_masks - before[1], timing.seconds - before[2])  # fmt: skip
+    num_valid = sum(is_valid(o.outputs[0].text, SCHEMAS[name]) for o, (name, _) in zip(outputs, chats, strict=True))
+    num_finished = sum(o.outputs[0].finish_reason == "stop" for o in outputs)
+
+    free_params = [
+        SamplingParams(max_tokens=n, temperature=config.temperature, seed=config.seed + i, ignore_eos=True)
+        for i, n in enumerate(lengths)
+    ]
+    start = time.perf_counter()
+    free = llm.generate(prompts, free_params)
+    elapsed = time.perf_counter() - start
+    unconstrained = RunResult("unconstrained", elapsed, sum(len(o.outputs[0].token_ids) for o in free))
+    if unconstrained.output_tokens != constrained.output_tokens:
+        raise RuntimeError("the unconstrained run decoded a different number of tokens than the constrained one")
+    return EngineStructured("folio", constrained, unconstrained, num_valid, num_finished)
+
+
+def format_table(report: StructuredReport) -> str:
+    header = (
+        f"{'engine':10}{'json tok/s':>12}{'free tok/s':>12}{'ratio':>8}{'mask ms/step':>14}{'valid':>8}{'ended':>8}"
+    )
+    lines = [header]
+    total = report.config["num_prompts"]
+    for r in report.results:
+        mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else "-"
+        lines.append(
+            f"{r.engine:10}{r.constrained.output_tokens_per_s:>12.1f}{r.unconstrained.output_tokens_per_s:>12.1f}"
+            f"{r.throughput_ratio:>7.3f}x{mask:>14}{f'{r.num_valid}/{total}':>8}{f'{r.num_finished}/{total}':>8}"
+        )
+    folio = report.results[0]
+    lines.append(
+        f"ratio = constrained/unconstrained throughput on the same token counts; folio's masks took "
+        f"{100 * folio.mask_share:.1f}% of its constrained run ({folio.constrained.mask_ms_per_row:.3f} ms per row)"
+    )
+    return "\n".join(lines)
+
+
+def write_report(report: StructuredReport, output_dir: Path) -> tuple[Path, Path]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stamp = report.date_utc.replace("-", "").replace(":", "")
+    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(report.model).name.removesuffix(".gguf")).strip("_") or "model"
+    stem = output_dir / f"structured_{model}_{stamp}"
+    json_path, png_path = stem.with_suffix(".json"), stem.with_suffix(".png")
+    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    _plot(report, png_path)
+    return json_path, png_path
+
+
+def _plot(report: StructuredReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+    engines = [r.engine for r in report.results]
+    x = range(len(engines))
+    width = 0.38
+    bound = left.bar([i - width / 2 for i in x], [r.constrained.output_tokens_per_s for r in report.results], width,
+                     label="json_schema", color="#3b6ea8")  # fmt: skip
+    free = left.bar([i + width / 2 for i in x], [r.unconstrained.output_tokens_per_s for r in report.results], width,
+                    label="unconstrained", color="#8aa9cf")  # fmt: skip
+    left.bar_label(bound, fmt="%.1f", fontsize=8)
+    left.bar_label(free, fmt="%.1f", fontsize=8)
+    left.set_xticks(list(x), [f"{r.engine}\n{r.throughput_ratio:.2f}x" for r in report.results])
+    left.set_ylabel("output tokens/s")
+    left.set_title("same prompts, seeds and token counts", fontsize=9)
+    left.legend(fontsize=8)
+    left.margins(y=0.15)
+    c = report.results[0].constrained
+    step_ms = 1000 * c.elapsed_s / max(c.num_steps_masked, 1)
+    right.bar(["folio step"], [step_ms - c.mask_ms_per_step], color="#8aa9cf", label="model + sampling")
+    right.bar(["folio step"], [c.mask_ms_per_step], bottom=[step_ms - c.mask_ms_per_step], color="#c9822b",
+              label="token masks")  # fmt: skip
+    right.set_ylabel("ms per constrained step")
+    right.set_title(f"masks: {c.mask_ms_per_step:.2f} ms/step, {c.mask_ms_per_row:.3f} ms/row", fontsize=9)
+    right.legend(fontsize=8)
+    fig.suptitle(f"{Path(report.model).name} {report.dtype}, {report.config['num_prompts']} JSON-schema requests\n"
+                 f"{report.machine['cpu']} ({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

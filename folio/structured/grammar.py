@@ -1,0 +1,111 @@
+"""Per-request grammar state (llguidance matchers) and the batched token masks they produce.
+
+A request's `TokenGrammar` advances with every token it accepts; before each sampling step the runner
+asks every constrained row for the tokens its grammar allows next and sets the rest to -inf. Masks
+are computed in parallel across rows by llguidance's executor (it releases the GIL).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import llguidance
+import torch
+
+from folio.loaders.tokenizer import Tokenizer
+from folio.structured.params import StructuredOutputParams
+
+logger = logging.getLogger("folio")
+
+
+class TokenGrammar:
+    """One request's position in its grammar."""
+
+    def __init__(self, matcher: llguidance.LLMatcher) -> None:
+        self.matcher = matcher
+
+    def accept(self, token_id: int) -> bool:
+        """Advance past a sampled token; False if the grammar refused it (it cannot go on)."""
+        if self.matcher.consume_token(token_id):
+            return True
+        logger.warning("grammar refused token %d: %s", token_id, self.matcher.get_error())
+        return False
+
+    @property
+    def is_finished(self) -> bool:
+        """The grammar allows no further token (it consumed an EOS, or its language ends here)."""
+        return self.matcher.is_stopped()
+
+
+class GrammarCompiler:
+    """Turns StructuredOutputParams into TokenGrammars for one tokenizer. The tokenizer's llguidance
+    index takes a fraction of a second to build, so it is built on first use."""
+
+    def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
+        self._lltokenizer: llguidance.LLTokenizer | None = None
+
+    @property
+    def lltokenizer(self) -> llguidance.LLTokenizer:
+        if self._lltokenizer is None:
+            self._lltokenizer = llguidance.LLTokenizer(
+                self.tokenizer.backend.to_str(),
+                n_vocab=self.vocab_size,
+                eos_token=sorted(self.tokenizer.eos_token_ids) or None,
+            )
+        return self._lltokenizer
+
+    def compile(self, params: StructuredOutputParams) -> TokenGrammar:
+        matcher = llguidance.LLMatcher(self.lltokenizer, params.compiled, log_level=0)
+        if matcher.is_error():
+            raise ValueError(f"invalid {params.kind}: {matcher.get_error()}")
+        return TokenGrammar(matcher)
+
+
+@dataclass
+class MaskTiming:
+    """Time spent computing and applying token masks, for the structured-output benchmark."""
+
+    num_masks: int = 0  # rows masked
+    num_steps: int = 0  # sampling steps with at least one masked row
+    seconds: float = 0.0
+
+    @property
+    def ms_per_mask(self) -> float:
+        return 1000 * self.seconds / self.num_masks if self.num_masks else 0.0
+
+
+def allowed_tokens(
+    grammars: Sequence[TokenGrammar | None], vocab_size: int, timing: MaskTiming | None = None
+) -> torch.Tensor | None:
+    """[N, vocab_size] bool: which tokens each row's grammar allows next (all, for rows without one);
+    None when no row has a grammar."""
+    rows = [(g.matcher, row) for row, g in enumerate(grammars) if g is not None]
+    if not rows:
+        return None
+    start = time.perf_counter()
+    words = (vocab_size + 31) // 32
+    bitmask = torch.full((len(grammars), words), -1, dtype=torch.int32)  # all bits set: allowed
+    # What llguidance.torch.fill_next_token_bitmask_par does, without importing torch.compile machinery.
+    _executor().unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(grammars))
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    allowed = bits.reshape(len(grammars), -1)[:, :vocab_size].bool()
+    if timing is not None:
+        timing.num_masks += len(rows)
+        timing.num_steps += 1
+        timing.seconds += time.perf_counter() - start
+    return allowed
+
+
+_shared_executor: llguidance.LLExecutor | None = None
+
+
+def _executor() -> llguidance.LLExecutor:
+    global _shared_executor
+    if _shared_executor is None:
+        _shared_executor = llguidance.LLExecutor()
+    return _shared_executor
