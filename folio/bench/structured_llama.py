@@ -7,6 +7,7 @@ All requests of a run are sent at once, one per slot, so llama-server batches th
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -30,6 +31,8 @@ class PeerRun:
 
 def _post_all(base_url: str, bodies: list[dict[str, Any]]) -> PeerRun:
     import httpx
+
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
 
     def post(body: dict[str, Any]) -> dict[str, Any]:
         response = httpx.post(f"{base_url}/v1/chat/completions", json=body, timeout=3600)
