@@ -60,6 +60,9 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--min-p", type=float, default=0.0)
     parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--format", default=None, metavar="json|SCHEMA",
+                        help="constrain the output, as Ollama's --format: 'json' (any JSON object), a JSON schema, "
+                        "or a file holding one")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 from folio.sampling_params import SamplingParams
+from folio.structured.params import StructuredOutputParams
 
 
 def _llm(args: argparse.Namespace):
@@ -28,7 +29,22 @@ def _sampling(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
         seed=args.seed,
     )
     fields.update(overrides)
-    return SamplingParams(**fields)
+    return SamplingParams(**fields, structured_output=_output_format(getattr(args, "format", None)))
+
+
+def _output_format(value: str | None) -> StructuredOutputParams | None:
+    """--format: 'json', an inline JSON schema, or the path of a file holding one."""
+    if value is None:
+        return None
+    if value == "json":
+        return StructuredOutputParams(json_object=True)
+    text = value
+    if not value.lstrip().startswith("{"):
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"--format takes 'json', a JSON schema or a schema file; {value!r} is none of them")
+        text = path.read_text(encoding="utf-8")
+    return StructuredOutputParams(json=text)
 
 
 def _human_size(num_bytes: int) -> str:

@@ -38,6 +38,19 @@ def test_run_streams_a_completion(smollm2_gguf, capsys, caplog):
     assert "KV cache:" in caplog.text and "tokens" in caplog.text  # capacity reported at start-up
 
 
+def test_run_with_a_format_prints_json_of_the_schema(smollm2_gguf, tmp_path, capsys):
+    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
+              "population": {"type": "integer"}}, "required": ["city", "population"], "additionalProperties": False}
+    schema_file = tmp_path / "city.json"
+    schema_file.write_text(json.dumps(schema))
+    args = ["run", str(smollm2_gguf), "Describe Paris.", "--format", str(schema_file), "--temperature", "0", *KV]
+    assert main(args) == 0
+    answer = json.loads(capsys.readouterr().out)
+    assert set(answer) == {"city", "population"} and isinstance(answer["population"], int)
+    assert main(["run", str(smollm2_gguf), "A person as JSON.", "--format", "json", "--seed", "1", *KV]) == 0
+    assert isinstance(json.loads(capsys.readouterr().out), dict)
+
+
 def test_generate_jsonl(smollm2_gguf, tmp_path):
     source = tmp_path / "prompts.jsonl"
     source.write_text(
@@ -73,6 +86,8 @@ def test_chat_reads_turns_from_stdin(smollm2_gguf):
         (["generate", "smollm2-135m", "--input", "/nonexistent.jsonl", "--output", "/tmp/x.jsonl"], "does not exist"),
         (["run", "smollm2-135m", "hi", "--temperature", "-1", *KV], "temperature"),
         (["chat", "gemma3-270m", *KV], "no chat template"),
+        (["run", "smollm2-135m", "hi", "--format", "{not json", *KV], "json schema"),
+        (["run", "smollm2-135m", "hi", "--format", "yaml", *KV], "--format takes"),
     ],
 )
 def test_errors_are_one_line_without_traceback(args, message, smollm2_gguf, gemma3_gguf):
