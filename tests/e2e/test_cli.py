@@ -39,8 +39,12 @@ def test_run_streams_a_completion(smollm2_gguf, capsys, caplog):
 
 
 def test_run_with_a_format_prints_json_of_the_schema(smollm2_gguf, tmp_path, capsys):
-    schema = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 20},
-              "population": {"type": "integer"}}, "required": ["city", "population"], "additionalProperties": False}
+    schema = {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 20}, "population": {"type": "integer"}},
+        "required": ["city", "population"],
+        "additionalProperties": False,
+    }
     schema_file = tmp_path / "city.json"
     schema_file.write_text(json.dumps(schema))
     args = ["run", str(smollm2_gguf), "Describe Paris.", "--format", str(schema_file), "--temperature", "0", *KV]
