@@ -33,6 +33,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="static/dynamic batch size (--max-num-seqs)")
     parser.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait (default 50)")
     parser.add_argument(
+        "--quantization", default=None, choices=("none",),
+        help="none: dequantize every GGUF weight to --dtype at load (default: 4-bit GGUF weights stay packed, "
+        "multiplied by the int4 kernel)",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="recompute every prompt instead of reusing the KV of prefixes seen before",
     )  # fmt: skip
@@ -47,6 +52,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_num_batched_tokens=args.max_num_batched_tokens,
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
+        quantization=args.quantization,
         batching=args.batching,
         batch_size=args.batch_size,
         batch_timeout_ms=args.batch_timeout_ms,

@@ -24,6 +24,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: Ad
     _add_serve(benchmarks)
     _add_serve_compare(benchmarks, add_engine_args)
     _add_structured(benchmarks, add_engine_args)
+    _add_decode(benchmarks, add_engine_args)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -238,6 +239,39 @@ def _run_structured(args: argparse.Namespace) -> int:
                               args.peer, engine_kwargs(args))  # fmt: skip
     report = run_structured(config, _command_line(args))
     print(f"{report.model} ({report.dtype}), {config.num_prompts} JSON-schema requests, seed {config.seed}")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0
+
+
+def _add_decode(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    parser = benchmarks.add_parser(
+        "decode",
+        help="decode speed of a GGUF file's weights kept quantized vs dequantized, optionally vs llama-bench",
+        description="Load a GGUF model twice (its weights kept quantized, then dequantized to --dtype) and measure "
+        "batch-1 decode tok/s (prefill excluded, best of --repeats), batch-N output tok/s and resident weight "
+        "memory; with --peer llama.cpp also llama-bench's tg on the same file with the same threads.",
+    )
+    parser.add_argument("model", help="catalog name or .gguf file")
+    parser.add_argument("--gen-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
+    parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs, best kept (default 3)")
+    parser.add_argument("--peer", default=None, help="also run llama-bench on the same file: llama.cpp")
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_engine_args(parser)
+    parser.set_defaults(bench_run=_run_decode)
+
+
+def _run_decode(args: argparse.Namespace) -> int:
+    from folio.bench.decode import DecodeConfig, format_table, run_decode, write_report
+    from folio.cli import engine_kwargs
+
+    engine = {k: v for k, v in engine_kwargs(args).items() if k != "quantization"}  # both variants run
+    config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine)
+    report = run_decode(config, _command_line(args))
+    print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
     print(format_table(report))
     json_path, png_path = write_report(report, Path(args.output_dir))
     print(f"wrote {json_path}")

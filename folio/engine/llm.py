@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -19,6 +20,8 @@ from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
 from folio.structured.grammar import GrammarCompiler
+
+logger = logging.getLogger("folio")
 
 Prompt = str | list[int]
 Messages = list[dict[str, str]]
@@ -41,13 +44,17 @@ class LLM:
         batching: str = "continuous",
         batch_size: int | None = None,
         batch_timeout_ms: float = 50.0,
+        quantization: str | None = None,
     ) -> None:
         from folio.loaders.catalog import resolve_model
 
         configure_threads()
         self.device = torch.device(device) if device else default_device()
         self.dtype = parse_dtype(dtype)
-        self.loaded: LoadedModel = load_model(resolve_model(str(model)), self.dtype, self.device)
+        # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
+        path = resolve_model(str(model))
+        self.loaded: LoadedModel = load_model(path, self.dtype, self.device, quantization)
+        logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         self.engine = EngineCore(

@@ -16,6 +16,8 @@ from folio.loaders.hf_folder import iter_safetensors, read_hf_config
 from folio.loaders.tokenizer import Tokenizer
 from folio.models.registry import model_class
 
+QUANTIZATIONS = (None, "none")
+
 
 @dataclass
 class LoadedModel:
@@ -26,13 +28,32 @@ class LoadedModel:
     quantization: str  # e.g. "Q4_1" for GGUF files, "none" for 16/32-bit checkpoints
     load_seconds: float
 
+    @property
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weights as held (packed 4-bit layers at their packed size)."""
+        return resident_weight_bytes(self.model)
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device) -> LoadedModel:
+
+def resident_weight_bytes(model: nn.Module) -> int:
+    seen: set[int] = set()
+    total = 0
+    for tensor in [*model.parameters(), *model.buffers()]:
+        if id(tensor) not in seen:  # tied weights count once
+            seen.add(id(tensor))
+            total += tensor.nbytes
+    return total + sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
+    """`quantization`: None keeps a GGUF file's 4-bit projection weights packed where the device has a
+    kernel for them (everything else is dequantized to `dtype`); "none" dequantizes everything."""
+    if quantization not in QUANTIZATIONS:
+        raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {quantization!r}")
     start = time.perf_counter()
     if path.is_file():
         gguf = GGUFFile(path)
         config = gguf_model_config(gguf)
-        weights = iter_gguf_weights(gguf, config, dtype)
+        weights = iter_gguf_weights(gguf, config, dtype, keep_quantized=quantization is None)
         tokenizer = Tokenizer.from_gguf(gguf)
         quantization = gguf.quantization_summary()
     elif (path / "config.json").exists():

@@ -1,8 +1,9 @@
 """Linear layers that own their weight loading.
 
 Each parameter carries a `weight_loader(param, loaded, shard_id)` so checkpoints with separate
-q/k/v or gate/up tensors load into fused layers, whatever the file format. How the weight is stored
-(dense today; quantized blocks in a later step) stays behind `forward`.
+q/k/v or gate/up tensors load into fused layers, whatever the file format. The weight is dense, or,
+when the checkpoint gives 4-bit groups (`Int4Groups`, e.g. GGUF Q4_0/Q4_1/Q4_K) and the device has a
+kernel for them, packed 4-bit (see weight_storage.py); `forward` hides which.
 """
 
 from __future__ import annotations
@@ -10,6 +11,9 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from folio.layers.weight_storage import Int4Staging, can_pack, pack
+from folio.quant.int4 import Int4Groups, PackedInt4
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -30,12 +34,65 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.bias = None
+        self.packed: PackedInt4 | None = None  # set once every row of a 4-bit weight has loaded
+        self._staging: Int4Staging | None = None
+        self._has_dense_rows = False
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        default_weight_loader(param, loaded)
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        """(first output row, number of rows) a checkpoint tensor fills."""
+        return 0, self.out_features
+
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Int4Groups, shard_id: object = None) -> None:
+        offset, size = self.shard_rows(shard_id)
+        if param is not self.weight:  # a bias: always dense
+            _copy_rows(param.data, offset, size, loaded, shard_id)
+        elif isinstance(loaded, Int4Groups):
+            self._load_int4(offset, size, loaded, shard_id)
+        else:
+            self._to_dense()
+            _copy_rows(param.data, offset, size, loaded, shard_id)
+            self._has_dense_rows = True
+
+    def _load_int4(self, offset: int, size: int, groups: Int4Groups, shard_id: object) -> None:
+        if groups.shape != (size, self.in_features):
+            raise ValueError(f"shape mismatch for shard {shard_id!r}: {(size, self.in_features)} vs {groups.shape}")
+        weight = self.weight
+        if self._has_dense_rows or not can_pack(self.out_features, self.in_features, weight.dtype, weight.device):
+            _copy_rows(weight.data, offset, size, groups.dequantize(weight.dtype), shard_id)
+            self._has_dense_rows = True
+            return
+        if self._staging is None:
+            self._staging = Int4Staging(self.out_features, self.in_features)
+        self._staging.put(offset, groups)
+        if self._staging.complete:
+            self.packed = pack(self._staging)
+            self._staging = None
+            weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # no dense copy kept
+
+    def _to_dense(self) -> None:
+        """A dense shard arrived: the rows staged as 4-bit become dense too."""
+        if self._staging is not None:
+            for offset, rows in self._staging.dense_rows(self.weight.dtype):
+                self.weight.data[offset : offset + rows.shape[0]] = rows
+            self._staging = None
+
+    @property
+    def weight_nbytes(self) -> int:
+        """Bytes the weight occupies in memory, packed or dense."""
+        return self.packed.nbytes if self.packed is not None else self.weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+        if self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        out = self.packed.linear(x.reshape(-1, self.in_features), self.bias)
+        return out.view(*x.shape[:-1], self.out_features)
+
+
+def _copy_rows(target: torch.Tensor, offset: int, size: int, loaded: torch.Tensor, shard_id: object) -> None:
+    rows = target.narrow(0, offset, size)
+    if rows.shape != loaded.shape:
+        raise ValueError(f"shape mismatch for shard {shard_id!r}: {tuple(rows.shape)} vs {tuple(loaded.shape)}")
+    rows.copy_(loaded)
 
 
 class MergedLinear(Linear):
@@ -49,12 +106,5 @@ class MergedLinear(Linear):
             self.shard_offsets[shard_id] = (offset, size)
             offset += size
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
-        if shard_id is None:
-            default_weight_loader(param, loaded)
-            return
-        offset, size = self.shard_offsets[shard_id]
-        target = param.data.narrow(0, offset, size)
-        if target.shape != loaded.shape:
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: {tuple(target.shape)} vs {tuple(loaded.shape)}")
-        target.copy_(loaded)
+    def shard_rows(self, shard_id: object) -> tuple[int, int]:
+        return (0, self.out_features) if shard_id is None else self.shard_offsets[shard_id]

@@ -10,10 +10,15 @@ import re
 from collections.abc import Iterator
 
 import torch
+from gguf import GGMLQuantizationType
 
 from folio.config import ModelConfig
-from folio.loaders.gguf_file import GGUFFile
-from folio.quant.gguf_dequant import dequantize_tensor
+from folio.loaders.gguf_file import GGUFFile, GGUFTensor
+from folio.quant.gguf_dequant import dequantize_tensor, unpack
+from folio.quant.int4 import Int4Groups, int4_groups
+from folio.quant.int8 import Int8Groups, int8_groups
+
+INT4_FORMATS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
@@ -112,10 +117,42 @@ def _unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, half, 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
 
 
-def iter_gguf_weights(gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype) -> Iterator[tuple[str, torch.Tensor]]:
+def _rope_row_order(rows: int, num_heads: int) -> torch.Tensor:
+    """The row index that undoes llama.cpp's q/k permutation (see _unpermute_rope_rows)."""
+    return _unpermute_rope_rows(torch.arange(rows), num_heads)
+
+
+def _as_int4(tensor: GGUFTensor, name: str, arch: str, config: ModelConfig) -> Int4Groups | None:
+    """A projection weight whose format maps exactly onto 4-bit groups, kept that way; else None."""
+    if name.startswith("token_embd") or tensor.ggml_type not in INT4_FORMATS:
+        return None
+    groups = int4_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
+    if groups is None or arch != "llama" or not (".attn_q." in name or ".attn_k." in name):
+        return groups
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    return groups.rows(_rope_row_order(groups.shape[0], heads))
+
+
+def _as_int8(tensor: GGUFTensor, name: str) -> Int8Groups | None:
+    """The token embedding or LM head in Q8_0, kept as 8-bit groups; else None."""
+    if tensor.ggml_type != GGMLQuantizationType.Q8_0 or not name.startswith(("token_embd.", "output.")):
+        return None
+    return int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
+
+
+def iter_gguf_weights(
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = True
+) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups]]:
+    """(Hugging Face name, weight) for every tensor. With `keep_quantized`, projection weights in a
+    4-bit format come as Int4Groups and a Q8_0 embedding or LM head as Int8Groups, for the layers to
+    keep quantized; everything else is dequantized."""
     arch = gguf.architecture
     for name, tensor in gguf.tensors.items():
         target = hf_name(name, arch)
+        groups = (_as_int4(tensor, name, arch, config) or _as_int8(tensor, name)) if keep_quantized else None
+        if groups is not None:
+            yield target, groups
+            continue
         weight = dequantize_tensor(tensor, dtype=torch.float32)
         if arch == "llama" and ".attn_q." in name:
             weight = _unpermute_rope_rows(weight, config.num_heads)

@@ -12,13 +12,15 @@ import torch
 from torch import nn
 
 from folio.layers.linear import default_weight_loader
+from folio.quant.int4 import Int4Groups
+from folio.quant.int8 import Int8Groups
 
 StackedMapping = list[tuple[str, str, object]]  # (fused name, checkpoint name, shard id)
 
 
 def load_named_weights(
     model: nn.Module,
-    weights: Iterable[tuple[str, torch.Tensor]],
+    weights: Iterable[tuple[str, torch.Tensor | Int4Groups | Int8Groups]],
     stacked: StackedMapping,
     skip_prefixes: tuple[str, ...] = (),
 ) -> set[str]:
@@ -33,7 +35,8 @@ def load_named_weights(
         if param is None:
             raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", default_weight_loader)
-        loader(param, tensor.to(param.dtype), shard_id)
+        # Quantized groups go to the layer as they are; it keeps them or widens them itself.
+        loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor, shard_id)
         loaded.add(target)
     return loaded
 

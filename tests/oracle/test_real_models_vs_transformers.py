@@ -33,7 +33,9 @@ LOGIT_TOLERANCE = 2e-3
 @pytest.fixture(scope="module", params=["smollm2_gguf", "gemma3_gguf"])
 def models(request):
     path = request.getfixturevalue(request.param)
-    loaded = load_model(path, torch.float32, torch.device("cpu"))
+    # The model's math against transformers on the same dequantized weights: no 4-bit kernels here
+    # (tests/oracle/test_packed_gguf_weights.py compares those with this dequantized path).
+    loaded = load_model(path, torch.float32, torch.device("cpu"), quantization="none")
     reference = transformers.AutoModelForCausalLM.from_pretrained(
         path.parent, gguf_file=path.name, dtype=torch.float32
     ).eval()

@@ -1,0 +1,181 @@
+"""`folio bench decode`: decode speed of a model's weight formats, and llama.cpp's on the same file.
+
+For each folio variant (the GGUF file's weights kept quantized, and dequantized to --dtype) it loads
+the model and measures
+- batch-1 decode: one request decoding `--gen-tokens` tokens after a short prompt, timed from its
+  first token to its last (prefill excluded), as llama-bench's tg measures; best of `--repeats`;
+- batch-64 output throughput: 64 requests decoding `--gen-tokens` each, all submitted at once;
+- the weights' resident bytes.
+With `--peer llama.cpp`, llama-bench runs `-p 0 -n <gen-tokens>` (tg) with the same thread count on
+the same file, after folio has released its memory.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import re
+import subprocess
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from folio.bench.report import machine_info
+
+VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
+PROMPT = "Write a long story about a lighthouse keeper."
+
+
+@dataclass
+class DecodeConfig:
+    model: str
+    gen_tokens: int = 128
+    batch: int = 64
+    repeats: int = 3
+    peer: str | None = None
+    engine_args: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class VariantResult:
+    engine: str  # "folio gguf", "folio dequantized", "llama.cpp"
+    weight_mib: float | None
+    batch1_tok_s: float
+    batch_tok_s: float | None  # None for the peer (llama-bench has no batched decode)
+
+
+@dataclass
+class DecodeReport:
+    command: str
+    date_utc: str
+    model: str
+    dtype: str
+    config: dict[str, Any]
+    results: list[VariantResult]
+    peer_info: dict[str, Any] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=machine_info)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "results": [asdict(r) for r in self.results]}
+
+
+def _batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
+    from folio import SamplingParams
+
+    params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
+    best = 0.0
+    for _ in range(repeats):
+        [out] = llm.generate(PROMPT, params, use_tqdm=False)
+        decode_s = out.metrics.finish_time - out.metrics.first_token_time
+        best = max(best, (gen_tokens - 1) / decode_s)
+    return best
+
+
+def _batched(llm: Any, gen_tokens: int, batch: int) -> float:
+    from folio import SamplingParams
+
+    params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
+    prompts = [f"{PROMPT} Chapter {i + 1}." for i in range(batch)]
+    start = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    elapsed = time.perf_counter() - start
+    return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
+
+
+def _llama_bench(path: Path, gen_tokens: int, repeats: int, threads: int) -> tuple[float, dict[str, Any]]:
+    from folio.bench.llama_cpp_build import build_llama_cpp
+
+    binaries = build_llama_cpp()
+    cmd = [str(binaries.bench), "-m", str(path), "-p", "0", "-n", str(gen_tokens), "-t", str(threads),
+           "-r", str(repeats), "-o", "json"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
+    [record] = [r for r in json.loads(out.stdout) if r.get("n_gen") == gen_tokens]
+    info = {"llama_cpp_version": binaries.version, "llama_cpp_commit": binaries.commit, "command": " ".join(cmd),
+            "stddev_ts": record.get("stddev_ts")}  # fmt: skip
+    return float(record["avg_ts"]), info
+
+
+def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
+    from folio import LLM
+    from folio.loaders.catalog import resolve_model
+
+    if config.peer not in (None, "llama.cpp"):
+        raise ValueError(f"unknown peer {config.peer!r}; choose llama.cpp")
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    path = resolve_model(config.model)
+    if path.suffix != ".gguf":
+        raise ValueError(f"folio bench decode compares a GGUF file's formats, and {config.model} is {path}")
+    threads = os.cpu_count() or 1
+    results = []
+    dtype = "float32"
+    for name, quantization in VARIANTS.items():
+        llm = LLM(path, quantization=quantization, **config.engine_args)
+        torch.set_num_threads(threads)
+        dtype = str(llm.dtype).removeprefix("torch.")
+        _batch1(llm, 8, 1)  # warm-up: kernels built and loaded, first-call allocations
+        results.append(VariantResult(
+            f"folio {name}", llm.loaded.weight_bytes / 2**20,
+            _batch1(llm, config.gen_tokens, config.repeats), _batched(llm, config.gen_tokens, config.batch),
+        ))  # fmt: skip
+        del llm
+        gc.collect()
+    peer_info: dict[str, Any] = {}
+    if config.peer == "llama.cpp":
+        tok_s, peer_info = _llama_bench(path, config.gen_tokens, config.repeats, threads)
+        results.append(VariantResult("llama.cpp", path.stat().st_size / 2**20, tok_s, None))
+    settings = {k: v for k, v in asdict(config).items() if k != "model"}
+    return DecodeReport(command, date, config.model, dtype, settings, results, peer_info)
+
+
+def format_table(report: DecodeReport) -> str:
+    batch = report.config["batch"]
+    lines = [f"{'engine':20}{'weights MiB':>12}{'batch-1 tok/s':>15}{f'batch-{batch} tok/s':>17}"]
+    for r in report.results:
+        weights = f"{r.weight_mib:.1f}" if r.weight_mib is not None else "-"
+        batched = f"{r.batch_tok_s:.1f}" if r.batch_tok_s is not None else "-"
+        lines.append(f"{r.engine:20}{weights:>12}{r.batch1_tok_s:>15.1f}{batched:>17}")
+    if report.results[-1].engine == "llama.cpp":
+        ratio = report.results[0].batch1_tok_s / report.results[-1].batch1_tok_s
+        lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = {ratio:.2f}x")
+    return "\n".join(lines)
+
+
+def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
+    output_dir.mkdir(parents=True, exist_ok=True)
+    stamp = report.date_utc.replace("-", "").replace(":", "")
+    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(report.model).name.removesuffix(".gguf")).strip("_") or "model"
+    stem = output_dir / f"decode_{model}_{report.dtype}_{stamp}"
+    json_path, png_path = stem.with_suffix(".json"), stem.with_suffix(".png")
+    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    _plot(report, png_path)
+    return json_path, png_path
+
+
+def _plot(report: DecodeReport, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    names = [r.engine for r in report.results]
+    colors = ["#c9822b" if n == "llama.cpp" else "#3b6ea8" for n in names]
+    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    panels = [("batch1_tok_s", "batch-1 decode tok/s"), ("batch_tok_s", f"batch-{report.config['batch']} tok/s"),
+              ("weight_mib", "resident weights MiB")]  # fmt: skip
+    for ax, (key, label) in zip(axes, panels, strict=True):
+        values = [getattr(r, key) or 0.0 for r in report.results]
+        bars = ax.bar(names, values, color=colors)
+        ax.bar_label(bars, fmt="%.1f", fontsize=8)
+        ax.set_title(label, fontsize=9)
+        ax.tick_params(axis="x", labelsize=7)
+        ax.margins(y=0.15)
+    fig.suptitle(f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
+                 f"({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,80 @@
+"""8-bit weights in groups along K (GGUF Q8_0: 32 per group), kept as int8 codes and float32 scales
+(1.125 bytes per weight against the file's 1.0625) and multiplied by a small C++ kernel.
+
+W[n, k] = scales[n, k // group] * codes[n, k]. For few rows the kernel reads the codes once and
+never builds the float weight; for many rows (or without a compiler) the weight is dequantized and
+one GEMM runs. Embedding lookups dequantize only the rows asked for.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+import torch.nn.functional as F
+
+from folio.cpp_extension import load_extension
+from folio.quant.gguf_dequant import GroupQuant
+
+_SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cpp"
+# Rows up to which the kernel beats dequantize-then-GEMM on the project's machine (see docs/benchmarks.md).
+KERNEL_MAX_ROWS = 32
+
+
+@cache
+def load_q8_kernel() -> ModuleType | None:
+    return load_extension("q8_linear", "folio_q8_linear", _SOURCE, "int8 weight")
+
+
+@dataclass
+class Int8Groups:
+    codes: torch.Tensor  # [N, K] int8
+    scales: torch.Tensor  # [N, K / group] float32
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.codes.shape[0], self.codes.shape[1])
+
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.nbytes + self.scales.nbytes
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        rows, cols = self.shape
+        grouped = self.codes.view(rows, -1, self.group_size).to(torch.float32) * self.scales.unsqueeze(-1)
+        return grouped.view(rows, cols).to(dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized."""
+        return (
+            Int8Groups(self.codes[ids.flatten()], self.scales[ids.flatten()])
+            .dequantize(dtype)
+            .view(*ids.shape, self.shape[1])
+        )
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
+        flat = x.reshape(-1, self.shape[1])
+        kernel = load_q8_kernel() if flat.device.type == "cpu" else None
+        if kernel is None or flat.shape[0] > KERNEL_MAX_ROWS:
+            out = F.linear(flat, self.dequantize(x.dtype))
+        else:
+            out = kernel.q8_linear(flat.float().contiguous(), self.codes, self.scales, self.group_size).to(x.dtype)
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], self.shape[0])
+
+
+def int8_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int8Groups | None:
+    """A GGUF tensor's groups as Int8Groups (Q8_0: signed 8-bit codes, no bias), else None."""
+    if quant.bits != 8 or quant.biases is not None or quant.codes.dtype != torch.int8 or len(shape) != 2:
+        return None
+    rows, cols = shape
+    return Int8Groups(quant.codes.reshape(rows, cols).clone(), quant.scales.reshape(rows, -1).clone())

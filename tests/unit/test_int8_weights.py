@@ -1,0 +1,64 @@
+"""8-bit GGUF weights (Q8_0) kept as codes and scales: exact against the GGUF dequantization, and the
+C++ kernel, the dense fallback and embedding lookups equal dequantize-then-matmul."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from gguf import GGMLQuantizationType as Q
+from gguf import quants
+
+from folio.layers.embedding import LMHead, VocabEmbedding
+from folio.quant import int8
+from folio.quant.gguf_dequant import dequantize, unpack
+from folio.quant.int8 import int8_groups, load_q8_kernel
+
+
+@pytest.fixture(scope="module")
+def q8():
+    data = np.random.default_rng(0).standard_normal((320, 256)).astype(np.float32)
+    raw = quants.quantize(data, Q.Q8_0)
+    groups = int8_groups(unpack(raw, Q.Q8_0, (320, 256)), (320, 256))
+    return groups, dequantize(raw, Q.Q8_0, (320, 256))
+
+
+def test_groups_equal_the_gguf_dequantization_exactly(q8):
+    groups, weight = q8
+    assert torch.equal(groups.dequantize(), weight)
+    assert groups.group_size == 32 and groups.nbytes == 320 * 256 + 4 * 320 * 256 // 32
+
+
+def test_other_formats_are_refused():
+    raw = quants.quantize(np.zeros((64, 64), dtype=np.float32), Q.Q4_1)
+    assert int8_groups(unpack(raw, Q.Q4_1, (64, 64)), (64, 64)) is None
+
+
+def test_the_kernel_is_built():
+    assert load_q8_kernel() is not None  # a C++ compiler is part of the project's setup
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 1, 200])
+def test_kernel_and_dense_paths_equal_dequantize_then_matmul(q8, dtype, rows):
+    groups, weight = q8
+    x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
+    bias = torch.randn(320).to(dtype)
+    expected = F.linear(x.double(), weight.double(), bias.double())
+    got = groups.linear(x, bias)
+    assert got.dtype == dtype and got.shape == (rows, 320)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # bf16: the output's rounding
+    assert (got.double() - expected).abs().max().item() <= tolerance * expected.abs().max().item()
+
+
+def test_embedding_and_tied_head_keep_the_weight_quantized(q8):
+    groups, weight = q8
+    embedding = VocabEmbedding(320, 256)
+    embedding.weight.weight_loader(embedding.weight, groups)
+    head = LMHead(320, 256, tied_to=embedding)
+    assert embedding.weight.numel() == 0 and embedding.packed is groups
+    ids = torch.tensor([[0, 7, 319], [5, 5, 1]])
+    assert torch.equal(embedding(ids), F.embedding(ids, weight))
+    hidden = torch.randn(3, 256)
+    torch.testing.assert_close(head(hidden), hidden @ weight.t(), rtol=1e-5, atol=1e-4)
