@@ -38,6 +38,11 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
         "multiplied by the int4 kernel)",
     )  # fmt: skip
     parser.add_argument(
+        "--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
+        help="auto (the model's dtype), or 8-bit K/V with a float16 scale per token and head: about twice "
+        "the tokens in the same memory",
+    )  # fmt: skip
+    parser.add_argument(
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
         help="recompute every prompt instead of reusing the KV of prefixes seen before",
     )  # fmt: skip
@@ -53,6 +58,7 @@ def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
         max_model_len=args.max_model_len,
         enable_prefix_caching=args.enable_prefix_caching,
         quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
         batching=args.batching,
         batch_size=args.batch_size,
         batch_timeout_ms=args.batch_timeout_ms,

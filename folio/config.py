@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from folio.kv_cache.quant import kv_format
+
 
 @dataclass
 class ModelConfig:
@@ -66,6 +68,7 @@ class CacheConfig:
     kv_cache_memory: int | None = None  # bytes for the KV pool; None: a share of available RAM
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
+    kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8": 8-bit K/V with per-token scales
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:
@@ -74,6 +77,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        kv_format(self.kv_cache_dtype)  # raises on an unknown name
 
 
 @dataclass

@@ -22,6 +22,12 @@ WEIGHT_FORMATS: dict[str, float] = {
     "Q5_0": 5.5, "Q4_K": 4.5, "Q4_1": 5.0, "Q4_0": 4.5, "int4": 4.125,
 }  # fmt: skip
 KV_DTYPES = {"float32": 4.0, "bfloat16": 2.0, "float16": 2.0, "fp8": 1.0, "int8": 1.0}
+SCALED_KV_DTYPES = ("fp8", "int8")  # folio stores a float16 scale per token and KV head with them
+
+
+def kv_element_bytes(kv_dtype: str, head_dim: int) -> float:
+    """Bytes per cached K or V element, the 8-bit formats' per-row scale spread over the row."""
+    return KV_DTYPES[kv_dtype] + (2 / head_dim if kv_dtype in SCALED_KV_DTYPES else 0.0)
 
 
 @dataclass(frozen=True)
@@ -97,13 +103,14 @@ def report(
     mha: bool = False,
 ) -> str:
     config = shape.config
-    kv_bytes = KV_DTYPES[kv_dtype]
+    kv_bytes = kv_element_bytes(kv_dtype, config.head_dim)
     per_token = kv_bytes_per_token(config, kv_bytes)
     lines = [
         f"{config.architecture}: {config.num_layers} layers, {config.num_heads} query heads, "
         f"{config.num_kv_heads} KV heads, head dim {config.head_dim}, context {config.max_position_embeddings}",
         f"KV cache per token ({kv_dtype}): 2 x {config.num_layers} x {config.num_kv_heads} x {config.head_dim} x "
-        f"{kv_bytes:g} B = {format_bytes(per_token)}",
+        f"{kv_bytes:g} B = {format_bytes(per_token)}"
+        + (" (8-bit codes + a 2-byte scale per token and head)" if kv_dtype in SCALED_KV_DTYPES else ""),
     ]
     if mha:
         full = kv_bytes_per_token(config, kv_bytes, mha=True)

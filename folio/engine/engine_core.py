@@ -37,7 +37,7 @@ class EngineCore:
         dtype: torch.dtype,
         device: torch.device,
     ) -> None:
-        bytes_per_token = kv_bytes_per_token(model_config, dtype)
+        bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype)
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
         else:
@@ -59,13 +59,14 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token); context length %d; "
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token, %s); context length %d; "
             "prefix caching %s",
             num_blocks,
             cache_config.block_size,
             self.kv.capacity_tokens,
             num_blocks * cache_config.block_size * bytes_per_token / 2**20,
             bytes_per_token,
+            cache_config.kv_cache_dtype,
             max_len,
             "on" if cache_config.enable_prefix_caching else "off",
         )

@@ -45,6 +45,7 @@ class LLM:
         batch_size: int | None = None,
         batch_timeout_ms: float = 50.0,
         quantization: str | None = None,
+        kv_cache_dtype: str = "auto",
     ) -> None:
         from folio.loaders.catalog import resolve_model
 
@@ -65,6 +66,7 @@ class LLM:
                 kv_cache_memory=parse_memory(kv_cache_memory),
                 num_blocks=num_kv_blocks,
                 enable_prefix_caching=enable_prefix_caching,
+                kv_cache_dtype=kv_cache_dtype,
             ),
             SchedulerConfig(
                 max_num_batched_tokens=max_num_batched_tokens,

@@ -14,6 +14,8 @@ from torch import nn
 from folio.config import CacheConfig, ModelConfig
 from folio.engine.beam_search import BeamCandidates, top_candidates
 from folio.engine.scheduler_output import SchedulerOutput
+from folio.kv_cache.quant import SCALE_DTYPE, kv_format, slot_bytes_per_head
+from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
 from folio.sample.sampler import SamplingBatch, sample
@@ -51,8 +53,10 @@ class RunnerOutput:
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype) -> int:
-    return 2 * config.num_layers * config.num_kv_heads * config.head_dim * torch.finfo(dtype).bits // 8
+def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
+    """K and V of every layer for one token, with their scales if the cache is 8-bit."""
+    per_head = slot_bytes_per_head(config.head_dim, dtype, kv_format(kv_cache_dtype))
+    return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
 def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -61,7 +65,7 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> 
     slots are masked, but garbage NaNs in V would still poison the attention product."""
     if device.type != "cpu":
         return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.finfo(dtype).bits // 8
+    itemsize = torch.empty(0, dtype=dtype).element_size()
     raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
     return raw.view(dtype).view(shape)
 
@@ -85,11 +89,16 @@ class ModelRunner:
         slots = num_blocks * self.block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.mask_timing = MaskTiming()
-        self.kv_caches = []
+        fmt = kv_format(cache.kv_cache_dtype)
+        code_dtype = dtype if fmt is None else fmt.dtype
+        self.kv_caches: list[LayerKV] = []
         for layer in model.attention_layers():
-            k_cache, v_cache = _zeros(shape, dtype, device), _zeros(shape, dtype, device)
-            layer.bind_cache(k_cache, v_cache, self.block_size)
-            self.kv_caches.append((k_cache, v_cache))
+            layer_kv = LayerKV(_zeros(shape, code_dtype, device), _zeros(shape, code_dtype, device), fmt)
+            if fmt is not None:
+                layer_kv.k_scales = _zeros(shape[:2], SCALE_DTYPE, device)
+                layer_kv.v_scales = _zeros(shape[:2], SCALE_DTYPE, device)
+            layer.bind_cache(layer_kv, self.block_size)
+            self.kv_caches.append(layer_kv)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         input_ids: list[int] = []
@@ -133,10 +142,8 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks of every layer's K and V before they diverge."""
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for k_cache, v_cache in self.kv_caches:
-            for cache in (k_cache, v_cache):
-                blocks = cache.view(self.num_blocks, self.block_size, *cache.shape[1:])
-                blocks[dst] = blocks[src]
+        for layer_kv in self.kv_caches:
+            layer_kv.copy_blocks(src, dst, self.block_size)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs) -> torch.Tensor:

@@ -5,7 +5,9 @@ from __future__ import annotations
 import pytest
 import torch
 
+from folio.kv_cache.quant import FORMATS
 from folio.layers.attention.cpu_kernel import load_decode_kernel
+from folio.layers.attention.kv_tensors import LayerKV, scale_zeros
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.layers.attention.torch_paged import attend_group
 
@@ -42,9 +44,9 @@ def test_decode_kernel_matches_torch_path(heads, window, dtype):
     query, k_cache, v_cache, group, block_size = _random_decode_batch(num_heads, num_kv_heads, head_dim, dtype, 0)
     assert group.is_decode
     scale = head_dim**-0.5
-    expected = attend_group(group, query, query, query, k_cache, v_cache, block_size, scale, window)
+    expected = attend_group(group, query, query, query, LayerKV(k_cache, v_cache), block_size, scale, window)
     got = kernel.paged_decode_attention(
-        query, k_cache, v_cache, group.block_tables, group.seq_lens, block_size, scale, window or 0
+        query, k_cache, v_cache, group.block_tables, group.seq_lens, block_size, scale, window or 0, None, None
     ).view(expected.shape)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
@@ -64,3 +66,41 @@ def test_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch)
     os.utime(lock, (old, old))
     _build_directory()
     assert not lock.exists()  # an interrupted build's lock no longer blocks every later start
+
+
+def _quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, name: str) -> LayerKV:
+    fmt = FORMATS[name]
+    slots, heads = k_cache.shape[:2]
+    cache = LayerKV(torch.zeros(k_cache.shape, dtype=fmt.dtype), torch.zeros(v_cache.shape, dtype=fmt.dtype), fmt,
+                    scale_zeros(slots, heads, k_cache.device), scale_zeros(slots, heads, k_cache.device))  # fmt: skip
+    cache.write(k_cache, v_cache, torch.arange(slots))
+    return cache
+
+
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+def test_8_bit_cache_round_trips_within_its_precision(name):
+    k_cache = torch.randn(64, 2, 32, generator=torch.Generator().manual_seed(1)) * 3
+    cache = _quantized_cache(k_cache, k_cache, name)
+    table = torch.arange(16).view(1, 16)  # all 16 blocks of 4 slots, in order
+    back = cache.gather("k", table, 4, torch.float32)[0]
+    relative = ((back - k_cache).abs().amax(-1) / k_cache.abs().amax(-1)).max().item()
+    assert relative <= (0.5 / 127 if name == "int8" else 2**-4) + 1e-3  # half a step; e4m3 has 3 mantissa bits
+
+
+@needs_kernel
+@pytest.mark.parametrize("name", ["int8", "fp8"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_reads_an_8_bit_cache_like_the_torch_path(name, heads, dtype):
+    num_heads, num_kv_heads = heads
+    query, k_cache, v_cache, group, block_size = _random_decode_batch(num_heads, num_kv_heads, 64, dtype, 3)
+    cache = _quantized_cache(k_cache, v_cache, name)
+    scale = 64**-0.5
+    expected = attend_group(group, query, query, query, cache, block_size, scale, None)
+    k, v, k_scales, v_scales = cache.kernel_args()
+    got = kernel.paged_decode_attention(query, k, v, group.block_tables, group.seq_lens, block_size, scale, 0,
+                                        k_scales, v_scales).view(expected.shape)  # fmt: skip
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    exact = attend_group(group, query, query, query, LayerKV(k_cache, v_cache), block_size, scale, None)
+    assert (expected.float() - exact.float()).abs().max().item() < (0.05 if name == "int8" else 0.2)

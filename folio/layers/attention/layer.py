@@ -1,7 +1,8 @@
 """The attention layer a model holds: writes new K/V into its slice of the paged cache, then attends.
 
 Decode groups go to the compiled CPU kernel when it is available (see cpu_kernel.py); everything
-else, and every group when the kernel is off, takes the pure-PyTorch path.
+else, and every group when the kernel is off, takes the pure-PyTorch path. The cache may be 8-bit
+(kv_tensors.py); both paths read it.
 """
 
 from __future__ import annotations
@@ -10,8 +11,9 @@ import torch
 from torch import nn
 
 from folio.layers.attention.cpu_kernel import load_decode_kernel
+from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionMetadata
-from folio.layers.attention.torch_paged import attend_group, write_kv
+from folio.layers.attention.torch_paged import attend_group
 
 
 class PagedAttention(nn.Module):
@@ -25,36 +27,38 @@ class PagedAttention(nn.Module):
         self.scale = scale
         self.sliding_window = sliding_window
         # Bound by the model runner once the pool is sized.
-        self.k_cache: torch.Tensor | None = None
-        self.v_cache: torch.Tensor | None = None
+        self.cache: LayerKV | None = None
         self.block_size = 0
         self.decode_kernel = None
 
-    def bind_cache(self, k_cache: torch.Tensor, v_cache: torch.Tensor, block_size: int) -> None:
-        self.k_cache, self.v_cache, self.block_size = k_cache, v_cache, block_size
-        self.decode_kernel = load_decode_kernel() if k_cache.device.type == "cpu" else None
+    def bind_cache(self, cache: LayerKV, block_size: int) -> None:
+        self.cache, self.block_size = cache, block_size
+        self.decode_kernel = load_decode_kernel() if cache.k.device.type == "cpu" else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
-        if self.k_cache is None or self.v_cache is None:
+        cache = self.cache
+        if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
-        write_kv(self.k_cache, self.v_cache, k, v, meta.slot_mapping)
+        cache.write(k, v, meta.slot_mapping)
         out = q.new_empty(meta.num_tokens, self.num_heads * self.head_dim)
+        kernel_ok = self.decode_kernel is not None and (cache.fmt is not None or q.dtype == cache.k.dtype)
         for group in meta.groups:
-            if group.is_decode and self.decode_kernel is not None and q.dtype == self.k_cache.dtype:
+            if group.is_decode and kernel_ok:
+                k_cache, v_cache, k_scales, v_scales = cache.kernel_args()
                 attended = self.decode_kernel.paged_decode_attention(
                     q[group.token_rows].contiguous(),
-                    self.k_cache,
-                    self.v_cache,
+                    k_cache,
+                    v_cache,
                     group.block_tables,
                     group.seq_lens,
                     self.block_size,
                     self.scale,
                     self.sliding_window or 0,
+                    k_scales,
+                    v_scales,
                 ).view(-1, self.num_heads * self.head_dim)
             else:
-                attended = attend_group(
-                    group, q, k, v, self.k_cache, self.v_cache, self.block_size, self.scale, self.sliding_window
-                )
+                attended = attend_group(group, q, k, v, cache, self.block_size, self.scale, self.sliding_window)
             out[group.token_rows] = attended
         return out

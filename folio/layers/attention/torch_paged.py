@@ -1,7 +1,8 @@
 """Pure-PyTorch paged attention: the CPU default and the oracle for any faster backend.
 
-KV for one layer lives in a tensor of shape [num_blocks * block_size, num_kv_heads, head_dim],
-addressed by slot. KV heads are stored once; grouped-query attention broadcasts them inside SDPA.
+KV for one layer lives in tensors of shape [num_blocks * block_size, num_kv_heads, head_dim],
+addressed by slot (kv_tensors.py; 8-bit caches are dequantized as they are gathered). KV heads are
+stored once; grouped-query attention broadcasts them inside SDPA.
 """
 
 from __future__ import annotations
@@ -9,21 +10,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata
-
-
-def write_kv(
-    k_cache: torch.Tensor, v_cache: torch.Tensor, key: torch.Tensor, value: torch.Tensor, slots: torch.Tensor
-) -> None:
-    k_cache.index_copy_(0, slots, key.to(k_cache.dtype))
-    v_cache.index_copy_(0, slots, value.to(v_cache.dtype))
-
-
-def gather_kv(cache: torch.Tensor, group: AttentionGroup, block_size: int) -> torch.Tensor:
-    """[slots, Hkv, D] cache -> [b, Hkv, num_key_slots, D]: each sequence's keys, in order, padded."""
-    num_kv_heads, head_dim = cache.shape[1], cache.shape[2]
-    blocks = cache.view(-1, block_size, num_kv_heads, head_dim)[group.block_tables]  # [b, nb, bs, H, D]
-    return blocks.view(group.num_seqs, group.num_key_slots, num_kv_heads, head_dim).transpose(1, 2)
 
 
 def attend_group(
@@ -31,8 +19,7 @@ def attend_group(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     block_size: int,
     scale: float,
     sliding_window: int | None,
@@ -45,9 +32,9 @@ def attend_group(
     if group.fresh_prompt:
         k = key[rows].unsqueeze(0).transpose(1, 2)
         v = value[rows].unsqueeze(0).transpose(1, 2)
-    else:
-        k = gather_kv(k_cache, group, block_size).to(query.dtype)
-        v = gather_kv(v_cache, group, block_size).to(query.dtype)
+    else:  # each sequence's keys and values, in order, padded: [b, Hkv, num_key_slots, D]
+        k = cache.gather("k", group.block_tables, block_size, query.dtype).transpose(1, 2)
+        v = cache.gather("v", group.block_tables, block_size, query.dtype).transpose(1, 2)
     mask = group.mask(sliding_window)
     attended = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != k.shape[1]
@@ -59,8 +46,7 @@ def paged_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
-    k_cache: torch.Tensor,
-    v_cache: torch.Tensor,
+    cache: LayerKV,
     meta: AttentionMetadata,
     block_size: int,
     scale: float,
@@ -69,7 +55,5 @@ def paged_attention(
     """query: [T, H, D]; key/value: this step's [T, Hkv, D] (already written to the cache) -> [T, H * D]."""
     out = query.new_empty(meta.num_tokens, query.shape[1] * query.shape[2])
     for group in meta.groups:
-        out[group.token_rows] = attend_group(
-            group, query, key, value, k_cache, v_cache, block_size, scale, sliding_window
-        )
+        out[group.token_rows] = attend_group(group, query, key, value, cache, block_size, scale, sliding_window)
     return out

@@ -4,16 +4,42 @@
 // or padded. One task per (sequence, KV head): the query heads that share a KV head (GQA/MQA) are
 // processed together, so each K/V row is read once for all of them. Scores for the whole context are
 // computed first, then softmax, then the weighted sum of V, all accumulated in float32.
+//
+// The cache holds K/V in the query's dtype, or 8-bit (int8 or float8 e4m3 codes, the latter passed as
+// their bytes) with one float16 scale per token and KV head: a dot product runs on the codes and is
+// scaled once, and each V row's weight absorbs its scale.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <array>
 #include <cmath>
 #include <limits>
+#include <optional>
+#include <type_traits>
 #include <vector>
 
 template <typename T>
 static inline float to_float(T x) { return static_cast<float>(x); }
+
+// float8 e4m3 codes (as bytes) -> float, by table: the conversion has no vector instruction here.
+static const std::array<float, 256>& fp8_table() {
+  static const std::array<float, 256> table = [] {
+    std::array<float, 256> t{};
+    for (int i = 0; i < 256; ++i) t[i] = static_cast<float>(c10::Float8_e4m3fn(static_cast<uint8_t>(i), c10::Float8_e4m3fn::from_bits()));
+    return t;
+  }();
+  return table;
+}
+
+template <typename C>
+static inline float code_value(C c, const float* lut) {
+  if constexpr (std::is_same_v<C, uint8_t>) {
+    return lut[c];
+  } else {
+    return to_float(c);
+  }
+}
 
 // Calls visit(pos, slot) for every position in [first, len), walking the block table block by block:
 // one table lookup per block and no division per position.
@@ -30,19 +56,21 @@ static inline void for_each_slot(int64_t first, int64_t len, const int64_t* tabl
 // HEAD_DIM > 0 fixes the head size at compile time, so the per-key loops over it unroll into a few
 // vector instructions instead of a runtime-length loop with prologue and epilogue (a 4x difference at
 // head_dim 64). HEAD_DIM == 0 is the generic fallback.
-template <typename T, int64_t HEAD_DIM>
+// T: the query's dtype; C: the cache's element (T itself, int8_t codes, or uint8_t float8 codes).
+template <typename T, typename C, int64_t HEAD_DIM>
 static void decode_attention_impl(
     torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t block_size, double scale,
-    int64_t window) {
+    int64_t window, const c10::Half* k_scales, const c10::Half* v_scales) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : query.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
   const int64_t group = num_heads / num_kv_heads;
   const int64_t max_blocks = block_tables.size(1);
   const T* q = query.data_ptr<T>();
-  const T* k = k_cache.data_ptr<T>();
-  const T* v = v_cache.data_ptr<T>();
+  const C* k = k_cache.data_ptr<C>();
+  const C* v = v_cache.data_ptr<C>();
+  const float* lut = std::is_same_v<C, uint8_t> ? fp8_table().data() : nullptr;
   T* o = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t* lens = seq_lens.data_ptr<int64_t>();
@@ -62,13 +90,14 @@ static void decode_attention_impl(
       }
       scores.assign(group * count, 0.0f);
       for_each_slot(first, len, table, block_size, [&](int64_t pos, int64_t slot) {
-        const T* krow = k + (slot * num_kv_heads + kv_head) * head_dim;
+        const C* krow = k + (slot * num_kv_heads + kv_head) * head_dim;
+        const float kscale = k_scales ? static_cast<float>(k_scales[slot * num_kv_heads + kv_head]) : 1.0f;
         for (int64_t g = 0; g < group; ++g) {
           const float* qg = qf.data() + g * head_dim;
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * to_float(krow[d]);
-          scores[g * count + pos - first] = dot;
+          for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * code_value(krow[d], lut);
+          scores[g * count + pos - first] = dot * kscale;
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -85,12 +114,13 @@ static void decode_attention_impl(
       }
       std::fill(acc.begin(), acc.end(), 0.0f);
       for_each_slot(first, len, table, block_size, [&](int64_t pos, int64_t slot) {
-        const T* vrow = v + (slot * num_kv_heads + kv_head) * head_dim;
+        const C* vrow = v + (slot * num_kv_heads + kv_head) * head_dim;
+        const float vscale = v_scales ? static_cast<float>(v_scales[slot * num_kv_heads + kv_head]) : 1.0f;
         for (int64_t g = 0; g < group; ++g) {
-          const float p = scores[g * count + pos - first];
+          const float p = scores[g * count + pos - first] * vscale;
           float* a = acc.data() + g * head_dim;
 #pragma omp simd
-          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * to_float(vrow[d]);
+          for (int64_t d = 0; d < head_dim; ++d) a[d] += p * code_value(vrow[d], lut);
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -101,45 +131,75 @@ static void decode_attention_impl(
   });
 }
 
-template <typename T>
+template <typename T, typename C>
 static void dispatch_head_dim(
     torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
-    const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale, int64_t window) {
+    const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale, int64_t window,
+    const c10::Half* ks, const c10::Half* vs) {
   switch (query.size(2)) {
     case 64:
-      decode_attention_impl<T, 64>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      decode_attention_impl<T, C, 64>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
       break;
     case 128:
-      decode_attention_impl<T, 128>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      decode_attention_impl<T, C, 128>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
       break;
     case 256:
-      decode_attention_impl<T, 256>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      decode_attention_impl<T, C, 256>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
       break;
     default:
-      decode_attention_impl<T, 0>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      decode_attention_impl<T, C, 0>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+  }
+}
+
+template <typename T>
+static void dispatch_cache(
+    torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
+    const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale, int64_t window,
+    const c10::Half* ks, const c10::Half* vs) {
+  switch (k_cache.scalar_type()) {
+    case torch::kChar:  // int8 codes
+      dispatch_head_dim<T, int8_t>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      break;
+    case torch::kByte:  // float8 e4m3 codes, as bytes
+      dispatch_head_dim<T, uint8_t>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      break;
+    default:
+      TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "an unquantized cache must have the query's dtype");
+      dispatch_head_dim<T, T>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
   }
 }
 
 // query [N, H, D]; caches [slots, Hkv, D]; block_tables [N, max_blocks] int64; seq_lens [N] int64
 // (keys to attend: the query sits at position seq_len - 1); window 0 means no sliding window.
+// An 8-bit cache (int8, or float8 e4m3 viewed as uint8) comes with float16 scales [slots, Hkv].
 torch::Tensor paged_decode_attention(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
-    torch::Tensor seq_lens, int64_t block_size, double scale, int64_t window) {
+    torch::Tensor seq_lens, int64_t block_size, double scale, int64_t window,
+    std::optional<torch::Tensor> k_scales, std::optional<torch::Tensor> v_scales) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
-  TORCH_CHECK(query.scalar_type() == k_cache.scalar_type(), "query and cache dtypes differ");
   TORCH_CHECK(query.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
+  const bool quantized = k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte;
+  TORCH_CHECK(quantized == (k_scales.has_value() && v_scales.has_value()), "an 8-bit cache needs its scales");
+  const c10::Half* ks = nullptr;
+  const c10::Half* vs = nullptr;
+  if (quantized) {
+    TORCH_CHECK(k_scales->scalar_type() == torch::kHalf && k_scales->is_contiguous() &&
+                v_scales->scalar_type() == torch::kHalf && v_scales->is_contiguous(), "scales: contiguous float16");
+    ks = k_scales->data_ptr<c10::Half>();
+    vs = v_scales->data_ptr<c10::Half>();
+  }
   auto tables = block_tables.contiguous();
   auto lens = seq_lens.contiguous();
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
     case torch::kFloat:
-      dispatch_head_dim<float>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      dispatch_cache<float>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
       break;
     case torch::kBFloat16:
-      dispatch_head_dim<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window);
+      dispatch_cache<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
       break;
     default:
-      TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16");
+      TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16 queries");
   }
   return out;
 }
