@@ -250,7 +250,8 @@ def cmd_eval(args: argparse.Namespace) -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(result.model).name.removesuffix(".gguf")).strip("_")
     stamp = result.date_utc.replace("-", "").replace(":", "")
-    path = out_dir / f"perplexity_{name}_{result.quantization}_{result.dtype}_{stamp}.json"
+    kv = "" if result.kv_cache_dtype == "auto" else f"_kv-{result.kv_cache_dtype}"
+    path = out_dir / f"perplexity_{name}_{result.quantization}_{result.dtype}{kv}_{stamp}.json"
     path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0

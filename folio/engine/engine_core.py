@@ -56,6 +56,7 @@ class EngineCore:
         self.scheduler = Scheduler(scheduler_config, self.kv)
         self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device)
         self.kv_bytes_per_token = bytes_per_token
+        self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
         self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
         logger.info(

@@ -25,6 +25,7 @@ class PerplexityResult:
     model: str
     quantization: str  # "gguf" (the file's formats, kept) or "none" (dequantized)
     dtype: str
+    kv_cache_dtype: str
     context: int
     num_windows: int
     num_predicted: int  # tokens scored: (context - 1) per window
@@ -88,5 +89,6 @@ def run_perplexity(
     start = time.perf_counter()
     total, count = score_windows(llm, windows)
     elapsed = time.perf_counter() - start
-    return PerplexityResult(model, quantization or "gguf", str(llm.dtype).removeprefix("torch."), context,
-                            len(windows), count, total / count, elapsed)  # fmt: skip
+    kv_cache_dtype = llm.engine.kv_cache_dtype
+    return PerplexityResult(model, quantization or "gguf", str(llm.dtype).removeprefix("torch."), kv_cache_dtype,
+                            context, len(windows), count, total / count, elapsed)  # fmt: skip
