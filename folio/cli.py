@@ -145,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
     perplexity.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
     _add_engine_args(perplexity)
+    agreement = evals.add_parser(
+        "agreement",
+        help="greedy-token agreement with the same model dequantized to float32 (full-precision KV)",
+        description="Decode held-out ShareGPT prompts greedily with the model as configured and with every weight "
+        "dequantized to float32 and a full-precision KV cache, and report how many continuations are identical "
+        "and how far they agree on average.",
+    )
+    agreement.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    agreement.add_argument("--num-prompts", type=int, default=32, help="prompts (default 32)")
+    agreement.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
+    agreement.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
+    _add_engine_args(agreement)
 
     from folio.bench.cli import add_bench_parser
 

@@ -239,19 +239,32 @@ def cmd_eval(args: argparse.Namespace) -> int:
     import re
 
     from folio.cli import engine_kwargs
-    from folio.eval.perplexity import run_perplexity
 
-    engine = {k: v for k, v in engine_kwargs(args).items() if k not in ("quantization", "enable_prefix_caching")}
-    result = run_perplexity(args.model, args.quantization, args.num_tokens, args.context, **engine)
-    print(f"{result.model} ({result.quantization} weights, {result.dtype}): perplexity {result.perplexity:.3f} "
-          f"over {result.num_predicted} tokens in {result.num_windows} windows of {result.context} "
-          f"({result.elapsed_s:.1f} s)")  # fmt: skip
+    skip = ("quantization", "enable_prefix_caching", "kv_cache_dtype")
+    engine = {k: v for k, v in engine_kwargs(args).items() if k not in skip}
+    if args.eval_command == "perplexity":
+        from folio.eval.perplexity import run_perplexity
+
+        result: Any = run_perplexity(args.model, args.quantization, args.num_tokens, args.context,
+                                     kv_cache_dtype=args.kv_cache_dtype, **engine)  # fmt: skip
+        print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}): "
+              f"perplexity {result.perplexity:.3f} over {result.num_predicted} tokens in {result.num_windows} "
+              f"windows of {result.context} ({result.elapsed_s:.1f} s)")  # fmt: skip
+    else:
+        from folio.eval.agreement import run_agreement
+
+        result = run_agreement(args.model, args.quantization, args.kv_cache_dtype, args.num_prompts, args.max_tokens,
+                               **engine)  # fmt: skip
+        share = 100 * result.mean_prefix_share
+        print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}) against "
+              f"float32 dequantized: {result.identical}/{result.num_prompts} continuations identical over "
+              f"{result.max_tokens} greedy tokens; mean agreeing prefix {share:.1f}%")  # fmt: skip
     out_dir = Path(args.output_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(result.model).name.removesuffix(".gguf")).strip("_")
     stamp = result.date_utc.replace("-", "").replace(":", "")
     kv = "" if result.kv_cache_dtype == "auto" else f"_kv-{result.kv_cache_dtype}"
-    path = out_dir / f"perplexity_{name}_{result.quantization}_{result.dtype}{kv}_{stamp}.json"
+    path = out_dir / f"{args.eval_command}_{name}_{result.quantization}_{result.dtype}{kv}_{stamp}.json"
     path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
     print(f"wrote {path}")
     return 0

@@ -84,7 +84,7 @@ def run_perplexity(
 ) -> PerplexityResult:
     from folio import LLM
 
-    llm = LLM(model, quantization=quantization, enable_prefix_caching=False, **engine)
+    llm = LLM(model, quantization=quantization, enable_prefix_caching=False, **engine)  # engine: kv_cache_dtype too
     windows = held_out_windows(lambda text: llm.tokenizer.encode(text, add_special_tokens=False), num_tokens, context)
     start = time.perf_counter()
     total, count = score_windows(llm, windows)

@@ -125,3 +125,21 @@ def test_eval_perplexity_writes_its_result(smollm2_gguf, tmp_path, capsys):
     assert result["num_windows"] == 2 and result["num_predicted"] == 2 * 255
     assert 1 < result["perplexity"] < 100  # a trained model on English text
     assert "perplexity" in capsys.readouterr().out
+
+
+def test_eval_agreement_against_the_dequantized_model(smollm2_gguf, tmp_path, capsys):
+    args = ["eval", "agreement", str(smollm2_gguf), "--num-prompts", "3", "--max-tokens", "6",
+            "--quantization", "none", "--output-dir", str(tmp_path), *KV]  # fmt: skip
+    assert main(args) == 0
+    [result_file] = list(tmp_path.glob("agreement_*_none_float32_*.json"))
+    result = json.loads(result_file.read_text())
+    # The same float32 weights and cache as the reference: every continuation is identical.
+    assert result["identical"] == 3 and result["mean_prefix_share"] == 1.0
+    assert "3/3 continuations identical" in capsys.readouterr().out
+
+
+def test_prefix_share_counts_up_to_the_first_difference():
+    from folio.eval.agreement import prefix_share
+
+    assert prefix_share([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
+    assert prefix_share([1, 2], [1, 2]) == 1.0 and prefix_share([5], [6]) == 0.0
