@@ -1,7 +1,8 @@
 """`folio eval agreement`: how often a model in some format picks the same greedy tokens as the same
 model with every weight dequantized to float32 and a full-precision KV cache (the reference).
 
-Prompts are the opening user turns of the held-out ShareGPT conversations (chat template applied);
+Prompts are the opening user turns of the held-out ShareGPT conversations (chat template applied,
+or as plain text for a base model);
 each is decoded greedily for `max_tokens` by both. Reported: the share of prompts whose whole
 continuation is identical, and the mean share of each continuation that matches before the first
 differing token.
@@ -57,7 +58,11 @@ def _greedy(llm: Any, chats: list[list[dict[str, str]]], max_tokens: int) -> lis
     from folio import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
-    return [o.outputs[0].token_ids for o in llm.chat(chats, params, use_tqdm=False)]
+    if llm.tokenizer.chat_template:
+        outputs = llm.chat(chats, params, use_tqdm=False)
+    else:  # a base model: the user turn as a plain prompt
+        outputs = llm.generate([chat[0]["content"] for chat in chats], params, use_tqdm=False)
+    return [o.outputs[0].token_ids for o in outputs]
 
 
 def prefix_share(a: list[int], b: list[int]) -> float:
