@@ -33,9 +33,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="static/dynamic batch size (--max-num-seqs)")
     parser.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait (default 50)")
     parser.add_argument(
-        "--quantization", default=None, choices=("none",),
-        help="none: dequantize every GGUF weight to --dtype at load (default: 4-bit GGUF weights stay packed, "
-        "multiplied by the int4 kernel)",
+        "--quantization", default=None, choices=("none", "int8", "int4"),
+        help="none: dequantize every GGUF weight to --dtype at load; int8 / int4: quantize every projection at "
+        "load (per-channel int8; 4-bit round-to-nearest in groups of 32), from any checkpoint (default: a GGUF "
+        "file's 4-bit and Q8_0 weights stay as they are)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),

@@ -13,7 +13,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.layers.weight_storage import Int4Staging, can_pack, pack
-from folio.quant.int4 import Int4Groups, PackedInt4
+from folio.quant.int4 import Int4Groups, PackedInt4, rtn_groups
+from folio.quant.int8 import ChannelInt8
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -34,7 +35,7 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.bias = None
-        self.packed: PackedInt4 | None = None  # set once every row of a 4-bit weight has loaded
+        self.packed: PackedInt4 | ChannelInt8 | None = None  # set once a quantized weight is complete
         self._staging: Int4Staging | None = None
         self._has_dense_rows = False
 
@@ -75,6 +76,21 @@ class Linear(nn.Module):
             for offset, rows in self._staging.dense_rows(self.weight.dtype):
                 self.weight.data[offset : offset + rows.shape[0]] = rows
             self._staging = None
+
+    def quantize(self, method: str) -> bool:
+        """Quantize a loaded dense weight on the fly ("int8": per channel; "int4": round-to-nearest in
+        groups of 32, where the int4 kernel takes the shape). False if the layer stays as it is."""
+        weight = self.weight
+        if self.packed is not None or weight.device.type != "cpu":
+            return False
+        if method == "int8":
+            self.packed = ChannelInt8(weight.data)
+        elif method == "int4" and can_pack(self.out_features, self.in_features, weight.dtype, weight.device):
+            self.packed = PackedInt4(rtn_groups(weight.data))
+        else:
+            return False
+        weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)
+        return True
 
     @property
     def weight_nbytes(self) -> int:

@@ -52,6 +52,17 @@ class Int4Groups:
         return ((self.codes.float() - 8) * scales + zeros).to(dtype)
 
 
+def rtn_groups(weight: torch.Tensor) -> Int4Groups:
+    """Round-to-nearest 4-bit, asymmetric, groups of 32 along K: each group's [min, max] in 16 steps."""
+    rows, cols = weight.shape
+    grouped = weight.float().view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
+    scales = ((high - low) / 15).clamp_min(1e-8)
+    codes = ((grouped - low.unsqueeze(-1)) / scales.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
+    # value = low + code * scale = (code - 8) * scale + (low + 8 * scale)
+    return Int4Groups(codes.view(rows, cols), scales, low + 8 * scales)
+
+
 def int4_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int4Groups | None:
     """A GGUF tensor's groups as Int4Groups, or None if its format does not map onto them exactly
     (more than 4 bits, groups other than 32) or its shape does not suit the kernel."""
