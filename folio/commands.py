@@ -236,8 +236,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
 
 
 def cmd_eval(args: argparse.Namespace) -> int:
-    import re
-
+    from folio.bench.report import result_paths, write_json
     from folio.cli import engine_kwargs
 
     skip = ("quantization", "enable_prefix_caching", "kv_cache_dtype")
@@ -259,12 +258,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}) against "
               f"float32 dequantized: {result.identical}/{result.num_prompts} continuations identical over "
               f"{result.max_tokens} greedy tokens; mean agreeing prefix {share:.1f}%")  # fmt: skip
-    out_dir = Path(args.output_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(result.model).name.removesuffix(".gguf")).strip("_")
-    stamp = result.date_utc.replace("-", "").replace(":", "")
-    kv = "" if result.kv_cache_dtype == "auto" else f"_kv-{result.kv_cache_dtype}"
-    path = out_dir / f"{args.eval_command}_{name}_{result.quantization}_{result.dtype}{kv}_{stamp}.json"
-    path.write_text(json.dumps(result.to_dict(), indent=2) + "\n", encoding="utf-8")
+    tags = [result.quantization, result.dtype]
+    if result.kv_cache_dtype != "auto":
+        tags.append(f"kv-{result.kv_cache_dtype}")
+    path, _ = result_paths(Path(args.output_dir), args.eval_command, result.model, result.date_utc, *tags)
+    write_json(path, result.to_dict())
     print(f"wrote {path}")
     return 0

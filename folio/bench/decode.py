@@ -15,7 +15,6 @@ from __future__ import annotations
 import gc
 import json
 import os
-import re
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -25,7 +24,7 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info
+from folio.bench.report import machine_info, result_paths, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
 PROMPT = "Write a long story about a lighthouse keeper."
@@ -44,7 +43,7 @@ class DecodeConfig:
 @dataclass
 class VariantResult:
     engine: str  # "folio gguf", "folio dequantized", "llama.cpp"
-    weight_mib: float | None
+    weight_mib: float | None  # resident, as folio counts it; None for the peer (not measured)
     batch1_tok_s: float
     batch_tok_s: float | None  # None for the peer (llama-bench has no batched decode)
 
@@ -127,7 +126,7 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
         tok_s, peer_info = _llama_bench(path, config.gen_tokens, config.repeats, threads)
-        results.append(VariantResult("llama.cpp", path.stat().st_size / 2**20, tok_s, None))
+        results.append(VariantResult("llama.cpp", None, tok_s, None))
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
     return DecodeReport(command, date, config.model, dtype, settings, results, peer_info)
 
@@ -146,13 +145,8 @@ def format_table(report: DecodeReport) -> str:
 
 
 def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    stamp = report.date_utc.replace("-", "").replace(":", "")
-    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(report.model).name.removesuffix(".gguf")).strip("_") or "model"
-    stem = output_dir / f"decode_{model}_{report.dtype}_{stamp}"
-    # Model file names have dots (SmolLM2-135M-Instruct.Q4_1): append suffixes, never replace them.
-    json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
-    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    json_path, png_path = result_paths(output_dir, "decode", report.model, report.date_utc, report.dtype)
+    write_json(json_path, report.to_dict())
     _plot(report, png_path)
     return json_path, png_path
 
@@ -169,8 +163,9 @@ def _plot(report: DecodeReport, path: Path) -> None:
     panels = [("batch1_tok_s", "batch-1 decode tok/s"), ("batch_tok_s", f"batch-{report.config['batch']} tok/s"),
               ("weight_mib", "resident weights MiB")]  # fmt: skip
     for ax, (key, label) in zip(axes, panels, strict=True):
-        values = [getattr(r, key) or 0.0 for r in report.results]
-        bars = ax.bar(names, values, color=colors)
+        shown = [(n, getattr(r, key), c) for n, r, c in zip(names, report.results, colors, strict=True)
+                 if getattr(r, key) is not None]  # fmt: skip
+        bars = ax.bar([n for n, _, _ in shown], [v for _, v, _ in shown], color=[c for _, _, c in shown])
         ax.bar_label(bars, fmt="%.1f", fontsize=8)
         ax.set_title(label, fontsize=9)
         ax.tick_params(axis="x", labelsize=7)

@@ -173,3 +173,17 @@ def plot_report(report: ThroughputReport, path: Path) -> None:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
+
+
+def result_paths(output_dir: Path, kind: str, model: str, date_utc: str, *tags: str) -> tuple[Path, Path]:
+    """`<output_dir>/<kind>_<model>_<tags...>_<stamp>` + `.json` and `.png`, with the directory made.
+    Suffixes are appended, never substituted: model file names have dots (SmolLM2-135M-Instruct.Q4_1)."""
+    output_dir.mkdir(parents=True, exist_ok=True)
+    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).name.removesuffix(".gguf")).strip("_") or "model"
+    stamp = date_utc.replace("-", "").replace(":", "")
+    stem = "_".join([kind, name, *tags, stamp])
+    return output_dir / f"{stem}.json", output_dir / f"{stem}.png"
+
+
+def write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -20,7 +19,7 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info
+from folio.bench.report import machine_info, result_paths, write_json
 from folio.bench.structured_schemas import SCHEMAS
 
 PEERS = ("llama.cpp",)
@@ -229,13 +228,8 @@ def format_table(report: StructuredReport) -> str:
 
 
 def write_report(report: StructuredReport, output_dir: Path) -> tuple[Path, Path]:
-    output_dir.mkdir(parents=True, exist_ok=True)
-    stamp = report.date_utc.replace("-", "").replace(":", "")
-    model = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(report.model).name.removesuffix(".gguf")).strip("_") or "model"
-    stem = output_dir / f"structured_{model}_{stamp}"
-    # Model file names have dots (SmolLM2-135M-Instruct.Q4_1): append suffixes, never replace them.
-    json_path, png_path = stem.parent / f"{stem.name}.json", stem.parent / f"{stem.name}.png"
-    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    json_path, png_path = result_paths(output_dir, "structured", report.model, report.date_utc)
+    write_json(json_path, report.to_dict())
     _plot(report, png_path)
     return json_path, png_path
 

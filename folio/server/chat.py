@@ -34,7 +34,8 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     ctx.admission.acquire(body.n)
     logit_bias = body.token_logit_bias(ctx.vocab_size)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    choice_params = [body.sampling_params(max_tokens, j, logit_bias, logprobs) for j in range(body.n)]
+    structured = body.structured_output()  # compiled once, shared by every choice
+    choice_params = [body.sampling_params(max_tokens, j, logit_bias, logprobs, structured) for j in range(body.n)]
     streams = ctx.generate(prompt_ids, choice_params, body.cache_salt, body.priority)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
     if body.stream:

@@ -42,7 +42,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     logit_bias = body.token_logit_bias(ctx.vocab_size)
     # best_of ranks samples by the sum of their tokens' logprobs, so it needs them even if not asked.
     logprobs = body.logprobs if samples == n else max(body.logprobs or 0, 0)
-    choice_params = [body.sampling_params(body.max_tokens or 16, j, logit_bias, logprobs) for j in range(samples)]
+    structured = body.structured_output()  # compiled once, shared by every choice
+    limit = body.max_tokens or 16
+    choice_params = [body.sampling_params(limit, j, logit_bias, logprobs, structured) for j in range(samples)]
     streams = []
     for _, ids in prompts:
         streams += ctx.generate(ids, choice_params, body.cache_salt, body.priority)

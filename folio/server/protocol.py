@@ -14,6 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from folio.sampling_params import MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
 from folio.server.structured_fields import StructuredFields
+from folio.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per request
 
@@ -86,16 +87,27 @@ class _SamplingFields(StructuredFields, _Strict):
         return self
 
     def sampling_params(
-        self, max_tokens: int, choice: int, logit_bias: dict[int, float], logprobs: int | None
+        self,
+        max_tokens: int,
+        choice: int,
+        logit_bias: dict[int, float],
+        logprobs: int | None,
+        structured: StructuredOutputParams | None,
     ) -> SamplingParams:
-        """Engine parameters for sample `choice` of this request (seed + choice, so samples differ)."""
+        """Engine parameters for sample `choice` of this request (seed + choice, so samples differ).
+        `logit_bias` and `structured` (from `structured_output()`) are built once per request."""
         try:
-            return self._engine_params(max_tokens, choice, logit_bias, logprobs)
+            return self._engine_params(max_tokens, choice, logit_bias, logprobs, structured)
         except ValueError as exc:  # a combination the engine refuses, e.g. beam search with penalties
             raise APIError(400, str(exc)) from exc
 
     def _engine_params(
-        self, max_tokens: int, choice: int, logit_bias: dict[int, float], logprobs: int | None
+        self,
+        max_tokens: int,
+        choice: int,
+        logit_bias: dict[int, float],
+        logprobs: int | None,
+        structured: StructuredOutputParams | None,
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -116,7 +128,7 @@ class _SamplingFields(StructuredFields, _Strict):
             beam_width=(self.beam_width or self.n) if self.use_beam_search else None,
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
-            structured_output=self.structured_output(),
+            structured_output=structured,
         )
 
     @property

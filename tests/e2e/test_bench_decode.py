@@ -26,7 +26,7 @@ def test_decode_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
     assert "batch-1 tok/s" in capsys.readouterr().out
 
 
-def test_decode_bench_wants_a_gguf(tmp_path):
+def test_decode_bench_refuses_an_unknown_peer(tmp_path):
     from folio.bench.decode import DecodeConfig, run_decode
 
     with pytest.raises(ValueError, match="unknown peer"):

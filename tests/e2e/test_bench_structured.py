@@ -42,7 +42,7 @@ def test_workload_cycles_through_every_schema():
     assert not is_valid('{"city": "Oslo"}', SCHEMAS["weather report"]) and not is_valid("{", SCHEMAS["order"])
 
 
-def test_llama_peer_needs_a_gguf_and_a_known_name(tmp_path):
+def test_structured_bench_refuses_an_unknown_peer(tmp_path):
     from folio.bench.structured import StructuredConfig, run_structured
 
     with pytest.raises(ValueError, match="unknown peer"):
