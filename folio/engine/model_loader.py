@@ -10,14 +10,16 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.layers.linear import Linear
+from folio.layers.linear import ON_THE_FLY_METHODS, Linear
 from folio.loaders.gguf_file import GGUFFile
 from folio.loaders.gguf_model import gguf_model_config, iter_gguf_weights
 from folio.loaders.hf_folder import iter_safetensors, read_hf_config
+from folio.loaders.quantized_folder import iter_quantized_safetensors, read_quantization_config
 from folio.loaders.tokenizer import Tokenizer
 from folio.models.registry import model_class
 
-QUANTIZATIONS = (None, "none", "int8", "int4")  # None: a GGUF file's own formats where kernels exist
+# None: the checkpoint's own formats (GGUF blocks, GPTQ, AWQ, NF4) kept where kernels exist.
+QUANTIZATIONS = (None, "none", "int8", "int4", "nf4")
 
 
 @dataclass
@@ -46,10 +48,11 @@ def resident_weight_bytes(model: nn.Module) -> int:
 
 
 def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
-    """`quantization`: None keeps a GGUF file's 4-bit projection weights packed where the device has a
-    kernel for them (everything else is dequantized to `dtype`); "none" dequantizes everything; "int8"
-    and "int4" quantize every projection on the fly after loading (per-channel int8; round-to-nearest
-    4-bit in groups of 32), from any checkpoint."""
+    """`quantization`: None keeps a checkpoint's quantized weights (a GGUF file's 4-bit projections and
+    Q8_0 embedding; GPTQ, AWQ and NF4 folders) where the device has a kernel for them (everything else
+    is dequantized to `dtype`); "none" dequantizes a GGUF file; "int8", "int4" and "nf4" quantize every
+    projection of an unquantized checkpoint on the fly after loading (per-channel int8; round-to-nearest
+    4-bit in groups of 32; NF4 in blocks of 64)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {quantization!r}")
     start = time.perf_counter()
@@ -61,16 +64,23 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
         label = gguf.quantization_summary()
     elif (path / "config.json").exists():
         config = read_hf_config(path)
-        weights = iter_safetensors(path)
+        checkpoint_quant = read_quantization_config(path)
+        if checkpoint_quant is None:
+            weights, label = iter_safetensors(path), "none"
+        else:
+            if quantization in ON_THE_FLY_METHODS:
+                raise ValueError(f"{path} is already quantized ({checkpoint_quant.label}); load it as it is or "
+                                 "with quantization 'none'")  # fmt: skip
+            weights = iter_quantized_safetensors(path, checkpoint_quant, dequantize=quantization == "none")
+            label = checkpoint_quant.label
         tokenizer = Tokenizer.from_hf_folder(path, extra_eos=config.eos_token_ids)
-        label = "none"
     else:
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
     config.eos_token_ids = sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)
 
     model = build_model(config, dtype, device)
     model.load_weights(weights)
-    if quantization in ("int8", "int4"):
+    if quantization in ON_THE_FLY_METHODS:
         count = sum(m.quantize(quantization) for m in model.modules() if isinstance(m, Linear))
         label = f"{label} -> {quantization} ({count} layers, on the fly)"
     return LoadedModel(model, config, tokenizer, path, label, time.perf_counter() - start)

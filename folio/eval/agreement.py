@@ -1,5 +1,6 @@
 """`folio eval agreement`: how often a model in some format picks the same greedy tokens as the same
-model with every weight dequantized to float32 and a full-precision KV cache (the reference).
+model with every weight dequantized to float32 and a full-precision KV cache (the reference; or another
+full-precision model, e.g. the one a quantized checkpoint was made from).
 
 Prompts are the opening user turns of the held-out ShareGPT conversations (chat template applied,
 or as plain text for a base model);
@@ -17,6 +18,7 @@ from typing import Any
 
 from folio.bench.report import machine_info
 from folio.eval.corpus import EVAL_CONVERSATIONS
+from folio.eval.perplexity import weight_format_label
 
 MAX_PROMPT_CHARS = 2000
 
@@ -31,6 +33,7 @@ class AgreementResult:
     max_tokens: int
     identical: int  # prompts whose continuation equals the reference's
     mean_prefix_share: float  # mean over prompts of (tokens before the first difference) / max_tokens
+    reference: str = ""  # the model agreed with (dequantized to float32)
     date_utc: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     machine: dict[str, Any] = field(default_factory=machine_info)
 
@@ -71,19 +74,36 @@ def prefix_share(a: list[int], b: list[int]) -> float:
 
 
 def run_agreement(
-    model: str, quantization: str | None, kv_cache_dtype: str, num_prompts: int, max_tokens: int, **engine: Any
+    model: str,
+    quantization: str | None,
+    kv_cache_dtype: str,
+    num_prompts: int,
+    max_tokens: int,
+    reference_model: str | None = None,
+    **engine: Any,
 ) -> AgreementResult:
+    """`reference_model`: the full-precision model to agree with (default: `model` itself, dequantized
+    to float32); e.g. the GGUF file a quantized checkpoint was made from."""
     from folio import LLM
 
     chats = eval_prompts(num_prompts)
     reference_engine = {k: v for k, v in engine.items() if k != "dtype"}
-    reference = LLM(model, quantization="none", dtype="float32", **reference_engine)
+    reference = LLM(reference_model or model, quantization="none", dtype="float32", **reference_engine)
     expected = _greedy(reference, chats, max_tokens)
     del reference
     gc.collect()
     llm = LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **engine)
     got = _greedy(llm, chats, max_tokens)
     shares = [prefix_share(a, b) for a, b in zip(got, expected, strict=True)]
-    return AgreementResult(model, quantization or "gguf", str(llm.dtype).removeprefix("torch."), kv_cache_dtype,
-                           len(chats), max_tokens, sum(a == b for a, b in zip(got, expected, strict=True)),
-                           sum(shares) / len(shares))  # fmt: skip
+    label, dtype = weight_format_label(llm, quantization), str(llm.dtype).removeprefix("torch.")
+    return AgreementResult(
+        model,
+        label,
+        dtype,
+        kv_cache_dtype,
+        len(chats),
+        max_tokens,
+        sum(a == b for a, b in zip(got, expected, strict=True)),
+        sum(shares) / len(shares),
+        reference_model or model,
+    )

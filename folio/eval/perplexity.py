@@ -23,7 +23,7 @@ from folio.eval.corpus import held_out_windows
 @dataclass
 class PerplexityResult:
     model: str
-    quantization: str  # "gguf" (the file's formats, kept) or "none" (dequantized)
+    quantization: str  # see weight_format_label
     dtype: str
     kv_cache_dtype: str
     context: int
@@ -40,6 +40,16 @@ class PerplexityResult:
 
     def to_dict(self) -> dict[str, Any]:
         return {**asdict(self), "perplexity": self.perplexity}
+
+
+def weight_format_label(llm: Any, quantization: str | None) -> str:
+    """How the weights were held: the --quantization asked for ("none", "int8", ...), else "gguf" for a
+    GGUF file's own formats or the checkpoint's method (e.g. "gptq-4bit-g32") for a quantized folder."""
+    if quantization is not None:
+        return quantization
+    if llm.loaded.path.is_file():
+        return "gguf"
+    return llm.loaded.quantization.replace(" ", "-").replace("-bit", "bit")
 
 
 @torch.inference_mode()
@@ -90,5 +100,5 @@ def run_perplexity(
     total, count = score_windows(llm, windows)
     elapsed = time.perf_counter() - start
     kv_cache_dtype = llm.engine.kv_cache_dtype
-    return PerplexityResult(model, quantization or "gguf", str(llm.dtype).removeprefix("torch."), kv_cache_dtype,
-                            context, len(windows), count, total / count, elapsed)  # fmt: skip
+    label, dtype = weight_format_label(llm, quantization), str(llm.dtype).removeprefix("torch.")
+    return PerplexityResult(model, label, dtype, kv_cache_dtype, context, len(windows), count, total / count, elapsed)

@@ -2,8 +2,8 @@
 
 Each parameter carries a `weight_loader(param, loaded, shard_id)` so checkpoints with separate
 q/k/v or gate/up tensors load into fused layers, whatever the file format. The weight is dense, or,
-when the checkpoint gives 4-bit groups (`Int4Groups`, e.g. GGUF Q4_0/Q4_1/Q4_K) and the device has a
-kernel for them, packed 4-bit (see weight_storage.py); `forward` hides which.
+when the checkpoint gives it quantized (4-bit groups from GGUF/GPTQ/AWQ, int8, NF4) and the device
+has a kernel for the format, kept quantized (see weight_storage.py); `forward` hides which.
 """
 
 from __future__ import annotations
@@ -12,9 +12,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from folio.layers.weight_storage import Int4Staging, can_pack, pack
-from folio.quant.int4 import Int4Groups, PackedInt4, rtn_groups
+from folio.layers.weight_storage import QuantizedKernel, RowQuantized, RowStaging, can_keep, can_pack
+from folio.quant.int4 import GROUP_SIZE, PackedInt4, rtn_groups
 from folio.quant.int8 import ChannelInt8
+
+ON_THE_FLY_METHODS = ("int8", "int4", "nf4")
 
 
 def default_weight_loader(param: nn.Parameter, loaded: torch.Tensor, shard_id: object = None) -> None:
@@ -35,58 +37,71 @@ class Linear(nn.Module):
             self.bias.weight_loader = self.weight_loader
         else:
             self.bias = None
-        self.packed: PackedInt4 | ChannelInt8 | None = None  # set once a quantized weight is complete
-        self._staging: Int4Staging | None = None
+        self.packed: QuantizedKernel | None = None  # set once a quantized weight is complete
+        self._staging: RowStaging | None = None
         self._has_dense_rows = False
 
     def shard_rows(self, shard_id: object) -> tuple[int, int]:
         """(first output row, number of rows) a checkpoint tensor fills."""
         return 0, self.out_features
 
-    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Int4Groups, shard_id: object = None) -> None:
+    def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | RowQuantized, shard_id: object = None) -> None:
         offset, size = self.shard_rows(shard_id)
         if param is not self.weight:  # a bias: always dense
             _copy_rows(param.data, offset, size, loaded, shard_id)
-        elif isinstance(loaded, Int4Groups):
-            self._load_int4(offset, size, loaded, shard_id)
-        else:
+        elif isinstance(loaded, torch.Tensor):
             self._to_dense()
             _copy_rows(param.data, offset, size, loaded, shard_id)
             self._has_dense_rows = True
+        else:
+            self._load_quantized(offset, size, loaded, shard_id)
 
-    def _load_int4(self, offset: int, size: int, groups: Int4Groups, shard_id: object) -> None:
-        if groups.shape != (size, self.in_features):
-            raise ValueError(f"shape mismatch for shard {shard_id!r}: {(size, self.in_features)} vs {groups.shape}")
+    def _load_quantized(self, offset: int, size: int, part: RowQuantized, shard_id: object) -> None:
+        if tuple(part.shape) != (size, self.in_features):
+            raise ValueError(f"shape mismatch for shard {shard_id!r}: {(size, self.in_features)} vs {part.shape}")
         weight = self.weight
-        if self._has_dense_rows or not can_pack(self.out_features, self.in_features, weight.dtype, weight.device):
-            _copy_rows(weight.data, offset, size, groups.dequantize(weight.dtype), shard_id)
+        keep = not self._has_dense_rows and can_keep(part, self.out_features, self.in_features, weight.dtype,
+                                                     weight.device)  # fmt: skip
+        if keep and self._staging is not None and not self._staging.accepts(part):
+            self._to_dense()
+            keep = False
+        if not keep:
+            _copy_rows(weight.data, offset, size, part.dequantize(weight.dtype), shard_id)
             self._has_dense_rows = True
             return
         if self._staging is None:
-            self._staging = Int4Staging(self.out_features, self.in_features)
-        self._staging.put(offset, groups)
+            self._staging = RowStaging(self.out_features)
+        self._staging.put(offset, part)
         if self._staging.complete:
-            self.packed = pack(self._staging)
+            self.packed = self._staging.build()
             self._staging = None
             weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)  # no dense copy kept
 
     def _to_dense(self) -> None:
-        """A dense shard arrived: the rows staged as 4-bit become dense too."""
+        """A dense shard (or one of another format) arrived: the rows staged so far become dense too."""
         if self._staging is not None:
             for offset, rows in self._staging.dense_rows(self.weight.dtype):
                 self.weight.data[offset : offset + rows.shape[0]] = rows
             self._staging = None
+            self._has_dense_rows = True
 
-    def quantize(self, method: str) -> bool:
+    def quantize(self, method: str, group_size: int = GROUP_SIZE) -> bool:
         """Quantize a loaded dense weight on the fly ("int8": per channel; "int4": round-to-nearest in
-        groups of 32, where the int4 kernel takes the shape). False if the layer stays as it is."""
+        groups along K, where the int4 kernel takes the shape; "nf4": NormalFloat-4 in blocks of 64).
+        False if the layer stays as it is."""
+        from folio.quant.nf4 import BLOCK_SIZE as NF4_BLOCK
+        from folio.quant.nf4 import NF4Weight
+
         weight = self.weight
         if self.packed is not None or weight.device.type != "cpu":
             return False
         if method == "int8":
-            self.packed = ChannelInt8(weight.data)
-        elif method == "int4" and can_pack(self.out_features, self.in_features, weight.dtype, weight.device):
-            self.packed = PackedInt4(rtn_groups(weight.data))
+            self.packed = ChannelInt8.quantize(weight.data)
+        elif method == "int4" and can_pack(self.out_features, self.in_features, weight.dtype, weight.device,
+                                           group_size):  # fmt: skip
+            self.packed = PackedInt4(rtn_groups(weight.data, group_size))
+        elif method == "nf4" and self.in_features % NF4_BLOCK == 0:
+            self.packed = NF4Weight.quantize(weight.data)
         else:
             return False
         weight.data = torch.empty(0, dtype=weight.dtype, device=weight.device)

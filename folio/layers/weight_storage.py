@@ -1,64 +1,126 @@
-"""How a Linear layer holds its weight: dense, or 4-bit packed (folio/quant/int4.py).
+"""How a Linear layer holds its weight: dense, or quantized for a kernel.
 
-A fused layer (q|k|v, gate|up) receives its shards one at a time. 4-bit shards are staged as codes
-(a byte per weight, for this layer only) and packed once every row has arrived, so no dense copy of
-the weight ever exists. If a fused layer gets shards of mixed kinds (e.g. a 4-bit q and a 5-bit k
-in one GGUF file), it falls back to dense for the whole layer.
+A checkpoint may hand a layer its weight already quantized, in one of the row-separable forms folio
+has kernels for: 4-bit groups (`Int4Groups`: GGUF Q4_0/Q4_1/Q4_K, GPTQ, AWQ), per-channel int8
+(`ChannelInt8`), 8-bit groups (`Int8Groups`) or NF4 (`NF4Weight`). The rows of the first three
+depend only on their own codes and scales, so the shards of a fused layer (q|k|v, gate|up), which arrive one at a
+time, are staged as they come and joined once every row is in: no dense copy of the weight ever
+exists. A format whose parts cannot be joined exactly (NF4: its double-quantized scales run across
+rows) keeps them side by side (`ConcatRows`). If a fused layer gets shards of mixed kinds (e.g. a
+4-bit q and a 5-bit k in one GGUF file), it falls back to dense for the whole layer.
 """
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 
-from folio.quant.int4 import GROUP_SIZE, Int4Groups, PackedInt4
+from folio.quant.int4 import BLOCK_N, GROUP_SIZE, KERNEL_GROUP_SIZES, Int4Groups, PackedInt4
 
 
-class Int4Staging:
-    """Rows of a [N, K] weight arriving as Int4Groups, until all N are in."""
+class RowQuantized(Protocol):
+    """A quantized [N, K] weight whose rows can be split and joined."""
 
-    def __init__(self, rows: int, cols: int) -> None:
-        self.groups = Int4Groups(
-            torch.zeros(rows, cols, dtype=torch.uint8),
-            torch.zeros(rows, cols // GROUP_SIZE),
-            torch.zeros(rows, cols // GROUP_SIZE),
-        )
+    shape: tuple[int, int]
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor: ...
+
+
+class QuantizedKernel(Protocol):
+    """What a Linear layer multiplies with: `linear(x [M, K], bias) -> [M, N]` in x's dtype."""
+
+    shape: tuple[int, int]
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
+
+    def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
+
+
+class RowStaging:
+    """Rows of a [N, K] weight arriving as quantized parts of one kind, until all N are in."""
+
+    def __init__(self, rows: int) -> None:
+        self.parts: dict[int, RowQuantized] = {}
         self.filled = torch.zeros(rows, dtype=torch.bool)
 
-    def put(self, offset: int, part: Int4Groups) -> None:
-        size = part.shape[0]
-        self.groups.codes[offset : offset + size] = part.codes
-        self.groups.scales[offset : offset + size] = part.scales
-        self.groups.zeros[offset : offset + size] = part.zeros
-        self.filled[offset : offset + size] = True
+    def accepts(self, part: RowQuantized) -> bool:
+        """Parts join only if they are of one kind (and, for 4-bit, one group size)."""
+        if not self.parts:
+            return True
+        first = next(iter(self.parts.values()))
+        if type(first) is not type(part):
+            return False
+        return not isinstance(part, Int4Groups) or part.group_size == first.group_size
+
+    def put(self, offset: int, part: RowQuantized) -> None:
+        self.parts[offset] = part
+        self.filled[offset : offset + part.shape[0]] = True
 
     @property
     def complete(self) -> bool:
         return bool(self.filled.all())
 
     def dense_rows(self, dtype: torch.dtype) -> list[tuple[int, torch.Tensor]]:
-        """The rows staged so far, dequantized, as (offset, rows) runs: for the fall back to dense."""
-        runs, start = [], None
-        filled = self.filled.tolist() + [False]
-        for row, is_filled in enumerate(filled):
-            if is_filled and start is None:
-                start = row
-            elif not is_filled and start is not None:
-                part = Int4Groups(self.groups.codes[start:row], self.groups.scales[start:row],
-                                  self.groups.zeros[start:row])  # fmt: skip
-                runs.append((start, part.dequantize(dtype)))
-                start = None
-        return runs
+        """The rows staged so far, dequantized, as (offset, rows): for the fall back to dense."""
+        return [(offset, part.dequantize(dtype)) for offset, part in sorted(self.parts.items())]
+
+    def build(self) -> QuantizedKernel:
+        parts = [part for _, part in sorted(self.parts.items())]
+        if len(parts) == 1:
+            joined = parts[0]
+        elif hasattr(type(parts[0]), "cat_rows"):
+            joined = type(parts[0]).cat_rows(parts)
+        else:
+            return ConcatRows(parts)
+        return PackedInt4(joined) if isinstance(joined, Int4Groups) else joined
 
 
-def can_pack(rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
-    """The CPU int4 kernel needs whole 64-row blocks; the model must compute in float32 or bfloat16."""
+class ConcatRows:
+    """A weight held as row blocks of its own, each multiplied by its kernel and the outputs joined."""
+
+    def __init__(self, parts: list[QuantizedKernel]) -> None:
+        self.parts = parts
+        self.shape = (sum(p.shape[0] for p in parts), parts[0].shape[1])
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def rows(self, offset: int, size: int) -> QuantizedKernel:
+        """The block that is exactly rows [offset, offset + size)."""
+        start = 0
+        for part in self.parts:
+            if (start, part.shape[0]) == (offset, size):
+                return part
+            start += part.shape[0]
+        raise ValueError(f"rows [{offset}, {offset + size}) are not one block of this weight")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return torch.cat([p.dequantize(dtype) for p in self.parts])
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = torch.cat([p.linear(x) for p in self.parts], dim=-1)
+        return out if bias is None else out + bias
+
+
+def can_pack(rows: int, cols: int, dtype: torch.dtype, device: torch.device, group_size: int = GROUP_SIZE) -> bool:
+    """The CPU int4 kernel needs whole 64-row blocks and one of its group sizes; the model must compute
+    in float32 or bfloat16."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and rows % 64 == 0
-        and (cols % GROUP_SIZE == 0)
+        and rows % BLOCK_N == 0
+        and group_size in KERNEL_GROUP_SIZES
+        and cols % group_size == 0
     )
 
 
-def pack(staging: Int4Staging) -> PackedInt4:
-    return PackedInt4(staging.groups)
+def can_keep(part: RowQuantized, rows: int, cols: int, dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether a layer of [rows, cols] can hold this part's format as it is."""
+    if isinstance(part, Int4Groups):
+        return can_pack(rows, cols, dtype, device, part.group_size)
+    return device.type == "cpu" and dtype in (torch.float32, torch.bfloat16)

@@ -1,8 +1,9 @@
-"""4-bit weights in groups of 32, kept packed in memory and multiplied by PyTorch's CPU int4 kernel.
+"""4-bit weights in groups along K, kept packed in memory and multiplied by PyTorch's CPU int4 kernel.
 
 `Int4Groups` is the unpacked form a loader produces: w[n, k] = (codes[n, k] - 8) * scales[n, g] +
-zeros[n, g], with g = k // 32. GGUF's Q4_0, Q4_1 and Q4_K map onto it exactly (the int4 kernel's
-own convention), so a file's 4-bit tensors load without ever being widened to 16/32 bits.
+zeros[n, g], with g = k // group_size (32, 64, 128 or 256: the kernel's group sizes). GGUF's Q4_0,
+Q4_1 and Q4_K (groups of 32) and GPTQ/AWQ checkpoints without act-order map onto it exactly (the int4
+kernel's own convention), so 4-bit tensors load without ever being widened to 16/32 bits.
 
 `PackedInt4` holds the codes in the layout of `aten._convert_weight_to_int4pack_for_cpu` (half a
 byte per weight) plus bfloat16 scales and zeros, and multiplies two ways: the int4 kernel
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 
 from folio.quant.gguf_dequant import GroupQuant
 
-GROUP_SIZE = 32
+GROUP_SIZE = 32  # GGUF's 4-bit formats, and the default of round-to-nearest
+KERNEL_GROUP_SIZES = (32, 64, 128, 256)
 BLOCK_N = 64  # the CPU int4 layout packs rows in blocks of 64: rows n and n + 32 share a byte
 
 KERNEL_DTYPE = torch.bfloat16
@@ -42,20 +44,28 @@ class Int4Groups:
     def shape(self) -> tuple[int, int]:
         return (self.codes.shape[0], self.codes.shape[1])
 
+    @property
+    def group_size(self) -> int:
+        return self.codes.shape[1] // self.scales.shape[1]
+
+    @classmethod
+    def cat_rows(cls, parts: list[Int4Groups]) -> Int4Groups:
+        return cls(*(torch.cat([getattr(p, f) for p in parts]) for f in ("codes", "scales", "zeros")))
+
     def rows(self, index: torch.Tensor) -> Int4Groups:
         """The same weight with its output rows reordered (e.g. undoing llama.cpp's q/k permutation)."""
         return Int4Groups(self.codes[index], self.scales[index], self.zeros[index])
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        scales = self.scales.repeat_interleave(GROUP_SIZE, dim=1)
-        zeros = self.zeros.repeat_interleave(GROUP_SIZE, dim=1)
+        scales = self.scales.repeat_interleave(self.group_size, dim=1)
+        zeros = self.zeros.repeat_interleave(self.group_size, dim=1)
         return ((self.codes.float() - 8) * scales + zeros).to(dtype)
 
 
-def rtn_groups(weight: torch.Tensor) -> Int4Groups:
-    """Round-to-nearest 4-bit, asymmetric, groups of 32 along K: each group's [min, max] in 16 steps."""
+def rtn_groups(weight: torch.Tensor, group_size: int = GROUP_SIZE) -> Int4Groups:
+    """Round-to-nearest 4-bit, asymmetric, in groups along K: each group's [min, max] in 16 steps."""
     rows, cols = weight.shape
-    grouped = weight.float().view(rows, cols // GROUP_SIZE, GROUP_SIZE)
+    grouped = weight.float().view(rows, cols // group_size, group_size)
     low, high = grouped.amin(dim=-1), grouped.amax(dim=-1)
     scales = ((high - low) / 15).clamp_min(1e-8)
     codes = ((grouped - low.unsqueeze(-1)) / scales.unsqueeze(-1)).round().clamp(0, 15).to(torch.uint8)
@@ -89,8 +99,9 @@ class PackedInt4:
     def __init__(self, groups: Int4Groups) -> None:
         rows, cols = groups.shape
         self.shape = (rows, cols)
+        self.group_size = groups.group_size
         self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 1)
-        # [K / 32, N, 2]: the kernel's (scale, zero) per group and output row.
+        # [K / group, N, 2]: the kernel's (scale, zero) per group and output row.
         self.scales_zeros = torch.stack([groups.scales.t(), groups.zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
 
     @property
@@ -107,8 +118,8 @@ class PackedInt4:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = self.shape
-        codes = self.codes().reshape(rows, cols // GROUP_SIZE, GROUP_SIZE).to(dtype) - 8
-        scales = self.scales_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [N, K / 32, 1]
+        codes = self.codes().reshape(rows, cols // self.group_size, self.group_size).to(dtype) - 8
+        scales = self.scales_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [N, K / group, 1]
         zeros = self.scales_zeros[..., 1].t().unsqueeze(-1).to(dtype)
         return torch.addcmul(zeros, codes, scales).reshape(rows, cols)
 
@@ -117,6 +128,6 @@ class PackedInt4:
         dequantize-then-GEMM."""
         if x.shape[0] > KERNEL_MAX_ROWS:
             return F.linear(x, self.dequantize(x.dtype), bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE).contiguous(), self.packed, GROUP_SIZE,
+        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE).contiguous(), self.packed, self.group_size,
                                                           self.scales_zeros).to(x.dtype)  # fmt: skip
         return out if bias is None else out + bias

@@ -54,6 +54,10 @@ class Int8Groups:
         grouped = self.codes.view(rows, -1, self.group_size).to(torch.float32) * self.scales.unsqueeze(-1)
         return grouped.view(rows, cols).to(dtype)
 
+    @classmethod
+    def cat_rows(cls, parts: list[Int8Groups]) -> Int8Groups:
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
+
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized."""
         return (
@@ -89,15 +93,24 @@ CHANNEL_KERNEL_MAX_ROWS = 64
 
 
 class ChannelInt8:
-    """A dense weight quantized on the fly: int8 per output channel, symmetric (W = codes * scales[n]),
-    multiplied by `aten._weight_int8pack_mm` with bf16 activations (its fp32 path is ~13x slower)."""
+    """int8 per output channel, symmetric (W = codes * scales[n]), multiplied by
+    `aten._weight_int8pack_mm` with bf16 activations (its fp32 path is ~13x slower). Made on the fly
+    from a dense weight (`quantize`) or loaded from a checkpoint's codes and scales."""
 
-    def __init__(self, weight: torch.Tensor) -> None:
+    def __init__(self, codes: torch.Tensor, scales: torch.Tensor) -> None:
+        self.codes = codes.to(torch.int8).contiguous()  # [N, K]
+        self.scales = scales.reshape(-1).to(torch.bfloat16)  # [N]
+        self.shape = (codes.shape[0], codes.shape[1])
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor) -> ChannelInt8:
         w = weight.float()
         scales = (w.abs().amax(dim=1) / 127).clamp_min(1e-8)
-        self.codes = (w / scales.unsqueeze(1)).round().clamp(-127, 127).to(torch.int8).contiguous()
-        self.scales = scales.to(torch.bfloat16)
-        self.shape = (weight.shape[0], weight.shape[1])
+        return cls((w / scales.unsqueeze(1)).round().clamp(-127, 127), scales)
+
+    @classmethod
+    def cat_rows(cls, parts: list[ChannelInt8]) -> ChannelInt8:
+        return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
 
     @property
     def nbytes(self) -> int:

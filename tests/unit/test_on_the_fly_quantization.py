@@ -1,4 +1,4 @@
-"""Quantizing dense weights at load (`quantization="int8"|"int4"`): round-to-nearest stays within half a
+"""Quantizing dense weights at load (`quantization="int8"|"int4"|"nf4"`): round-to-nearest stays within half a
 step, and both kernels' paths equal dequantize-then-matmul of the quantized weight."""
 
 from __future__ import annotations
@@ -25,7 +25,7 @@ def test_int4_round_to_nearest_is_within_half_a_step():
 
 
 def test_int8_per_channel_is_within_half_a_step():
-    quantized = ChannelInt8(WEIGHT)
+    quantized = ChannelInt8.quantize(WEIGHT)
     error = (quantized.dequantize() - WEIGHT).abs()
     steps = quantized.scales.float().unsqueeze(1)  # the bf16-rounded scale is the step actually used
     assert (error <= steps / 2 + steps * 2**-7 * 127).all()
@@ -35,7 +35,7 @@ def test_int8_per_channel_is_within_half_a_step():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_both_paths_equal_dequantize_then_matmul(rows, dtype):
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
-    for packed in (ChannelInt8(WEIGHT), PackedInt4(rtn_groups(WEIGHT))):
+    for packed in (ChannelInt8.quantize(WEIGHT), PackedInt4(rtn_groups(WEIGHT))):
         expected = F.linear(x.double(), packed.dequantize(torch.float64))
         got = packed.linear(x).double()
         assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 activations in the kernels
@@ -51,7 +51,7 @@ def test_a_loaded_linear_quantizes_and_drops_its_dense_weight():
     assert not odd.quantize("int4") and odd.packed is None
 
 
-@pytest.mark.parametrize("method", ["int8", "int4"])
+@pytest.mark.parametrize("method", ["int8", "int4", "nf4"])
 def test_models_quantized_on_the_fly_generate_close_to_dense(tmp_path, method):
     folder = make_tiny_model("llama", tmp_path / "llama")
     prompt = list(range(5, 25))

@@ -1,0 +1,148 @@
+"""Writes a quantized model as a Hugging Face folder: config.json (with `quantization_config`), the
+tokenizer, and model.safetensors with each quantized projection in the GPTQ, AWQ or NF4 layout under
+the checkpoint's own (unfused) names, e.g. `model.layers.0.self_attn.q_proj.qweight`.
+
+A GGUF source has no config.json or tokenizer.json of its own: both are written from what folio read
+out of the file, with the tensors in Hugging Face's conventions (q/k rows un-permuted, Gemma norms
+without the +1), so the folder loads like any Hugging Face checkpoint.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from folio.config import ModelConfig
+from folio.layers.linear import Linear, MergedLinear
+from folio.loaders.tokenizer import Tokenizer
+from folio.quant.checkpoint_layouts import IntGroups, pack_awq, pack_gptq
+
+DENSE_DTYPE = torch.float16  # norms and embeddings, as GPTQ/AWQ checkpoints usually ship them
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
+                   "generation_config.json")  # fmt: skip
+
+
+def hf_config(config: ModelConfig) -> dict[str, Any]:
+    """config.json for the architectures folio runs (read back by loaders/hf_folder.py and transformers)."""
+    gemma3 = config.architecture == "Gemma3ForCausalLM"
+    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
+                  "Gemma3ForCausalLM": "gemma3_text"}.get(config.architecture, "llama")  # fmt: skip
+    eos = config.eos_token_ids
+    raw: dict[str, Any] = {
+        "architectures": [config.architecture],
+        "model_type": model_type,
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "intermediate_size": config.intermediate_size,
+        "num_hidden_layers": config.num_layers,
+        "num_attention_heads": config.num_heads,
+        "num_key_value_heads": config.num_kv_heads,
+        "head_dim": config.head_dim,
+        "max_position_embeddings": config.max_position_embeddings,
+        "rms_norm_eps": config.rms_norm_eps,
+        "rope_theta": config.rope_theta,
+        "rope_scaling": config.rope_scaling,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "attention_bias": config.attention_bias,
+        "hidden_act": config.hidden_act,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if len(eos) == 1 else eos,
+        "torch_dtype": "float16",
+    }
+    if gemma3:
+        raw.update(
+            hidden_activation=config.hidden_act,
+            sliding_window=config.sliding_window,
+            layer_types=config.layer_types,
+            rope_local_base_freq=config.rope_local_theta,
+            query_pre_attn_scalar=config.query_pre_attn_scalar,
+            final_logit_softcapping=config.final_logit_softcapping,
+        )
+    elif config.sliding_window:
+        raw.update(sliding_window=config.sliding_window, use_sliding_window=True)
+    return raw
+
+
+def write_tokenizer(tokenizer: Tokenizer, source: Path, output: Path) -> None:
+    """Copy a Hugging Face folder's tokenizer files, or write them from a GGUF file's tokenizer."""
+    if source.is_dir():
+        for name in TOKENIZER_FILES:
+            if (source / name).exists():
+                shutil.copy(source / name, output / name)
+        return
+    tokenizer.backend.save(str(output / "tokenizer.json"))
+    settings = {"bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                "chat_template": tokenizer.chat_template}  # fmt: skip
+    (output / "tokenizer_config.json").write_text(json.dumps(settings, indent=2))
+
+
+def checkpoint_tensors(model: torch.nn.Module, stacked: list[tuple[str, str, object]],
+                       quantized: dict[str, Any], layout: str) -> dict[str, torch.Tensor]:  # fmt: skip
+    """Every tensor of the checkpoint: each quantized layer split back into its checkpoint names and
+    packed in `layout` ("gptq", "awq" or "nf4"); every other parameter dense."""
+    tensors: dict[str, torch.Tensor] = {}
+    modules = dict(model.named_modules())
+    for name, weight in quantized.items():
+        layer = modules[name]
+        for shard_name, (offset, size) in _shards(name, layer, stacked):
+            part = _rows(weight, offset, size)
+            for key, value in _pack(part, layout).items():
+                tensors[f"{shard_name}.{key}"] = value
+            if layer.bias is not None:
+                tensors[f"{shard_name}.bias"] = layer.bias.data[offset : offset + size].to(DENSE_DTYPE)
+    skip = {f"{name}.{p}" for name in quantized for p in ("weight", "bias")}
+    tied = getattr(getattr(model, "config", None), "tie_word_embeddings", False)
+    for name, param in model.named_parameters():
+        if name in skip or (tied and name.startswith("lm_head.")) or param.numel() == 0:
+            continue
+        for shard_name, (offset, size) in _param_shards(name, param, modules, stacked):
+            tensors[shard_name] = param.data[offset : offset + size].to(DENSE_DTYPE).contiguous()
+    return tensors
+
+
+def _shards(name: str, layer: Linear, stacked: list[tuple[str, str, object]]) -> list[tuple[str, tuple[int, int]]]:
+    """(checkpoint module name, (row offset, rows)) of each shard of a fused layer."""
+    if not isinstance(layer, MergedLinear):
+        return [(name, (0, layer.out_features))]
+    fused = name.rsplit(".", 1)[-1]
+    parts = {shard_id: part for f, part, shard_id in stacked if f == fused}
+    return [(name[: -len(fused)] + parts[shard_id], rows) for shard_id, rows in layer.shard_offsets.items()]
+
+
+def _param_shards(name: str, param: torch.Tensor, modules: dict[str, Any],
+                  stacked: list) -> list[tuple[str, tuple[int, int]]]:  # fmt: skip
+    module_name, _, kind = name.rpartition(".")
+    layer = modules.get(module_name)
+    if isinstance(layer, MergedLinear):
+        return [(f"{shard}.{kind}", rows) for shard, rows in _shards(module_name, layer, stacked)]
+    return [(name, (0, param.shape[0]))]
+
+
+def _rows(weight: Any, offset: int, size: int) -> Any:
+    if isinstance(weight, IntGroups):
+        return IntGroups(weight.codes[offset : offset + size], weight.zeros[offset : offset + size],
+                         weight.scales[offset : offset + size], weight.bits, weight.group_index)  # fmt: skip
+    if tuple(weight.shape) == (size, weight.shape[1]) and offset == 0:
+        return weight  # a layer of one checkpoint tensor
+    return weight.rows(offset, size)  # one block of a ConcatRows
+
+
+def _pack(weight: Any, layout: str) -> dict[str, torch.Tensor]:
+    if layout == "gptq":
+        return pack_gptq(weight)
+    if layout == "awq":
+        return pack_awq(weight)
+    return weight.to_tensors()
+
+
+def write_checkpoint(output: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
+                     notes: dict[str, Any]) -> None:  # fmt: skip
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
+    (output / "config.json").write_text(json.dumps(config, indent=2))
+    (output / "folio_quantize.json").write_text(json.dumps(notes, indent=2))
