@@ -7,17 +7,18 @@ Rows are weight formats, each with each KV cache format:
 - gguf: the file's formats, kept quantized;
 - int8, int4, gptq, awq, nf4: checkpoints written by `folio quantize` from the fp32 baseline (made
   on first use under --checkpoint-dir, reused after; their quantization time is recorded).
-Columns: resident weight MiB, KV bytes per token, perplexity on the held-out text (and its change
-from the fp32 row), greedy agreement with the fp32 model (full-precision KV), batch-1 decode tok/s and
-batch-N output tok/s (folio/bench/decode.py's measurements). All rows run back to back in one process
-on the same text and prompts.
+Columns: resident weight MiB, KV bytes per token, perplexity on the held-out text (prefilled in
+chunks of 64, so that the KV format matters) and its change from the fp32 row, greedy agreement with
+the fp32 model (full-precision KV), batch-1 decode tok/s and batch-N output tok/s (measured as
+folio/bench/decode.py measures them). All rows run back to back in one process on the same text
+and prompts.
 """
 
 from __future__ import annotations
 
 import gc
 import os
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -46,6 +47,8 @@ class TableConfig:
     repeats: int = 2
     group_size: int = 32
     checkpoint_dir: str = "~/.cache/folio/quantized"
+    score_chunk: int = 64  # prefill chunk while scoring, so later chunks read earlier ones through the KV cache
+    kv_cache_memory: str = "1GiB"  # per row: room for the batched run, without allocating a default pool each time
 
 
 @dataclass
@@ -91,7 +94,6 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     from folio import LLM
     from folio.eval.agreement import _greedy, eval_prompts, prefix_share
     from folio.eval.corpus import held_out_windows
-    from folio.eval.perplexity import score_windows
     from folio.loaders.catalog import resolve_model
 
     unknown = [f for f in config.formats if f not in FORMATS]
@@ -101,7 +103,8 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     threads = os.cpu_count() or 1
     chats = eval_prompts(config.num_prompts)
-    reference = LLM(source, quantization="none", dtype="float32", enable_prefix_caching=False)
+    pool = {"enable_prefix_caching": False, "kv_cache_memory": config.kv_cache_memory}
+    reference = LLM(source, quantization="none", dtype="float32", **pool)
     expected = _greedy(reference, chats, config.agreement_tokens)
     tokenizer = reference.tokenizer
     windows = held_out_windows(lambda t: tokenizer.encode(t, add_special_tokens=False), config.num_tokens,
@@ -117,9 +120,9 @@ def run_table(config: TableConfig, command: str) -> TableReport:
         elif weights in QUANTIZED_METHODS:
             (path, seconds), quantization = checkpoint_for(config, source, weights), None
         for kv in config.kv_dtypes:
-            llm = LLM(path, quantization=quantization, dtype=dtype, kv_cache_dtype=kv, enable_prefix_caching=False)
+            llm = LLM(path, quantization=quantization, dtype=dtype, kv_cache_dtype=kv, **pool)
             torch.set_num_threads(threads)
-            total, count = score_windows(llm, windows)
+            total, count = _chunked_score(llm, windows, config.score_chunk)
             got = _greedy(llm, chats, config.agreement_tokens)
             shares = [prefix_share(a, b) for a, b in zip(got, expected, strict=True)]
             batch1 = _speed(llm, config)
@@ -131,6 +134,20 @@ def run_table(config: TableConfig, command: str) -> TableReport:
             gc.collect()
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
     return TableReport(command, date, config.model, settings, rows)
+
+
+def _chunked_score(llm: Any, windows: list[list[int]], chunk: int) -> tuple[float, int]:
+    """score_windows with prompts prefilled `chunk` tokens at a time: an unchunked window never reads
+    its own KV cache, so an 8-bit cache would cost it nothing."""
+    from folio.eval.perplexity import score_windows
+
+    scheduler = llm.engine.scheduler
+    budget = scheduler.config
+    scheduler.config = replace(budget, max_num_batched_tokens=chunk)
+    try:
+        return score_windows(llm, windows)
+    finally:
+        scheduler.config = budget
 
 
 def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:

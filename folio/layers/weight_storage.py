@@ -48,13 +48,11 @@ class RowStaging:
         self.filled = torch.zeros(rows, dtype=torch.bool)
 
     def accepts(self, part: RowQuantized) -> bool:
-        """Parts join only if they are of one kind (and, for 4-bit, one group size)."""
+        """Parts join only if they are of one kind and one group size."""
         if not self.parts:
             return True
         first = next(iter(self.parts.values()))
-        if type(first) is not type(part):
-            return False
-        return not isinstance(part, Int4Groups) or part.group_size == first.group_size
+        return type(first) is type(part) and getattr(first, "group_size", None) == getattr(part, "group_size", None)
 
     def put(self, offset: int, part: RowQuantized) -> None:
         self.parts[offset] = part

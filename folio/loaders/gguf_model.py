@@ -19,6 +19,8 @@ from folio.quant.int4 import Int4Groups, int4_groups
 from folio.quant.int8 import Int8Groups, int8_groups
 
 INT4_FORMATS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
+# Symmetric formats whose codes fit int8 as they are (folio/quant/int8.py).
+INT8_FORMATS = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0})
 
 ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM", "gemma3": "Gemma3ForCausalLM"}
 
@@ -133,23 +135,29 @@ def _as_int4(tensor: GGUFTensor, name: str, arch: str, config: ModelConfig) -> I
     return groups.rows(_rope_row_order(groups.shape[0], heads))
 
 
-def _as_int8(tensor: GGUFTensor, name: str) -> Int8Groups | None:
-    """The token embedding or LM head in Q8_0, kept as 8-bit groups; else None."""
-    if tensor.ggml_type != GGMLQuantizationType.Q8_0 or not name.startswith(("token_embd.", "output.")):
+def _as_int8(tensor: GGUFTensor, name: str, arch: str, config: ModelConfig) -> Int8Groups | None:
+    """A weight in a symmetric 5- to 8-bit format (Q8_0, Q6_K, Q5_0), kept as 8-bit groups; else None."""
+    if tensor.ggml_type not in INT8_FORMATS:
         return None
-    return int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
+    groups = int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
+    if groups is None or arch != "llama" or not (".attn_q." in name or ".attn_k." in name):
+        return groups
+    heads = config.num_heads if ".attn_q." in name else config.num_kv_heads
+    return groups.rows(_rope_row_order(groups.shape[0], heads))
 
 
 def iter_gguf_weights(
     gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = True
 ) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups]]:
     """(Hugging Face name, weight) for every tensor. With `keep_quantized`, projection weights in a
-    4-bit format come as Int4Groups and a Q8_0 embedding or LM head as Int8Groups, for the layers to
-    keep quantized; everything else is dequantized."""
+    4-bit format come as Int4Groups and weights in Q8_0, Q6_K or Q5_0 (projections, embedding, LM head)
+    as Int8Groups, for the layers to keep quantized; everything else is dequantized."""
     arch = gguf.architecture
     for name, tensor in gguf.tensors.items():
         target = hf_name(name, arch)
-        groups = (_as_int4(tensor, name, arch, config) or _as_int8(tensor, name)) if keep_quantized else None
+        groups = None
+        if keep_quantized:
+            groups = _as_int4(tensor, name, arch, config) or _as_int8(tensor, name, arch, config)
         if groups is not None:
             yield target, groups
             continue

@@ -1,5 +1,7 @@
-"""8-bit weights in groups along K (GGUF Q8_0: 32 per group), kept as int8 codes and float32 scales
-(1.125 bytes per weight against the file's 1.0625) and multiplied by a small C++ kernel.
+"""8-bit weights in groups along K, kept as int8 codes and float32 scales and multiplied by a small C++
+kernel: GGUF's symmetric formats of 5 to 8 bits (Q8_0 and Q5_0 in groups of 32, 1.125 bytes per weight
+against the files' 1.0625 and 0.6875; Q6_K in groups of 16, 1.25 against 0.82), whose codes fit int8
+as they are. That is what the model keeps instead of a 2- or 4-byte dense weight.
 
 W[n, k] = scales[n, k // group] * codes[n, k]. For few rows the kernel reads the codes once and
 never builds the float weight; for many rows (or without a compiler) the weight is dequantized and
@@ -58,6 +60,10 @@ class Int8Groups:
     def cat_rows(cls, parts: list[Int8Groups]) -> Int8Groups:
         return cls(torch.cat([p.codes for p in parts]), torch.cat([p.scales for p in parts]))
 
+    def rows(self, index: torch.Tensor) -> Int8Groups:
+        """The same weight with its output rows reordered (e.g. undoing llama.cpp's q/k permutation)."""
+        return Int8Groups(self.codes[index], self.scales[index])
+
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized."""
         return (
@@ -80,8 +86,9 @@ class Int8Groups:
 
 
 def int8_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int8Groups | None:
-    """A GGUF tensor's groups as Int8Groups (Q8_0: signed 8-bit codes, no bias), else None."""
-    if quant.bits != 8 or quant.biases is not None or quant.codes.dtype != torch.int8 or len(shape) != 2:
+    """A GGUF tensor's groups as Int8Groups (a symmetric format: signed codes, no bias; Q8_0, Q6_K,
+    Q5_0, also Q4_0 if asked), else None."""
+    if quant.biases is not None or quant.codes.dtype != torch.int8 or len(shape) != 2:
         return None
     rows, cols = shape
     return Int8Groups(quant.codes.reshape(rows, cols).clone(), quant.scales.reshape(rows, -1).clone())

@@ -1,6 +1,7 @@
-"""GGUF 4-bit weights kept packed (the int4 kernel, bf16 activations) against the same weights
-dequantized to fp32, on both real models, teacher-forced: every position of the dequantized model's
-greedy continuation is scored by both, so one early disagreement cannot hide the rest."""
+"""GGUF weights kept quantized (4-bit formats in the int4 kernel with bf16 activations; Q5_0, Q6_K and
+Q8_0 as int8 groups in the C++ kernel) against the same weights dequantized to fp32, on both real
+models, teacher-forced: every position of the dequantized model's greedy continuation is scored by
+both, so one early disagreement cannot hide the rest."""
 
 from __future__ import annotations
 
@@ -46,3 +47,22 @@ def test_packed_weights_are_smaller_and_score_like_the_dequantized_ones(both):
     print(f"{num_packed} packed layers; top-1 agreement {agree}/{total}; worst relative logit gap {worst:.4f}")
     assert agree / total >= 0.97
     assert worst < 0.05
+
+
+def test_gemma3_keeps_its_5_6_and_8_bit_projections_as_int8_groups(gemma3_gguf):
+    """gemma3-270m's file holds Q5_0 q/k/v/gate/up, Q6_K or Q4_K down and Q8_0 v: none is widened."""
+    from folio.layers.linear import Linear
+    from folio.loaders.gguf_file import GGUFFile
+    from folio.quant.gguf_dequant import dequantize_tensor, unpack
+    from folio.quant.int4 import PackedInt4
+    from folio.quant.int8 import Int8Groups, int8_groups
+
+    loaded = load_model(gemma3_gguf, torch.bfloat16, torch.device("cpu"))
+    kinds = {type(m.packed) for m in loaded.model.modules() if isinstance(m, Linear)}
+    assert kinds == {Int8Groups, PackedInt4}
+    assert all(m.weight.numel() == 0 for m in loaded.model.modules() if isinstance(m, Linear))
+    gguf = GGUFFile(gemma3_gguf)
+    [name] = [n for n, t in gguf.tensors.items() if t.ggml_type.name == "Q6_K"][:1]
+    tensor = gguf.tensors[name]
+    groups = int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
+    assert groups.group_size == 16 and torch.equal(groups.dequantize(), dequantize_tensor(tensor))

@@ -30,9 +30,18 @@ def test_groups_equal_the_gguf_dequantization_exactly(q8):
     assert groups.group_size == 32 and groups.nbytes == 320 * 256 + 4 * 320 * 256 // 32
 
 
-def test_other_formats_are_refused():
-    raw = quants.quantize(np.zeros((64, 64), dtype=np.float32), Q.Q4_1)
-    assert int8_groups(unpack(raw, Q.Q4_1, (64, 64)), (64, 64)) is None
+def test_q5_0_codes_fit_int8_exactly():
+    data = np.random.default_rng(1).standard_normal((64, 256)).astype(np.float32)
+    raw = quants.quantize(data, Q.Q5_0)
+    groups = int8_groups(unpack(raw, Q.Q5_0, (64, 256)), (64, 256))
+    assert groups.group_size == 32 and groups.codes.abs().max() <= 16
+    assert torch.equal(groups.dequantize(), dequantize(raw, Q.Q5_0, (64, 256)))
+
+
+def test_formats_with_a_bias_are_refused():
+    for kind in (Q.Q4_1, Q.Q5_1):
+        raw = quants.quantize(np.zeros((64, 64), dtype=np.float32), kind)
+        assert int8_groups(unpack(raw, kind, (64, 64)), (64, 64)) is None
 
 
 def test_the_kernel_is_built():

@@ -1,0 +1,33 @@
+"""`folio bench quantization` end to end on a tiny Llama: every row measured, checkpoints made once."""
+
+from __future__ import annotations
+
+import json
+
+from folio.cli import main
+from tests.tiny_models import make_tiny_model
+
+
+def test_quantization_table_end_to_end(tmp_path, capsys):
+    model = make_tiny_model("llama", tmp_path / "tiny")
+    args = ["bench", "quantization", str(model), "--formats", "fp32,bf16,int4,nf4", "--kv-cache-dtypes", "auto,int8",
+            "--num-tokens", "1024", "--num-prompts", "4", "--gen-tokens", "8", "--batch", "4",
+            "--checkpoint-dir", str(tmp_path / "checkpoints"), "--output-dir", str(tmp_path / "results")]  # fmt: skip
+    assert main(args) == 0
+    [result] = (tmp_path / "results").glob("quantization_*.json")
+    rows = json.loads(result.read_text())["rows"]
+    assert [(r["weights"], r["kv_cache_dtype"]) for r in rows] == [
+        (w, kv) for w in ("fp32", "bf16", "int4", "nf4") for kv in ("auto", "int8")
+    ]
+    by = {(r["weights"], r["kv_cache_dtype"]): r for r in rows}
+    assert by["fp32", "auto"]["identical"] == 4  # the fp32 model agrees with itself
+    assert by["int4", "auto"]["weight_mib"] < by["bf16", "auto"]["weight_mib"] < by["fp32", "auto"]["weight_mib"]
+    assert by["bf16", "int8"]["kv_bytes_per_token"] < by["bf16", "auto"]["kv_bytes_per_token"]
+    assert all(r["perplexity"] > 1 and r["batch1_tok_s"] > 0 and r["batch_tok_s"] > 0 for r in rows)
+    assert by["int4", "auto"]["quantize_seconds"] > 0 and by["fp32", "auto"]["quantize_seconds"] is None
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["tiny-int4-g32", "tiny-nf4-g32"]
+    assert "ppl vs fp32" in capsys.readouterr().out
+    # A second run reuses the checkpoints.
+    assert main([*args[:4], "int4", *args[5:]]) == 0
+    latest = max((tmp_path / "results").glob("quantization_*.json"), key=lambda p: p.stat().st_mtime)
+    assert all(r["quantize_seconds"] is None for r in json.loads(latest.read_text())["rows"])
