@@ -22,7 +22,10 @@ from folio.layers.linear import Linear, MergedLinear
 from folio.loaders.tokenizer import Tokenizer
 from folio.quant.checkpoint_layouts import IntGroups, pack_awq, pack_gptq
 
-DENSE_DTYPE = torch.float16  # norms and embeddings, as GPTQ/AWQ checkpoints usually ship them
+DENSE_DTYPE = torch.float16  # embeddings (and biases), as GPTQ/AWQ checkpoints usually ship them
+# Norm weights are tiny and stay float32: AWQ folds 1/s into them, and a Gemma norm stores w with the
+# effective weight 1 + w, so (1 + w) / s - 1 for a large s would keep only a few bits in float16.
+NORM_DTYPE = torch.float32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")  # fmt: skip
 
@@ -100,8 +103,9 @@ def checkpoint_tensors(model: torch.nn.Module, stacked: list[tuple[str, str, obj
     for name, param in model.named_parameters():
         if name in skip or (tied and name.startswith("lm_head.")) or param.numel() == 0:
             continue
+        dtype = NORM_DTYPE if param.dim() == 1 else DENSE_DTYPE
         for shard_name, (offset, size) in _param_shards(name, param, modules, stacked):
-            tensors[shard_name] = param.data[offset : offset + size].to(DENSE_DTYPE).contiguous()
+            tensors[shard_name] = param.data[offset : offset + size].to(dtype).contiguous()
     return tensors
 
 
