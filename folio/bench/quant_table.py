@@ -106,6 +106,8 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     pool = {"enable_prefix_caching": False, "kv_cache_memory": config.kv_cache_memory}
     reference = LLM(source, quantization="none", dtype="float32", **pool)
     expected = _greedy(reference, chats, config.agreement_tokens)
+    # A scored window is a prompt that samples one token, so it must leave that token room.
+    config.context = min(config.context, reference.model_config.max_position_embeddings - 1)
     tokenizer = reference.tokenizer
     windows = held_out_windows(lambda t: tokenizer.encode(t, add_special_tokens=False), config.num_tokens,
                                config.context)  # fmt: skip
