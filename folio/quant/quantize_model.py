@@ -72,6 +72,11 @@ def quantize_checkpoint(source: str | Path, output: Path, options: QuantizeOptio
               max_num_batched_tokens=4096, kv_cache_memory="1GiB")  # fmt: skip
     model = llm.loaded.model
     linears = {name: m for name, m in model.named_modules() if isinstance(m, Linear)}
+    block = 64 if options.method == "nf4" else options.group_size  # int8 is per channel: any width
+    uneven = sorted({m.in_features for m in linears.values() if m.in_features % block})
+    if options.method != "int8" and uneven:
+        raise ValueError(f"{options.method} needs every projection's input width divisible by {block}; "
+                         f"this model has {', '.join(map(str, uneven))} (try --group-size 32)")  # fmt: skip
     stats: dict[str, InputStatistics] = {}
     if options.method in CALIBRATED:
         from folio.eval.corpus import calibration_windows

@@ -150,6 +150,10 @@ def test_quantize_refuses_bad_options_with_one_line(tmp_path, capsys):
     assert "not empty" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         main(["quantize", str(source), "--method", "int3", "--output", str(tmp_path / "o")])
+    # The tiny model's 64-wide inputs do not split into groups of 128: refused before any calibration.
+    assert main(["quantize", str(source), "--method", "gptq", "--group-size", "128", "--output",
+                 str(tmp_path / "g128")]) == 1  # fmt: skip
+    assert "divisible by 128" in capsys.readouterr().err and not (tmp_path / "g128").exists()
     # Quantizing an already quantized folder on the fly is refused.
     out = tmp_path / "int8"
     assert main(["quantize", str(source), "--method", "int8", "--output", str(out)]) == 0
