@@ -21,11 +21,12 @@ STALE_LOCK_SECONDS = 300
 
 
 def build_directory(name: str, source: Path) -> Path:
-    """One directory per kernel source + flags + torch version, so different checkouts never rebuild
-    each other's kernel."""
+    """One directory per kernel source (and the headers beside it) + flags + torch version, so
+    different checkouts never rebuild each other's kernel."""
     from folio.loaders.catalog import folio_home
 
-    key = hashlib.sha256(source.read_bytes() + " ".join(CFLAGS).encode() + torch.__version__.encode())
+    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
+    key = hashlib.sha256(source.read_bytes() + headers + " ".join(CFLAGS).encode() + torch.__version__.encode())
     directory = folio_home() / "kernels" / f"{name}-{key.hexdigest()[:16]}"
     directory.mkdir(parents=True, exist_ok=True)
     lock = directory / "lock"

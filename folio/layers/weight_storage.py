@@ -16,7 +16,7 @@ from typing import Protocol
 
 import torch
 
-from folio.quant.int4 import BLOCK_N, GROUP_SIZE, KERNEL_GROUP_SIZES, Int4Groups, PackedInt4
+from folio.quant.int4 import GROUP_SIZE, KERNEL_GROUP_SIZES, Int4Groups, PackedInt4
 
 
 class RowQuantized(Protocol):
@@ -106,12 +106,11 @@ class ConcatRows:
 
 
 def can_pack(rows: int, cols: int, dtype: torch.dtype, device: torch.device, group_size: int = GROUP_SIZE) -> bool:
-    """The CPU int4 kernel needs whole 64-row blocks and one of its group sizes; the model must compute
-    in float32 or bfloat16."""
+    """The int4 kernel takes groups of 32 or a multiple of 64; the model must compute in float32 or
+    bfloat16."""
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and rows % BLOCK_N == 0
         and group_size in KERNEL_GROUP_SIZES
         and cols % group_size == 0
     )

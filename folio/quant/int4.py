@@ -1,17 +1,14 @@
-"""4-bit weights in groups along K, kept packed in memory and multiplied by PyTorch's CPU int4 kernel.
+"""4-bit weights in groups along K, kept packed in memory and multiplied without being widened.
 
 `Int4Groups` is the unpacked form a loader produces: w[n, k] = (codes[n, k] - 8) * scales[n, g] +
-zeros[n, g], with g = k // group_size (32, 64, 128 or 256: the kernel's group sizes). GGUF's Q4_0,
-Q4_1 and Q4_K (groups of 32) and GPTQ/AWQ checkpoints without act-order map onto it exactly (the int4
-kernel's own convention), so 4-bit tensors load without ever being widened to 16/32 bits.
+zeros[n, g], with g = k // group_size (32, or a multiple of 64: 64, 128, 256). GGUF's Q4_0, Q4_1 and
+Q4_K (groups of 32) and GPTQ/AWQ checkpoints without act-order map onto it exactly, so 4-bit tensors
+load without ever being widened to 16/32 bits.
 
-`PackedInt4` holds the codes in the layout of `aten._convert_weight_to_int4pack_for_cpu` (half a
-byte per weight) plus bfloat16 scales and zeros, and multiplies two ways: the int4 kernel
-(`_weight_int4pack_mm_for_cpu`, which reads the weights once; best for up to a few hundred rows) or,
-for more rows, dequantizing and one dense GEMM. The kernel's fast path takes bfloat16 activations
-(its float32 path is ~10x slower than a dense float32 GEMV), so a float32 model's 4-bit layers cast
-their input to bfloat16 and their output back: finer than llama.cpp, which quantizes activations to
-8 bits for its 4-bit dot products. `LLM(quantization="none")` keeps everything in full precision.
+`PackedInt4` holds half a byte per weight, tiled by 16 rows, plus float16 scales and mins (Q4_1's
+own fields), and multiplies by the int8 dot-product kernel (int8_dot.py) for a few rows, or widens the weight in C++
+and runs one GEMM for more. The kernel rounds activations to 8 bits in blocks of 32, as llama.cpp
+does for its 4-bit dot products. `LLM(quantization="none")` keeps everything in full precision.
 """
 
 from __future__ import annotations
@@ -22,16 +19,20 @@ import torch
 import torch.nn.functional as F
 
 from folio.quant.gguf_dequant import GroupQuant
+from folio.quant.int8_dot import (
+    load_int8_dot_kernel,
+    tile_codes,
+    tile_groups,
+    untile_codes,
+    untile_groups,
+)
 
 GROUP_SIZE = 32  # GGUF's 4-bit formats, and the default of round-to-nearest
 KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-BLOCK_N = 64  # the CPU int4 layout packs rows in blocks of 64: rows n and n + 32 share a byte
-
-KERNEL_DTYPE = torch.bfloat16
-# Rows (tokens) up to which the int4 kernel beats dequantize-then-GEMM. On the project's machine
-# (a 1536x576 layer, bf16, 2 threads) the kernel took 3.3 ms at 256 rows against 5.5 ms, and 6.8 ms
-# at 512 against 4.7 ms; see docs/benchmarks.md.
-KERNEL_MAX_ROWS = 384
+# Rows up to which the dot-product kernel beats widening to bf16 + one GEMM, on smollm2's 30 layers of
+# q|k|v, o, gate|up, down (2 threads): 6.1 / 34 / 134 / 266 ms at 8 / 64 / 256 / 512 rows, against
+# 48 / 83 / 199 / 352.
+DOT_MAX_ROWS = 512
 
 
 @dataclass
@@ -79,7 +80,7 @@ def int4_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int4Groups | None:
     if quant.bits != 4 or quant.group_size != GROUP_SIZE or len(shape) != 2:
         return None
     rows, cols = shape
-    if rows % BLOCK_N or cols % GROUP_SIZE:
+    if cols % GROUP_SIZE:
         return None
     scales = quant.scales.view(rows, cols // GROUP_SIZE)
     if quant.codes.dtype == torch.int8:  # symmetric formats store code - 8
@@ -94,40 +95,42 @@ def int4_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int4Groups | None:
 
 
 class PackedInt4:
-    """A [N, K] weight packed for the CPU int4 kernel."""
+    """A [N, K] weight held as half a byte per value, tiled by 16 rows for the int8 dot-product kernel
+    (`int8_dot.tile_codes`), with float16 scales and mins per group, W = code * scale + min. It is
+    multiplied by that kernel for a few rows, or widened in C++ for one GEMM for more. Without a
+    compiler it is widened in PyTorch every call: correct, but slow."""
 
     def __init__(self, groups: Int4Groups) -> None:
         rows, cols = groups.shape
         self.shape = (rows, cols)
         self.group_size = groups.group_size
-        self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(groups.codes.to(torch.int32), 1)
-        # [K / group, N, 2]: the kernel's (scale, zero) per group and output row.
-        self.scales_zeros = torch.stack([groups.scales.t(), groups.zeros.t()], dim=-1).to(KERNEL_DTYPE).contiguous()
+        self.tiles = tile_codes(groups.codes)
+        self.scales = tile_groups(groups.scales)
+        # (code - 8) * scale + zero = code * scale + (zero - 8 * scale)
+        self.mins = tile_groups(groups.zeros - 8 * groups.scales)
 
     @property
     def nbytes(self) -> int:
-        return self.packed.nbytes + self.scales_zeros.nbytes
+        return self.tiles.nbytes + self.scales.nbytes + self.mins.nbytes
 
     def codes(self) -> torch.Tensor:
-        """Unpack the kernel's layout back to [N, K] codes: byte (b, k, i) holds row 64b + i in its low
-        nibble and row 64b + 32 + i in its high nibble."""
-        rows, cols = self.shape
-        blocks = self.packed.view(rows // BLOCK_N, cols, BLOCK_N // 2)
-        both = torch.cat([blocks & 15, blocks >> 4], dim=2)  # [N / 64, K, 64]
-        return both.permute(0, 2, 1).reshape(rows, cols)
+        """The [N, K] codes, 0..15."""
+        return untile_codes(self.tiles, *self.shape)
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = self.shape
-        codes = self.codes().reshape(rows, cols // self.group_size, self.group_size).to(dtype) - 8
-        scales = self.scales_zeros[..., 0].t().unsqueeze(-1).to(dtype)  # [N, K / group, 1]
-        zeros = self.scales_zeros[..., 1].t().unsqueeze(-1).to(dtype)
-        return torch.addcmul(zeros, codes, scales).reshape(rows, cols)
+        kernel = load_int8_dot_kernel()
+        if kernel is not None and self.tiles.device.type == "cpu":
+            return kernel.int4_dequantize(self.tiles, self.scales, self.mins, self.group_size, rows, cols, dtype)
+        codes = self.codes().reshape(rows, cols // self.group_size, self.group_size).float()
+        scales = untile_groups(self.scales, rows).float().unsqueeze(-1)
+        mins = untile_groups(self.mins, rows).float().unsqueeze(-1)
+        return torch.addcmul(mins, codes, scales).reshape(rows, cols).to(dtype)
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        """x [M, K] -> x @ W.T + bias in x's dtype: the int4 kernel up to KERNEL_MAX_ROWS rows, else
-        dequantize-then-GEMM."""
-        if x.shape[0] > KERNEL_MAX_ROWS:
+        """x [M, K] -> x @ W.T + bias in x's dtype."""
+        kernel = load_int8_dot_kernel()
+        if kernel is None or x.shape[0] > DOT_MAX_ROWS or x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype), bias)
-        out = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(KERNEL_DTYPE).contiguous(), self.packed, self.group_size,
-                                                          self.scales_zeros).to(x.dtype)  # fmt: skip
+        out = kernel.int4_linear(x.contiguous(), self.tiles, self.scales, self.mins, self.group_size, self.shape[0])
         return out if bias is None else out + bias

@@ -38,7 +38,7 @@ def test_both_paths_equal_dequantize_then_matmul(rows, dtype):
     for packed in (ChannelInt8.quantize(WEIGHT), PackedInt4(rtn_groups(WEIGHT))):
         expected = F.linear(x.double(), packed.dequantize(torch.float64))
         got = packed.linear(x).double()
-        assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 activations in the kernels
+        assert (got - expected).abs().max() <= 2e-2 * expected.abs().max()  # bf16 activations (int8 kernel)
 
 
 def test_a_loaded_linear_quantizes_and_drops_its_dense_weight():
@@ -47,7 +47,8 @@ def test_a_loaded_linear_quantizes_and_drops_its_dense_weight():
     assert layer.quantize("int8") and layer.weight.numel() == 0
     assert layer.weight_nbytes == 192 * 256 + 192 * 2
     assert not layer.quantize("int4")  # already quantized
-    odd = Linear(256, 100)  # 100 rows: not whole 64-row blocks for the int4 kernel
+    assert Linear(256, 100).quantize("int4")  # any number of rows
+    odd = Linear(100, 64)  # 100 inputs: not whole groups of 32
     assert not odd.quantize("int4") and odd.packed is None
 
 

@@ -1,0 +1,346 @@
+// y = x @ W^T for 4-bit and 8-bit weights by integer dot products, the way llama.cpp computes them,
+// with activations coded in 8 + 8 bits instead of 8.
+//
+// Each row of x is first quantized to int8 in blocks of 32 (one float scale per block, as GGUF's
+// Q8_0), so a block's dot product with the weight's codes is exact integer arithmetic: 64 multiply-adds
+// per AVX-512 VNNI instruction (vpdpbusd, unsigned x signed bytes). Only block results are scaled:
+//   4-bit, W[n, k] = codes[n, k] * s[n, g] + m[n, g]   (codes 0..15; groups 32 or a multiple of 64)
+//     y[n] = sum_b s[n, g(b)] * dx[b] * dot_b(codes, xq + xr / 256) + sum_g m[n, g] * sum_{k in g} x[k]
+//   8-bit, W[n, k] = codes[n, k] * s[n, g]             (codes -128..127)
+//     y[n] = sum_b s[n, g(b)] * dx[b] * dot_b(codes, xq + xr / 256)
+// (xr: the 8-bit code of each activation's rounding error, int8_activations.h.)
+// Decode reads each weight byte once, so these loops set batch-1 speed.
+//
+// 4-bit weights are tiled for it: rows in tiles of 16, and for each tile and block of 32 values, 256
+// bytes where byte (j, i, t) (j < 4, i < 16, t < 4) holds value 4j + t of the block for row i in its
+// low nibble and value 16 + 4j + t in its high one. One 64-byte load then gives, after an AND (or a
+// shift and an AND), 16 rows x 4 values, and vpdpbusd against 4 activation bytes broadcast to every
+// lane adds each row's 4 products into its own lane: a tile's 16 block sums come out in one register,
+// with no horizontal additions. Scales and mins are float16 [N / 16, G, 16], a tile's 16 rows side by
+// side. 8-bit weights stay row-major (Int8Groups' own codes): each row's block sums are reduced
+// across lanes, which costs less than the byte traffic at 8 bits; the sign of a code moves onto the
+// activation (|w| * (sign(w) * xq)), as vpdpbusd's first operand is unsigned.
+// Without AVX-512 VNNI the same arithmetic runs as plain loops.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "int8_activations.h"
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+#define FOLIO_VNNI 1
+#endif
+
+namespace {
+
+using namespace folio_int8_dot;
+
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_BLOCK_BYTES = TILE_ROWS * BLOCK / 2;
+constexpr int64_t X_TILE = 4;  // activation rows sharing each loaded weight
+
+// ---- 4-bit, tiled ----
+
+// out[t][i] = y[m0 + t, row i of the tile], for TILE activation rows.
+template <int TILE>
+void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* mins, const QuantizedRows& q,
+               const float* group_sums, const int32_t* group_of_block, int64_t m0, int64_t K, int64_t G, float* out) {
+  const int64_t B = K / BLOCK;
+#ifdef FOLIO_VNNI
+  const __m512i nibble = _mm512_set1_epi8(0x0F);
+  __m512 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
+    __m512i sums[TILE], residual_sums[TILE];  // two chains, so consecutive vpdpbusd do not wait
+    for (int t = 0; t < TILE; ++t) sums[t] = residual_sums[t] = _mm512_setzero_si512();
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 * j);
+      const __m512i low = _mm512_and_si512(packed, nibble);
+      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      for (int t = 0; t < TILE; ++t) {
+        const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
+        sums[t] = _mm512_dpbusd_epi32(sums[t], low, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
+        sums[t] = _mm512_dpbusd_epi32(sums[t], high, _mm512_set1_epi32(four_bytes(q.codes.data() + at + 16)));
+        const int8_t* r = q.residuals.data() + at;
+        residual_sums[t] = _mm512_dpbusd_epi32(residual_sums[t], low, _mm512_set1_epi32(four_bytes(r)));
+        residual_sums[t] = _mm512_dpbusd_epi32(residual_sums[t], high, _mm512_set1_epi32(four_bytes(r + 16)));
+      }
+    }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + group_of_block[b] * TILE_ROWS)));
+    for (int t = 0; t < TILE; ++t) {
+      // 256 * sum(code * w) + sum(residual * w), in units of scale / 256
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sums[t], 8), residual_sums[t]));
+      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS));
+      acc[t] = _mm512_fmadd_ps(dots, scale, acc[t]);
+    }
+  }
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * TILE_ROWS)));
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(group_sums[(m0 + t) * G + g]), acc[t]);
+  }
+  for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
+#else
+  for (int t = 0; t < TILE; ++t) {
+    const int8_t* xq = q.codes.data() + (m0 + t) * K;
+    const int8_t* xr = q.residuals.data() + (m0 + t) * K;
+    for (int64_t i = 0; i < TILE_ROWS; ++i) {
+      float total = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t v = 0; v < 4; ++v) {
+            const uint8_t byte = codes[b * TILE_BLOCK_BYTES + j * 64 + i * 4 + v];
+            const int64_t low = b * BLOCK + 4 * j + v, high = low + 16;
+            dot += (byte & 0x0F) * (256 * xq[low] + xr[low]) + (byte >> 4) * (256 * xq[high] + xr[high]);
+          }
+        total += to_float(scales[group_of_block[b] * TILE_ROWS + i]) * q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS *
+                 static_cast<float>(dot);
+      }
+      for (int64_t g = 0; g < G; ++g) total += to_float(mins[g * TILE_ROWS + i]) * group_sums[(m0 + t) * G + g];
+      out[t * TILE_ROWS + i] = total;
+    }
+  }
+#endif
+}
+
+template <typename T>
+void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
+                      const at::Half* mins, int64_t N, int64_t group, float* y) {
+  const QuantizedRows q = quantize_rows(x, M, K);
+  const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+  const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
+  std::vector<float> group_sums(M * G);  // sum of x over each weight group
+  for (int64_t m = 0; m < M; ++m)
+    for (int64_t b = 0; b < B; ++b) group_sums[m * G + group_of_block[b]] += q.sums[m * B + b];
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float out[X_TILE * TILE_ROWS];
+    for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
+      const int64_t rows = std::min(X_TILE, M - m0);
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const uint8_t* c = codes + tile * B * TILE_BLOCK_BYTES;
+        const at::Half* s = scales + tile * G * TILE_ROWS;
+        const at::Half* mn = mins + tile * G * TILE_ROWS;
+        const float* sums = group_sums.data();
+        const int32_t* gb = group_of_block.data();
+        switch (rows) {
+          case 4: int4_tile<4>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          case 3: int4_tile<3>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          case 2: int4_tile<2>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          default: int4_tile<1>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+        }
+        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
+        for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
+      }
+    }
+  });
+}
+
+// ---- 8-bit, row-major ----
+
+#ifdef FOLIO_VNNI
+// The weight's scales for the two blocks of the run starting at block b, each over 8 lanes. With
+// groups of 32 the two are consecutive; with groups of a multiple of 64 the run has one.
+inline __m512 run_scales(const at::Half* scales, int64_t g, bool two_groups) {
+  if (!two_groups) return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scales[g].x)));
+  int32_t pair;
+  std::memcpy(&pair, scales + g, sizeof(pair));
+  const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair)));
+  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), both);
+}
+inline __m512 run_scales(const float* scales, int64_t g, bool two_groups) {
+  if (!two_groups) return _mm512_set1_ps(scales[g]);
+  return _mm512_insertf32x8(_mm512_set1_ps(scales[g]), _mm256_set1_ps(scales[g + 1]), 1);
+}
+#endif
+
+// sum_b s[g(b)] * dx[b] * dot_b for activation rows m0 .. m0 + TILE against one weight row, into y[t].
+template <int TILE, typename S>
+inline void int8_row(const int8_t* row, const S* scales, const int32_t* group_of_block, bool two_groups,
+                     const QuantizedRows& q, int64_t m0, int64_t K, float* y) {
+  const int64_t B = K / BLOCK;
+  int64_t k = 0;
+#ifdef FOLIO_VNNI
+  const __m512i zero = _mm512_setzero_si512();
+  const int64_t runs = K / RUN;
+  __m512 acc[2][TILE];  // two sets, alternating by run: consecutive FMAs do not wait on each other
+  for (int t = 0; t < TILE; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
+  for (int64_t r = 0; r < runs; ++r, k += RUN) {
+    const __m512i w = _mm512_loadu_si512(row + k);
+    const __mmask64 negative = _mm512_movepi8_mask(w);
+    const __m512i magnitude = _mm512_abs_epi8(w);
+    const __m512 weight_scale = run_scales(scales, group_of_block[2 * r], two_groups);
+    for (int t = 0; t < TILE; ++t) {
+      const int64_t m = m0 + t;
+      __m512i a = _mm512_loadu_si512(q.codes.data() + m * K + k);
+      __m512i fine = _mm512_loadu_si512(q.residuals.data() + m * K + k);
+      a = _mm512_mask_sub_epi8(a, negative, zero, a);
+      fine = _mm512_mask_sub_epi8(fine, negative, zero, fine);
+      // lanes 0-7: block 2r; 8-15: 2r + 1; 256 * sum(code * w) + sum(residual * w)
+      const __m512i lanes = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, magnitude, a), 8),
+                                             _mm512_dpbusd_epi32(zero, magnitude, fine));
+      const __m512 scale = _mm512_mul_ps(weight_scale, _mm512_loadu_ps(q.run_scales.data() + (m * runs + r) * 16));
+      acc[r & 1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, acc[r & 1][t]);
+    }
+  }
+  for (int t = 0; t < TILE; ++t) y[t] += _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]));
+#endif
+  for (; k < K; k += BLOCK) {  // the scalar path, and a last block of 32
+    const int64_t b = k / BLOCK;
+    const float s = to_float(scales[group_of_block[b]]);
+    for (int t = 0; t < TILE; ++t) {
+      const int8_t* xq = q.codes.data() + (m0 + t) * K + k;
+      const int8_t* xr = q.residuals.data() + (m0 + t) * K + k;
+      int32_t dot = 0;
+      for (int64_t j = 0; j < BLOCK; ++j) dot += static_cast<int32_t>(row[k + j]) * (256 * xq[j] + xr[j]);
+      y[t] += s * q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS * static_cast<float>(dot);
+    }
+  }
+}
+
+template <typename T, typename S>
+void int8_linear_impl(const T* x, int64_t M, int64_t K, const int8_t* codes, const S* scales, int64_t N,
+                      int64_t group, float* y) {
+  const QuantizedRows q = quantize_rows(x, M, K);
+  const int64_t G = K / group;
+  const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
+  const bool two_groups = group == BLOCK;
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
+      const int64_t rows = std::min(X_TILE, M - m0);
+      for (int64_t n = begin; n < end; ++n) {
+        float out[X_TILE] = {0.f, 0.f, 0.f, 0.f};
+        const int8_t* row = codes + n * K;
+        const S* s = scales + n * G;
+        const int32_t* gb = group_of_block.data();
+        switch (rows) {
+          case 4: int8_row<4, S>(row, s, gb, two_groups, q, m0, K, out); break;
+          case 3: int8_row<3, S>(row, s, gb, two_groups, q, m0, K, out); break;
+          case 2: int8_row<2, S>(row, s, gb, two_groups, q, m0, K, out); break;
+          default: int8_row<1, S>(row, s, gb, two_groups, q, m0, K, out); break;
+        }
+        for (int64_t t = 0; t < rows; ++t) y[(m0 + t) * N + n] = out[t];
+      }
+    }
+  });
+}
+
+void check_x(const torch::Tensor& x, int64_t group) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K]");
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
+  const int64_t K = x.size(1);
+  TORCH_CHECK(K % BLOCK == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
+  TORCH_CHECK(group == BLOCK || group % RUN == 0, "the group size must be 32 or a multiple of 64");
+}
+
+// Calls f(typed x pointer).
+template <typename F>
+void with_x(const torch::Tensor& x, F f) {
+  if (x.scalar_type() == torch::kBFloat16) {
+    f(x.data_ptr<at::BFloat16>());
+  } else {
+    f(x.data_ptr<float>());
+  }
+}
+
+torch::Tensor in_x_dtype(const torch::Tensor& y, const torch::Tensor& x) {
+  return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
+}
+
+}  // namespace
+
+// 4-bit: tiles uint8 [ceil(N / 16), K / 32 * 256] as above; scales, mins float16 [ceil(N / 16), G, 16].
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
+                          int64_t group, int64_t N) {
+  check_x(x, group);
+  const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * (K / BLOCK) * TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 256]");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == tile_count * G * TILE_ROWS,
+                "scales, mins: float16 [N / 16, K / group, 16]");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  with_x(x, [&](auto* xs) {
+    int4_linear_impl(xs, M, K, tiles.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), N,
+                     group, y.data_ptr<float>());
+  });
+  return in_x_dtype(y, x);
+}
+
+// 8-bit: codes int8 [N, K]; scales float16 or float32 [N, K / group].
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group) {
+  check_x(x, group);
+  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
+  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == K,
+              "codes: int8 [N, K]");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / group), "scales: [N, K / group]");
+  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  const int8_t* c = codes.data_ptr<int8_t>();
+  with_x(x, [&](auto* xs) {
+    if (scales.scalar_type() == torch::kHalf) {
+      int8_linear_impl(xs, M, K, c, scales.data_ptr<at::Half>(), N, group, y.data_ptr<float>());
+    } else {
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
+      int8_linear_impl(xs, M, K, c, scales.data_ptr<float>(), N, group, y.data_ptr<float>());
+    }
+  });
+  return in_x_dtype(y, x);
+}
+
+// The tiled 4-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
+torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins, int64_t group, int64_t N,
+                              int64_t K, at::ScalarType dtype) {
+  const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * B * TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
+              mins.numel() == scales.numel() && scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf,
+              "int4 tiles, scales and mins");
+  auto out = torch::empty({N, K}, torch::kFloat32);
+  const uint8_t* c = tiles.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const at::Half* m = mins.data_ptr<at::Half>();
+  float* o = out.data_ptr<float>();
+  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t n = begin; n < end; ++n) {
+      const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
+      for (int64_t b = 0; b < B; ++b) {
+        const uint8_t* block = c + (tile * B + b) * TILE_BLOCK_BYTES;
+        const int64_t g = (tile * G + b * BLOCK / group) * TILE_ROWS + i;
+        const float scale = to_float(s[g]), min = to_float(m[g]);
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t v = 0; v < 4; ++v) {
+            const uint8_t byte = block[j * 64 + i * 4 + v];
+            o[n * K + b * BLOCK + 4 * j + v] = static_cast<float>(byte & 0x0F) * scale + min;
+            o[n * K + b * BLOCK + 16 + 4 * j + v] = static_cast<float>(byte >> 4) * scale + min;
+          }
+      }
+    }
+  });
+  return dtype == torch::kFloat32 ? out : out.to(dtype);
+}
+
+// x's rows as the kernels see them: int8 codes, one float scale per block of 32, and the residual codes
+// (for tests).
+std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % BLOCK == 0,
+              "x: contiguous float32 [M, K], K a multiple of 32");
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1));
+  auto codes = torch::from_blob(const_cast<int8_t*>(q.codes.data()), {x.size(0), x.size(1)}, torch::kInt8).clone();
+  auto residuals = torch::from_blob(const_cast<int8_t*>(q.residuals.data()), {x.size(0), x.size(1)}, torch::kInt8).clone();
+  auto scales = torch::from_blob(const_cast<float*>(q.scales.data()), {x.size(0), x.size(1) / BLOCK}, torch::kFloat32).clone();
+  return {codes, scales, residuals};
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("int4_linear", &int4_linear, "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products");
+  m.def("int8_linear", &int8_linear, "x @ W^T, W 8-bit in groups, by int8 dot products");
+  m.def("int4_dequantize", &int4_dequantize, "the tiled 4-bit weight widened, [N, K]");
+  m.def("quantize_activations", &quantize_activations, "x as int8 blocks of 32 and their scales");
+  // For C++ callers in other extensions (layers/csrc/decode_stack.cpp).
+  m.attr("int4_linear_entry") = py::capsule(reinterpret_cast<void*>(&int4_linear), "folio.int4_linear");
+}

@@ -1,0 +1,73 @@
+"""The integer dot-product kernels (csrc/int8_dot.cpp): activations quantized to int8 in blocks of 32,
+multiplied with 4-bit or 8-bit weight codes by AVX-512 VNNI, as llama.cpp's CPU backend does; the
+4-bit kernel also multiplies each activation's rounding error, coded in 8 more bits.
+
+They read each weight byte once and do the block arithmetic in integers, so they set batch-1 decode
+speed. Their cost grows with every activation row, so past a row count each caller measured
+(int4.DOT_MAX_ROWS, int8.DOT_MAX_ROWS) the weight is widened for one GEMM instead. The integer part
+is exact; what rounding costs is bounded in the tests.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+from folio.cpp_extension import load_extension
+
+_SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
+ACTIVATION_BLOCK = 32
+TILE_ROWS = 16  # 4-bit weights are tiled by 16 rows: one vector lane per row
+
+
+@cache
+def load_int8_dot_kernel() -> ModuleType | None:
+    return load_extension("int8_dot", "folio_int8_dot", _SOURCE, "int8 dot-product")
+
+
+def tile_codes(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..15 -> the kernel's tiles, uint8 [ceil(N / 16), K / 32 * 256]: rows in tiles of
+    16 (the last padded with zeros), and per tile and block of 32 values, byte (j, i, t) holds value
+    4j + t of row i in its low nibble and value 16 + 4j + t in its high one."""
+    rows, cols = codes.shape
+    padded = _pad_rows(codes.to(torch.uint8), TILE_ROWS)
+    # [tile, i, block, half, j, t] with k = 32 * block + 16 * half + 4 * j + t
+    parts = padded.view(-1, TILE_ROWS, cols // ACTIVATION_BLOCK, 2, 4, 4)
+    nibbles = parts[:, :, :, 0] | (parts[:, :, :, 1] << 4)  # [tile, i, block, j, t]
+    return nibbles.permute(0, 2, 3, 1, 4).reshape(padded.shape[0] // TILE_ROWS, -1).contiguous()
+
+
+def untile_codes(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `tile_codes`: [N, K] codes."""
+    nibbles = tiles.view(-1, cols // ACTIVATION_BLOCK, 4, TILE_ROWS, 4).permute(0, 3, 1, 2, 4)  # [tile, i, b, j, t]
+    both = torch.stack([nibbles & 15, nibbles >> 4], dim=3)  # [tile, i, block, half, j, t]
+    return both.reshape(-1, cols)[:rows]
+
+
+def tile_groups(values: torch.Tensor) -> torch.Tensor:
+    """Per-group [N, G] scales or mins -> float16 [ceil(N / 16), G, 16], a tile's rows side by side."""
+    padded = _pad_rows(values.to(torch.float16), TILE_ROWS)
+    return padded.view(-1, TILE_ROWS, values.shape[1]).transpose(1, 2).contiguous()
+
+
+def untile_groups(tiled: torch.Tensor, rows: int) -> torch.Tensor:
+    return tiled.transpose(1, 2).reshape(-1, tiled.shape[1])[:rows]
+
+
+def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+    extra = -t.shape[0] % multiple
+    return t if not extra else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+
+
+def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x [M, K] float32 -> (int8 codes [M, K], float32 scales [M, K / 32], int8 residual codes [M, K])
+    exactly as the kernels round them: x ~ scale * code, and for the 4-bit kernel x ~ scale * (code +
+    residual / 256). For tests: the integer part of a product is then checked exactly."""
+    kernel = load_int8_dot_kernel()
+    if kernel is None:
+        raise RuntimeError("the int8 dot-product kernel could not be built")
+    codes, scales, residuals = kernel.quantize_activations(x.float().contiguous())
+    return codes, scales, residuals

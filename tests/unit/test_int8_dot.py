@@ -1,0 +1,201 @@
+"""The int8 dot-product kernels (folio/quant/csrc/int8_dot.cpp) against float64 oracles written here.
+
+Activations are coded in blocks of 32 as int8 codes plus int8 residuals (their rounding error in 1/256ths of
+a step), so products are checked twice: against the same arithmetic on the kernel's own coded activations
+(the integer block dot products must be exact, leaving only float32 accumulation error) and against the
+uncoded product (the rounding must stay small). Shapes cover the row tiles of 4 (M = 1..5, 8), output rows
+split across threads and a last 4-bit tile of 16 rows only partly filled (N = 50), the 8-bit K % 64 == 32
+tail, each group-size branch, bfloat16 activations, -128 weight codes, and the tiled layout of the 4-bit
+codes.
+"""
+
+from __future__ import annotations
+
+from types import ModuleType
+
+import pytest
+import torch
+
+from folio.quant.int8_dot import (
+    load_int8_dot_kernel,
+    quantize_activations,
+    tile_codes,
+    tile_groups,
+    untile_codes,
+    untile_groups,
+)
+
+N = 50  # not a multiple of the 16-row tiles
+SHAPES = [(608, 32), (1536, 128), (640, 64), (96, 32)]  # (K, group): tail + pairs of groups, wide groups, one run
+ROWS = [1, 2, 3, 4, 5, 8]
+
+
+@pytest.fixture(scope="module")
+def kernel() -> ModuleType:
+    module = load_int8_dot_kernel()
+    if module is None:
+        pytest.skip("the int8 dot-product kernel could not be built")
+    return module
+
+
+def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
+
+
+def _int4(k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tiles, tiled scales, tiled mins) and the float64 weight code * scale + min."""
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(0, 16, (N, k), generator=gen)
+    scales = (torch.rand(N, k // group, generator=gen) * 0.02 + 0.001).half()
+    mins = (-8 * scales.float() + torch.randn(N, k // group, generator=gen) * 0.01).half()
+    weight = codes.double() * _per_column(scales, group) + _per_column(mins, group)
+    return tile_codes(codes), tile_groups(scales), tile_groups(mins), weight
+
+
+def _int8(k: int, group: int, seed: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-128, 128, (N, k), generator=gen, dtype=torch.int8)
+    codes[:, ::7] = -128  # |-128| does not fit in int8: the kernel's sign trick must still get it right
+    return codes, (torch.rand(N, k // group, generator=gen) * 0.02 + 0.001).to(scale_dtype)
+
+
+def _per_column(groups: torch.Tensor, group: int) -> torch.Tensor:
+    return groups.double().repeat_interleave(group, dim=1)
+
+
+def _dequantized_activations(x: torch.Tensor) -> torch.Tensor:
+    """x as the kernels see it: scale * (code + residual / 256)."""
+    codes, scales, residuals = quantize_activations(x.float())  # bfloat16 -> float32 is exact
+    return (codes.double() + residuals.double() / 256) * _per_column(scales, 32)
+
+
+def _assert_close(got: torch.Tensor, want: torch.Tensor, relative: float) -> None:
+    error = (got.double() - want).abs().max().item()
+    assert error <= relative * want.abs().max().item(), f"max error {error:.3g} vs max |y| {want.abs().max():.3g}"
+
+
+def _tile_oracle(codes: torch.Tensor) -> torch.Tensor:
+    """Byte (tile, block, j, i, t) = value 4j + t of the block for row 16 * tile + i (low nibble), and value
+    16 + 4j + t (high nibble); rows past N are zero."""
+    rows, k = codes.shape
+    tiles = -(-rows // 16)
+    out = torch.zeros(tiles, k // 32, 4, 16, 4, dtype=torch.long)
+    for n in range(rows):
+        for b in range(k // 32):
+            for j in range(4):
+                for t in range(4):
+                    out[n // 16, b, j, n % 16, t] = codes[n, 32 * b + 4 * j + t] | (
+                        codes[n, 32 * b + 16 + 4 * j + t] << 4
+                    )
+    return out.reshape(tiles, -1).to(torch.uint8)
+
+
+@pytest.mark.parametrize(("rows", "k"), [(16, 32), (50, 64), (3, 96)])
+def test_codes_follow_the_tile_layout_and_round_trip(rows: int, k: int) -> None:
+    codes = torch.randint(0, 16, (rows, k), generator=torch.Generator().manual_seed(k))
+    tiles = tile_codes(codes)
+    assert tiles.shape == (-(-rows // 16), k // 32 * 256) and tiles.dtype == torch.uint8
+    assert torch.equal(tiles, _tile_oracle(codes))
+    assert torch.equal(untile_codes(tiles, rows, k).long(), codes)
+    groups = torch.rand(rows, k // 32)
+    assert torch.equal(untile_groups(tile_groups(groups), rows), groups.half())
+
+
+def test_tile_hand_checked_byte() -> None:
+    codes = torch.zeros(2, 32, dtype=torch.long)
+    codes[1, 4], codes[1, 20] = 3, 9  # row 1, block 0, j = 1, t = 0: low value 4, high value 16 + 4
+    assert tile_codes(codes)[0, 64 * 1 + 4 * 1].item() == 0x93
+
+
+def test_activation_quantization_rounds_half_to_even_per_block(kernel: ModuleType) -> None:
+    x = _x(5, 608, seed=1)
+    x[1, 64:96] = 0  # an all-zero block: scale 0, codes 0
+    x[0, :32] = 0
+    x[0, :6] = torch.tensor([127.0, 2.5, -3.5, 0.5, 1.5, -0.5])  # scale exactly 1: ties to even
+    codes, scales, residuals = quantize_activations(x)
+    blocks = x.double().reshape(5, -1, 32)
+    want_scales = blocks.abs().amax(dim=-1) / 127
+    steps = blocks / want_scales.clamp_min(1e-300).unsqueeze(-1)
+    want_codes = torch.round(steps).reshape(5, -1)
+    assert torch.equal(codes.long(), want_codes.long())
+    # The residual: the rounding error in 1/256ths of a step (float32 arithmetic may tip a tie by one).
+    want_residuals = torch.round((steps.reshape(5, -1) - want_codes) * 256).clamp(-127, 127)
+    assert (residuals.long() - want_residuals.long()).abs().max() <= 1
+    assert residuals[0, :6].tolist() == [0, 127, 127, 127, -127, -127]  # ties: half a step, clamped
+    assert not residuals[1, 64:96].any()
+    assert codes[0, :6].tolist() == [127, 2, -4, 0, 2, 0]
+    assert scales[1, 2].item() == 0 and not codes[1, 64:96].any()
+    assert ((scales.double() - want_scales).abs() <= 1e-7 * want_scales).all()
+
+
+def test_activation_quantization_of_a_tiny_block(kernel: ModuleType) -> None:
+    x = torch.zeros(1, 32)
+    x[0, 0], x[0, 1] = 1e-37, -4e-38  # 1 / scale would overflow to inf
+    codes, _, _ = quantize_activations(x)
+    assert codes[0, :2].tolist() == [127, -51]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(("k", "group"), SHAPES)
+def test_integer_block_products_are_exact(kernel: ModuleType, k: int, group: int, m: int, dtype: torch.dtype) -> None:
+    x = _x(m, k, seed=k + m, dtype=dtype)
+    xq = _dequantized_activations(x)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # float32 accumulation, or rounding to bfloat16
+    tiles, scales, mins, _ = _int4(k, group, seed=k)
+    codes4 = untile_codes(tiles, N, k).double()
+    scales4, mins4 = untile_groups(scales, N), untile_groups(mins, N)
+    want = xq @ (codes4 * _per_column(scales4, group)).T + x.double() @ _per_column(mins4, group).T
+    got = kernel.int4_linear(x, tiles, scales, mins, group, N)
+    assert got.dtype == dtype and got.shape == (m, N)
+    _assert_close(got, want, tolerance)
+    codes, scales8 = _int8(k, group, seed=k, scale_dtype=torch.float16)
+    got = kernel.int8_linear(x, codes, scales8, group)
+    assert got.dtype == dtype and got.shape == (m, N)
+    _assert_close(got, xq @ (codes.double() * _per_column(scales8, group)).T, tolerance)
+
+
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("m", [1, 5])
+def test_int8_negative_codes_and_scale_dtypes(kernel: ModuleType, m: int, scale_dtype: torch.dtype) -> None:
+    for k, group in SHAPES:
+        x = _x(m, k, seed=m)
+        codes, scales = _int8(k, group, seed=k + 1, scale_dtype=scale_dtype)
+        want = _dequantized_activations(x) @ (codes.double() * _per_column(scales, group)).T
+        _assert_close(kernel.int8_linear(x, codes, scales, group), want, 1e-5)
+    # All -128 against x = 1 (codes 127, scale 1/127): y = -128 * K.
+    lowest = torch.full((N, 608), -128, dtype=torch.int8)
+    got = kernel.int8_linear(torch.ones(m, 608), lowest, torch.ones(N, 19, dtype=scale_dtype), 32)
+    assert torch.allclose(got.double(), torch.full((m, N), -128.0 * 608, dtype=torch.float64), rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("m", [1, 4, 5])
+@pytest.mark.parametrize(("k", "group"), SHAPES)
+def test_error_against_the_unquantized_product_is_small(kernel: ModuleType, k: int, group: int, m: int) -> None:
+    x = _x(m, k, seed=100 + m)
+    tiles, scales, mins, weight = _int4(k, group, seed=k + 2)
+    # Codes and residuals give activations 15 significant bits.
+    _assert_close(kernel.int4_linear(x, tiles, scales, mins, group, N), x.double() @ weight.T, 1e-4)
+    codes, scales8 = _int8(k, group, seed=k + 3, scale_dtype=torch.float16)
+    weight8 = codes.double() * _per_column(scales8, group)
+    _assert_close(kernel.int8_linear(x, codes, scales8, group), x.double() @ weight8.T, 1e-4)
+
+
+@pytest.mark.parametrize(("k", "group"), [*SHAPES, (32, 32)])
+def test_int4_dequantize(kernel: ModuleType, k: int, group: int) -> None:
+    tiles, scales, mins, weight = _int4(k, group, seed=k + 4)
+    wide = kernel.int4_dequantize(tiles, scales, mins, group, N, k, torch.float32)
+    assert wide.dtype == torch.float32 and torch.allclose(wide.double(), weight, rtol=0, atol=1e-7)
+    bf16 = kernel.int4_dequantize(tiles, scales, mins, group, N, k, torch.bfloat16)
+    assert torch.equal(bf16, wide.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize(("k", "group"), [(48, 48), (192, 96)])
+def test_bad_shapes_are_refused(kernel: ModuleType, k: int, group: int) -> None:
+    x = torch.ones(2, k)
+    scales = torch.ones(N, k // group, dtype=torch.float16)
+    tiled = torch.ones(4, k // group, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError):
+        kernel.int4_linear(x, torch.zeros(4, k // 32 * 256, dtype=torch.uint8), tiled, tiled, group, N)
+    with pytest.raises(RuntimeError):
+        kernel.int8_linear(x, torch.zeros(N, k, dtype=torch.int8), scales, group)
