@@ -1,20 +1,37 @@
-"""Gated activations over a fused [gate | up] projection."""
+"""Gated activations over a fused [gate | up] projection; on CPU one fused op (fused_ops.py) each."""
 
 from __future__ import annotations
+
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
+from folio.layers.fused_ops import fused_ops_for
 
-def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
+
+def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.silu(gate) * up
 
 
-def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
+def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     gate, up = x.chunk(2, dim=-1)
     return F.gelu(gate, approximate="tanh") * up
 
+
+def _fused(reference: Callable[[torch.Tensor], torch.Tensor], gelu: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+    def activation(x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops_for(x)
+        if ops is None or x.dim() != 2:
+            return reference(x)
+        return ops.gated_activation(x, gelu)
+
+    return activation
+
+
+silu_and_mul = _fused(silu_and_mul_reference, gelu=False)
+gelu_tanh_and_mul = _fused(gelu_tanh_and_mul_reference, gelu=True)
 
 ACTIVATIONS = {
     "silu": silu_and_mul,
@@ -23,7 +40,7 @@ ACTIVATIONS = {
 }
 
 
-def get_gated_activation(name: str):
+def get_gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
     try:
         return ACTIVATIONS[name]
     except KeyError:

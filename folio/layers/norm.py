@@ -1,9 +1,15 @@
-"""RMSNorm; Gemma's variant scales by (1 + weight) instead of weight."""
+"""RMSNorm; Gemma's variant scales by (1 + weight) instead of weight.
+
+On CPU the fused op (fused_ops.py) computes it, with the residual add before it when one is given;
+`reference` is the PyTorch definition, which the fused op is tested against.
+"""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
+
+from folio.layers.fused_ops import fused_ops_for
 
 
 class RMSNorm(nn.Module):
@@ -15,6 +21,20 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.full((dim,), init), requires_grad=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        ops = fused_ops_for(x)
+        if ops is None:
+            return self.reference(x)
+        return ops.rms_norm(x.reshape(-1, x.shape[-1]), self.weight, self.eps, self.weight_offset).view(x.shape)
+
+    def add_and_norm(self, x: torch.Tensor, residual: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm(residual + x), residual + x). On CPU the sum is written into `residual` in place."""
+        ops = fused_ops_for(x)
+        if ops is None or x.dim() != 2 or not residual.is_contiguous():
+            residual = residual + x
+            return self.reference(residual), residual
+        return ops.add_rms_norm(x, residual, self.weight, self.eps, self.weight_offset), residual
+
+    def reference(self, x: torch.Tensor) -> torch.Tensor:
         dtype = x.dtype
         x32 = x.float()
         x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)

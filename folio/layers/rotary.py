@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from folio.layers.fused_ops import fused_ops_for
+
 
 def _default_inv_freq(head_dim: int, base: float) -> torch.Tensor:
     exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
@@ -96,7 +98,22 @@ class RotaryEmbedding(nn.Module):
 def apply_rotary(
     q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """q: [T, H, D], k: [T, Hkv, D]."""
+    """q: [T, H, D], k: [T, Hkv, D]. On CPU the fused op rotates them in place (they are views of
+    the layer's own qkv output)."""
+    ops = fused_ops_for(q)
+    if ops is None or not _rows_of_heads(q) or not _rows_of_heads(k) or cos.dtype != q.dtype:
+        return apply_rotary_reference(q, k, cos, sin)
+    ops.rotary_(q, k, cos.view(cos.shape[0], -1), sin.view(sin.shape[0], -1))
+    return q, k
+
+
+def _rows_of_heads(x: torch.Tensor) -> bool:
+    return x.stride(2) == 1 and x.stride(1) == x.shape[2]
+
+
+def apply_rotary_reference(
+    q: torch.Tensor, k: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     return q * cos + _rotate_half(q) * sin, k * cos + _rotate_half(k) * sin
 
 

@@ -12,7 +12,7 @@ from torch import nn
 
 from folio.layers.attention.cpu_kernel import load_decode_kernel
 from folio.layers.attention.kv_tensors import LayerKV
-from folio.layers.attention.metadata import AttentionMetadata
+from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata
 from folio.layers.attention.torch_paged import attend_group
 
 
@@ -41,24 +41,23 @@ class PagedAttention(nn.Module):
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         cache.write(k, v, meta.slot_mapping)
-        out = q.new_empty(meta.num_tokens, self.num_heads * self.head_dim)
         kernel_ok = self.decode_kernel is not None and (cache.fmt is not None or q.dtype == cache.k.dtype)
-        for group in meta.groups:
+        groups = meta.groups
+        if len(groups) == 1 and groups[0].is_decode and kernel_ok:  # a pure decode step: no gather, no scatter
+            return self._decode(q.contiguous(), groups[0], cache)
+        out = q.new_empty(meta.num_tokens, self.num_heads * self.head_dim)
+        for group in groups:
             if group.is_decode and kernel_ok:
-                k_cache, v_cache, k_scales, v_scales = cache.kernel_args()
-                attended = self.decode_kernel.paged_decode_attention(
-                    q[group.token_rows].contiguous(),
-                    k_cache,
-                    v_cache,
-                    group.block_tables,
-                    group.seq_lens,
-                    self.block_size,
-                    self.scale,
-                    self.sliding_window or 0,
-                    k_scales,
-                    v_scales,
-                ).view(-1, self.num_heads * self.head_dim)
+                attended = self._decode(q[group.token_rows].contiguous(), group, cache)
             else:
                 attended = attend_group(group, q, k, v, cache, self.block_size, self.scale, self.sliding_window)
             out[group.token_rows] = attended
         return out
+
+    def _decode(self, q: torch.Tensor, group: AttentionGroup, cache: LayerKV) -> torch.Tensor:
+        """The compiled kernel on a group of single-token queries: [n, H, D] -> [n, H * D]."""
+        k_cache, v_cache, k_scales, v_scales = cache.kernel_args()
+        return self.decode_kernel.paged_decode_attention(
+            q, k_cache, v_cache, group.block_tables, group.seq_lens, self.block_size, self.scale,
+            self.sliding_window or 0, k_scales, v_scales,
+        ).view(-1, self.num_heads * self.head_dim)  # fmt: skip
