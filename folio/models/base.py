@@ -59,6 +59,9 @@ class CausalLM(nn.Module):
             logits = torch.tanh(logits / cap) * cap
         return logits
 
+    def bind_decode_stack(self, dtype: torch.dtype) -> None:
+        """Once the KV cache is bound: set up a compiled decode step if the model has one."""
+
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
 

@@ -5,6 +5,8 @@ Forward runs on a flat batch: input_ids [T] and positions [T] of all scheduled t
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 from torch import nn
 
@@ -16,6 +18,7 @@ from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.models.base import CausalLM, GatedMLP
+from folio.models.decode_stack import build_decode_stack, takes_step
 
 
 class LlamaAttention(nn.Module):
@@ -54,10 +57,22 @@ class LlamaDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), rope, meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+        self,
+        hidden: torch.Tensor,
+        residual: torch.Tensor | None,
+        rope: tuple[torch.Tensor, torch.Tensor],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the MLP's output, the residual stream before it is added): each residual add is fused with
+        the norm that follows it, the last one with the model's final norm."""
+        if residual is None:
+            residual = hidden
+            hidden = self.input_layernorm(hidden)
+        else:
+            hidden, residual = self.input_layernorm.add_and_norm(hidden, residual)
+        hidden = self.self_attn(hidden, rope, meta)
+        hidden, residual = self.post_attention_layernorm.add_and_norm(hidden, residual)
+        return self.mlp(hidden), residual
 
 
 class LlamaModel(nn.Module):
@@ -69,13 +84,24 @@ class LlamaModel(nn.Module):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
+        self.decode_stack: Any | None = None  # the C++ decode step, once the KV cache is bound
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         rope = self.rotary.cos_sin(positions, hidden.dtype)
+        if takes_step(self.decode_stack, hidden, meta):
+            cos, sin = (t.view(t.shape[0], -1) for t in rope)
+            group = meta.groups[0]
+            hidden, residual = self.decode_stack.forward(
+                hidden, cos, sin, meta.slot_mapping, group.block_tables, group.seq_lens
+            )
+            return self.norm.add_and_norm(hidden, residual)[0]
+        residual = None
         for layer in self.layers:
-            hidden = layer(hidden, rope, meta)
-        return self.norm(hidden)
+            hidden, residual = layer(hidden, residual, rope, meta)
+        if residual is None:  # no layers
+            return self.norm(hidden)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
 
 class LlamaForCausalLM(CausalLM):
@@ -83,3 +109,6 @@ class LlamaForCausalLM(CausalLM):
         super().__init__()
         self.model = LlamaModel(config)
         self._finish_init(config)
+
+    def bind_decode_stack(self, dtype: torch.dtype) -> None:
+        self.model.decode_stack = build_decode_stack(self.model, dtype)

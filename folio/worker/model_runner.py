@@ -99,6 +99,7 @@ class ModelRunner:
                 layer_kv.v_scales = _zeros(shape[:2], SCALE_DTYPE, device)
             layer.bind_cache(layer_kv, self.block_size)
             self.kv_caches.append(layer_kv)
+        model.bind_decode_stack(dtype)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         input_ids: list[int] = []

@@ -206,4 +206,7 @@ torch::Tensor paged_decode_attention(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  // For C++ callers in other extensions (layers/csrc/decode_stack.cpp).
+  m.attr("paged_decode_attention_entry") =
+      py::capsule(reinterpret_cast<void*>(&paged_decode_attention), "folio.paged_decode_attention");
 }
