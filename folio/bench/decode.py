@@ -63,7 +63,7 @@ class DecodeReport:
         return {**asdict(self), "results": [asdict(r) for r in self.results]}
 
 
-def _batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
+def measure_batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
     from folio import SamplingParams
 
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
@@ -75,7 +75,7 @@ def _batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
     return best
 
 
-def _batched(llm: Any, gen_tokens: int, batch: int) -> float:
+def measure_batched(llm: Any, gen_tokens: int, batch: int) -> float:
     from folio import SamplingParams
 
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
@@ -116,11 +116,10 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         llm = LLM(path, quantization=quantization, **config.engine_args)
         torch.set_num_threads(threads)
         dtype = str(llm.dtype).removeprefix("torch.")
-        _batch1(llm, 8, 1)  # warm-up: kernels built and loaded, first-call allocations
-        results.append(VariantResult(
-            f"folio {name}", llm.loaded.weight_bytes / 2**20,
-            _batch1(llm, config.gen_tokens, config.repeats), _batched(llm, config.gen_tokens, config.batch),
-        ))  # fmt: skip
+        measure_batch1(llm, 8, 1)  # warm-up: kernels built and loaded, first-call allocations
+        batch1 = measure_batch1(llm, config.gen_tokens, config.repeats)
+        batched = measure_batched(llm, config.gen_tokens, config.batch)
+        results.append(VariantResult(f"folio {name}", llm.loaded.weight_bytes / 2**20, batch1, batched))
         del llm
         gc.collect()
     peer_info: dict[str, Any] = {}

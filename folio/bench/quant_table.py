@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import gc
 import os
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -92,8 +92,9 @@ def checkpoint_for(config: TableConfig, source: Path, method: str) -> tuple[Path
 
 def run_table(config: TableConfig, command: str) -> TableReport:
     from folio import LLM
-    from folio.eval.agreement import _greedy, eval_prompts, prefix_share
+    from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
     from folio.eval.corpus import held_out_windows
+    from folio.eval.perplexity import score_windows
     from folio.loaders.catalog import resolve_model
 
     unknown = [f for f in config.formats if f not in FORMATS]
@@ -105,7 +106,7 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     chats = eval_prompts(config.num_prompts)
     pool = {"enable_prefix_caching": False, "kv_cache_memory": config.kv_cache_memory}
     reference = LLM(source, quantization="none", dtype="float32", **pool)
-    expected = _greedy(reference, chats, config.agreement_tokens)
+    expected = greedy_token_ids(reference, chats, config.agreement_tokens)
     # A scored window is a prompt that samples one token, so it must leave that token room.
     config.context = min(config.context, reference.model_config.max_position_embeddings - 1)
     tokenizer = reference.tokenizer
@@ -124,8 +125,8 @@ def run_table(config: TableConfig, command: str) -> TableReport:
         for kv in config.kv_dtypes:
             llm = LLM(path, quantization=quantization, dtype=dtype, kv_cache_dtype=kv, **pool)
             torch.set_num_threads(threads)
-            total, count = _chunked_score(llm, windows, config.score_chunk)
-            got = _greedy(llm, chats, config.agreement_tokens)
+            total, count = score_windows(llm, windows, chunk=config.score_chunk)
+            got = greedy_token_ids(llm, chats, config.agreement_tokens)
             shares = [prefix_share(a, b) for a, b in zip(got, expected, strict=True)]
             batch1 = _speed(llm, config)
             rows.append(Row(weights, kv, dtype, llm.loaded.weight_bytes / 2**20, llm.engine.kv_bytes_per_token,
@@ -138,25 +139,11 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     return TableReport(command, date, config.model, settings, rows)
 
 
-def _chunked_score(llm: Any, windows: list[list[int]], chunk: int) -> tuple[float, int]:
-    """score_windows with prompts prefilled `chunk` tokens at a time: an unchunked window never reads
-    its own KV cache, so an 8-bit cache would cost it nothing."""
-    from folio.eval.perplexity import score_windows
-
-    scheduler = llm.engine.scheduler
-    budget = scheduler.config
-    scheduler.config = replace(budget, max_num_batched_tokens=chunk)
-    try:
-        return score_windows(llm, windows)
-    finally:
-        scheduler.config = budget
-
-
 def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
-    from folio.bench.decode import _batch1, _batched
+    from folio.bench.decode import measure_batch1, measure_batched
 
-    _batch1(llm, 8, 1)  # warm-up: kernels loaded, first-call allocations
-    return _batch1(llm, config.gen_tokens, config.repeats), _batched(llm, config.gen_tokens, config.batch)
+    measure_batch1(llm, 8, 1)  # warm-up: kernels loaded, first-call allocations
+    return measure_batch1(llm, config.gen_tokens, config.repeats), measure_batched(llm, config.gen_tokens, config.batch)
 
 
 HEADER = (f"{'weights':8}{'KV':6}{'dtype':10}{'MiB':>8}{'KV B/tok':>10}{'ppl':>9}{'agree':>8}{'b1 tok/s':>10}"

@@ -57,7 +57,7 @@ def eval_prompts(num_prompts: int) -> list[list[dict[str, str]]]:
     return chats
 
 
-def _greedy(llm: Any, chats: list[list[dict[str, str]]], max_tokens: int) -> list[list[int]]:
+def greedy_token_ids(llm: Any, chats: list[list[dict[str, str]]], max_tokens: int) -> list[list[int]]:
     from folio import SamplingParams
 
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
@@ -89,11 +89,11 @@ def run_agreement(
     chats = eval_prompts(num_prompts)
     reference_engine = {k: v for k, v in engine.items() if k != "dtype"}
     reference = LLM(reference_model or model, quantization="none", dtype="float32", **reference_engine)
-    expected = _greedy(reference, chats, max_tokens)
+    expected = greedy_token_ids(reference, chats, max_tokens)
     del reference
     gc.collect()
     llm = LLM(model, quantization=quantization, kv_cache_dtype=kv_cache_dtype, **engine)
-    got = _greedy(llm, chats, max_tokens)
+    got = greedy_token_ids(llm, chats, max_tokens)
     shares = [prefix_share(a, b) for a, b in zip(got, expected, strict=True)]
     label, dtype = weight_format_label(llm, quantization), str(llm.dtype).removeprefix("torch.")
     return AgreementResult(

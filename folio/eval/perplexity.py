@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -53,12 +53,25 @@ def weight_format_label(llm: Any, quantization: str | None) -> str:
 
 
 @torch.inference_mode()
-def score_windows(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
-    """(summed negative log-likelihood of every next token, number of tokens scored)."""
+def score_windows(llm: Any, windows: list[list[int]], chunk: int | None = None) -> tuple[float, int]:
+    """(summed negative log-likelihood of every next token, number of tokens scored). With `chunk`,
+    windows are prefilled that many tokens at a time: an unchunked window never reads its own KV
+    cache, so an 8-bit cache would cost it nothing."""
+    engine = llm.engine
+    if chunk is None:
+        return _score(engine, windows)
+    budget = engine.scheduler.config
+    engine.scheduler.config = replace(budget, max_num_batched_tokens=chunk)
+    try:
+        return _score(engine, windows)
+    finally:
+        engine.scheduler.config = budget
+
+
+def _score(engine: Any, windows: list[list[int]]) -> tuple[float, int]:
     from folio.engine.request import Request
     from folio.sampling_params import SamplingParams
 
-    engine = llm.engine
     if engine.kv.enable_prefix_caching:
         raise ValueError("scoring needs every position computed: make the LLM with enable_prefix_caching=False")
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
