@@ -33,8 +33,3 @@ def fused_ops_for(x: torch.Tensor) -> ModuleType | None:
     if x.device.type != "cpu" or not x.is_floating_point():
         return None
     return _load()
-
-
-def enabled() -> bool:
-    """Whether the fused ops are in use on CPU (built, and not switched off)."""
-    return _load() is not None

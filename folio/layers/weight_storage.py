@@ -16,7 +16,8 @@ from typing import Protocol
 
 import torch
 
-from folio.quant.int4 import GROUP_SIZE, KERNEL_GROUP_SIZES, Int4Groups, PackedInt4
+from folio.quant.int4 import GROUP_SIZE, Int4Groups, PackedInt4
+from folio.quant.int8_dot import GROUP_SIZES
 
 
 class RowQuantized(Protocol):
@@ -111,7 +112,7 @@ def can_pack(rows: int, cols: int, dtype: torch.dtype, device: torch.device, gro
     return (
         device.type == "cpu"
         and dtype in (torch.float32, torch.bfloat16)
-        and group_size in KERNEL_GROUP_SIZES
+        and group_size in GROUP_SIZES
         and cols % group_size == 0
     )
 

@@ -28,11 +28,10 @@ from folio.quant.int8_dot import (
 )
 
 GROUP_SIZE = 32  # GGUF's 4-bit formats, and the default of round-to-nearest
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)
-# Rows up to which the dot-product kernel beats widening to bf16 + one GEMM, on smollm2's 30 layers of
-# q|k|v, o, gate|up, down (2 threads): 6.1 / 34 / 134 / 266 ms at 8 / 64 / 256 / 512 rows, against
-# 48 / 83 / 199 / 352.
-DOT_MAX_ROWS = 512
+# Rows up to which the dot-product kernel beats widening to bf16 + one GEMM, on 30 layers of smollm2's
+# shapes (q|k|v, o, gate|up, down; 2 threads): 11 / 66 / 137 / 247 / 527 ms at 8 / 64 / 128 / 256 / 512
+# rows, against 58 / 99 / 142 / 196 / 344 (a development measurement, noisy to ~10%).
+DOT_MAX_ROWS = 128
 
 
 @dataclass

@@ -3,7 +3,7 @@ kernel: GGUF's symmetric formats of 5 to 8 bits (Q8_0 and Q5_0 in groups of 32, 
 against the files' 1.0625 and 0.6875; Q6_K in groups of 16, 1.25 against 0.82), whose codes fit int8
 as they are. That is what the model keeps instead of a 2- or 4-byte dense weight.
 
-W[n, k] = scales[n, k // group] * codes[n, k]. For up to 32 rows, groups of 32 or more go to the
+W[n, k] = scales[n, k // group] * codes[n, k]. For up to 8 rows, groups of 32 or more go to the
 int8 dot-product kernel (int8_dot.py); otherwise, for few rows, the float kernel here reads the codes
 once and never builds the float weight; for many rows (or without a compiler) the weight is
 dequantized and one GEMM runs. Embedding lookups dequantize only the rows asked for.
@@ -21,9 +21,7 @@ import torch.nn.functional as F
 
 from folio.cpp_extension import load_extension
 from folio.quant.gguf_dequant import GroupQuant
-from folio.quant.int8_dot import load_int8_dot_kernel
-
-KERNEL_GROUP_SIZES = (32, 64, 128, 256)  # the dot-product kernel's; Q6_K's groups of 16 take the float one
+from folio.quant.int8_dot import GROUP_SIZES, load_int8_dot_kernel
 
 _SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cpp"
 # Rows up to which the kernel beats dequantize-then-GEMM. Measured on the project's machine for the
@@ -31,10 +29,10 @@ _SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cpp"
 # 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB). Only embeddings and LM
 # heads use it, and those see at most one row per running sequence.
 KERNEL_MAX_ROWS = 128
-# Rows up to which the int8 dot-product kernel (int8_dot.py; activations rounded to 8 bits) beats the
-# float kernel above, for groups of 32 or a multiple of 64: on the same LM head 1.0 / 4.6 / 21 ms at
-# 1 / 8 / 32 rows against 3.2 / 7.5 / 22, and 44 against 39 at 64.
-DOT_MAX_ROWS = 32
+# Rows up to which the int8 dot-product kernel (int8_dot.py) beats the float kernel above, for groups
+# of 32 or a multiple of 64: on the same LM head 1.5 / 3.5 / 7.1 / 12.3 ms at 1 / 4 / 8 / 16 rows
+# against 3.5 / 5.6 / 7.1 / 10.5 (a development measurement).
+DOT_MAX_ROWS = 8
 
 
 @cache
@@ -83,15 +81,17 @@ class Int8Groups:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
         flat = x.reshape(-1, self.shape[1])
-        on_cpu = flat.device.type == "cpu"
-        dot_kernel = load_int8_dot_kernel() if on_cpu and self.group_size in KERNEL_GROUP_SIZES else None
-        kernel = load_q8_kernel() if on_cpu else None
-        if dot_kernel is not None and flat.shape[0] <= DOT_MAX_ROWS:
+        rows, on_cpu = flat.shape[0], flat.device.type == "cpu"
+        # Q6_K's groups of 16 are not the dot-product kernel's; they take the float one.
+        dot = on_cpu and rows <= DOT_MAX_ROWS and self.group_size in GROUP_SIZES
+        dot_kernel = load_int8_dot_kernel() if dot else None
+        kernel = load_q8_kernel() if on_cpu and dot_kernel is None and rows <= KERNEL_MAX_ROWS else None
+        if dot_kernel is not None:
             out = dot_kernel.int8_linear(flat.contiguous(), self.codes, self.scales, self.group_size)
-        elif kernel is None or flat.shape[0] > KERNEL_MAX_ROWS:
-            out = F.linear(flat, self.dequantize(x.dtype))
-        else:
+        elif kernel is not None:
             out = kernel.q8_linear(flat.float().contiguous(), self.codes, self.scales, self.group_size).to(x.dtype)
+        else:
+            out = F.linear(flat, self.dequantize(x.dtype))
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.shape[0])

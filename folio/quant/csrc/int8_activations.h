@@ -19,9 +19,11 @@ constexpr int64_t RUN = 64;    // 8-bit: values per vector step
 // The kernels also take each activation's rounding error, in 1/256ths of the block's step: x ~
 // scale * (code + residual / 256), 15 significant bits instead of 8. Activations have outlier channels
 // (up to ~4000x the median on smollm2), and a block holding one leaves its other values a few steps
-// of 8-bit codes: 1-2% error per layer, which moved next-token distributions 10x more than bf16 does
-// (KL from fp32 0.01 against bf16's 0.0008, median over positions). With the residual it is ~0. The
-// doubled integer products cost no measurable time: loading and unpacking the weights dominates.
+// of 8-bit codes. On smollm2 that was 1-2% error per layer, and next-token distributions ~10x further
+// from fp32 than bf16's (development measurements); with the residual the difference is negligible
+// (tests/oracle/test_packed_gguf_weights.py). At one activation row the doubled integer products cost
+// no measurable time (loading and unpacking the weights dominates); at many rows they do, which is
+// part of where the callers switch to a GEMM.
 constexpr float RESIDUAL_STEPS = 256.f;
 
 struct QuantizedRows {            // x [M, K] as int8 blocks
@@ -33,9 +35,9 @@ struct QuantizedRows {            // x [M, K] as int8 blocks
 };
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K) {
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_run_scales) {
   const int64_t blocks = M * (K / BLOCK);
-  const int64_t runs = K / RUN;
+  const int64_t runs = with_run_scales ? K / RUN : 0;
   QuantizedRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(blocks),
                   std::vector<float>(blocks), std::vector<float>(M * runs * 16)};
   for (int64_t i = 0; i < blocks; ++i) {

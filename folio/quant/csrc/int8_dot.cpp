@@ -112,7 +112,7 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
 template <typename T>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
                       const at::Half* mins, int64_t N, int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K);
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_run_scales=*/false);
   const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
@@ -206,7 +206,7 @@ inline void int8_row(const int8_t* row, const S* scales, const int32_t* group_of
 template <typename T, typename S>
 void int8_linear_impl(const T* x, int64_t M, int64_t K, const int8_t* codes, const S* scales, int64_t N,
                       int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K);
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_run_scales=*/true);
   const int64_t G = K / group;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   const bool two_groups = group == BLOCK;
@@ -329,7 +329,7 @@ torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, torch::
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.scalar_type() == torch::kFloat32 && x.size(1) % BLOCK == 0,
               "x: contiguous float32 [M, K], K a multiple of 32");
-  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1));
+  const QuantizedRows q = quantize_rows(x.data_ptr<float>(), x.size(0), x.size(1), false);
   auto codes = torch::from_blob(const_cast<int8_t*>(q.codes.data()), {x.size(0), x.size(1)}, torch::kInt8).clone();
   auto residuals = torch::from_blob(const_cast<int8_t*>(q.residuals.data()), {x.size(0), x.size(1)}, torch::kInt8).clone();
   auto scales = torch::from_blob(const_cast<float*>(q.scales.data()), {x.size(0), x.size(1) / BLOCK}, torch::kFloat32).clone();
