@@ -1,12 +1,38 @@
-"""Builds folio's small C++ CPU kernels on first use with torch's extension loader, each in its own
-directory under $FOLIO_HOME/kernels keyed by source, flags and torch version. A kernel that cannot be
-built (no compiler, no ninja) is None, and its caller keeps a pure-PyTorch path."""
+"""Builds folio's C++ CPU kernels on first use, once per machine, and shares each build between every
+checkout and install of the same code.
+
+A build is keyed by what decides its binary: the source and the headers beside it, the flags, torch's
+version, the Python ABI and the CPU (kernels are compiled with -march=native, so one must never run on
+another CPU). The source's path is not in the key. Under $FOLIO_HOME/kernels/v2:
+
+    <name>-<key16>/        a finished build: the .so and the sources it came from
+    <name>-<key16>.lock    flock'ed by the one process building it; the OS releases it if that process dies
+    <name>-<key16>.tmp-*   a build in progress, renamed onto the finished name once whole
+
+so a finished folder always holds a whole .so, and a killed build leaves only a temp folder that the
+next build removes. Folders of the previous layout (kernels/<name>-<key16>/ with torch's build.ninja)
+sit outside v2 and are left to the older versions that use them.
+
+A finished build is imported directly, without torch's build machinery. A kernel that cannot be built
+is None, reported once per process with the slower path its caller takes instead.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
+import importlib.util
+import itertools
 import logging
+import os
+import platform
+import re
+import shutil
+import sys
+import sysconfig
+import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
@@ -14,41 +40,177 @@ import torch
 
 logger = logging.getLogger("folio")
 
-CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffast-math"]
-# torch's build lock has no owner: a build killed midway leaves it behind and every later build
-# waits on it forever. A real build takes under a minute, so an older lock is stale.
-STALE_LOCK_SECONDS = 300
+# Tuples, passed to torch as copies: its loader appends to the lists it is given (-lc10, ...), which
+# would change every later key in the process.
+CFLAGS = ("-O3", "-march=native", "-fopenmp", "-ffast-math")
+LDFLAGS = ("-fopenmp",)
+LAYOUT = "v2"
+# A temp folder of another build of the same kernel (other sources) is left alone while it may still
+# be in progress; a real build takes under a minute.
+STALE_BUILD_SECONDS = 3600
+# /proc/cpuinfo fields that decide what -march=native emits (x86: model name, flags; ARM: the rest).
+_CPU_FIELDS = {"model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part"}
+
+# A compiler's or a shell's message, not ninja's echo of a command (whose paths may hold any word).
+_CAUSE = re.compile(r"\berror: |: not found$|: no such file or directory$|: permission denied$", re.IGNORECASE)
+_failed: set[str] = set()  # kernels already reported as unavailable in this process
 
 
-def build_directory(name: str, source: Path) -> Path:
-    """One directory per kernel source (and the headers beside it) + flags + torch version, so
-    different checkouts never rebuild each other's kernel."""
+def cpu_features() -> str:
+    """The CPU's model and feature flags (on Linux its first processor's /proc/cpuinfo fields)."""
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            first = list(itertools.takewhile(str.strip, cpuinfo))  # up to the first blank line
+    except OSError:  # not Linux
+        return platform.processor()
+    fields = (line.partition(":") for line in first)
+    wanted = [f"{key.strip()}: {value.strip()}" for key, _, value in fields if key.strip() in _CPU_FIELDS]
+    return "\n".join(wanted) or platform.processor()
+
+
+def _inputs(source: Path) -> list[Path]:
+    """The source and every header beside it (what it may include)."""
+    return [source, *sorted(source.parent.glob("*.h"))]
+
+
+def kernel_key(module_name: str, source: Path) -> str:
+    """sha256 of everything that decides the binary, and nothing else (not the source's path)."""
+    digest = hashlib.sha256()
+    for file in _inputs(source):
+        digest.update(file.name.encode() + b"\0" + file.read_bytes() + b"\0")
+    python_abi = (sys.implementation.cache_tag or "", sysconfig.get_config_var("EXT_SUFFIX") or "")
+    machine = (platform.machine(), cpu_features())
+    for part in (module_name, *CFLAGS, "|", *LDFLAGS, torch.__version__, *python_abi, *machine):
+        digest.update(part.encode() + b"\0")
+    return digest.hexdigest()
+
+
+def kernel_directory(name: str, module_name: str, source: Path) -> Path:
+    """Where the finished build of `source` lives (it may not exist yet)."""
     from folio.loaders.catalog import folio_home
 
-    headers = b"".join(h.read_bytes() for h in sorted(source.parent.glob("*.h")))  # what it may include
-    key = hashlib.sha256(source.read_bytes() + headers + " ".join(CFLAGS).encode() + torch.__version__.encode())
-    directory = folio_home() / "kernels" / f"{name}-{key.hexdigest()[:16]}"
-    directory.mkdir(parents=True, exist_ok=True)
-    lock = directory / "lock"
-    if lock.exists() and time.time() - lock.stat().st_mtime > STALE_LOCK_SECONDS:
-        logger.warning("removing a stale kernel build lock left by an interrupted build: %s", lock)
-        lock.unlink(missing_ok=True)
-    return directory
+    return folio_home() / "kernels" / LAYOUT / f"{name}-{kernel_key(module_name, source)[:16]}"
 
 
-def load_extension(name: str, module_name: str, source: Path, what: str) -> ModuleType | None:
-    """The compiled module, or None (logged once, naming `what` falls back) if it cannot be built."""
-    try:
-        from torch.utils.cpp_extension import load
-
-        return load(
-            name=module_name,
-            sources=[str(source)],
-            extra_cflags=CFLAGS,
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_directory(name, source)),
-            verbose=False,
-        )
-    except Exception as exc:  # no compiler, no ninja, or a build error: fall back, and say so once
-        logger.warning("%s kernel unavailable (%s); using the PyTorch path", what, str(exc).splitlines()[0])
+def load_extension(name: str, module_name: str, source: Path, what: str, fallback: str) -> ModuleType | None:
+    """The compiled module of `source` (built if needed), or None if it cannot be built: logged once,
+    naming `what` (the kernel, for people) and `fallback` (the slower path the caller takes instead)."""
+    if name in _failed:
         return None
+    try:
+        directory = kernel_directory(name, module_name, source)
+        return _import_built(directory) or _build_once(directory, name, module_name, source, what)
+    except Exception as exc:  # no compiler, no ninja, a missing source or a build error
+        _failed.add(name)
+        logger.warning("could not build the %s (%s); %s", what, _reason(exc), fallback)
+        return None
+
+
+def _import_built(directory: Path) -> ModuleType | None:
+    """The finished build in `directory`, or None if there is none."""
+    library = next(directory.glob("*.so"), None)
+    if library is None:
+        return None
+    # Named by its file: torch names a second build of one name in a process <name>_v1.
+    spec = importlib.util.spec_from_file_location(library.stem, library)
+    if spec is None or spec.loader is None:
+        raise ImportError(f"cannot import {library}")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _build_once(directory: Path, name: str, module_name: str, source: Path, what: str) -> ModuleType:
+    with _exclusive(directory.with_name(directory.name + ".lock"), what):
+        module = _import_built(directory)  # another process may have built it while this one waited
+        if module is not None:
+            return module
+        _clear_leftovers(directory, name)
+        logger.warning("compiling the %s (%s; about 30 s, once) in %s", what, _why(directory, name), directory.parent)
+        return _compile(directory, module_name, source)
+
+
+@contextlib.contextmanager
+def _exclusive(path: Path, what: str) -> Iterator[None]:
+    import fcntl  # POSIX only: elsewhere the build fails and is reported like any other
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with open(path, "a") as lock:  # never removed: another process may be waiting on this very file
+        try:
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            logger.warning("waiting for another folio process to finish compiling the %s", what)
+            fcntl.flock(lock, fcntl.LOCK_EX)
+        yield  # closing the file releases the lock, as the OS does when a process dies holding it
+
+
+def _clear_leftovers(directory: Path, name: str) -> None:
+    """What killed or failed builds left; called holding the lock."""
+    shutil.rmtree(directory, ignore_errors=True)  # no .so in it (checked under the lock): not a build
+    cutoff = time.time() - STALE_BUILD_SECONDS
+    for staging in directory.parent.glob(f"{name}-*.tmp-*"):
+        # This key's builder would hold the lock this process holds, so its temp folders are dead;
+        # another key's (other sources) may still be building unless old.
+        with contextlib.suppress(OSError):
+            if staging.name.startswith(directory.name + ".") or staging.stat().st_mtime < cutoff:
+                shutil.rmtree(staging, ignore_errors=True)
+
+
+def _why(directory: Path, name: str) -> str:
+    if any(directory.parent.glob(f"{name}-*/*.so")):
+        return "its source, the CPU, Python or torch changed since it was last built"
+    return "first use on this machine"
+
+
+def _compile(directory: Path, module_name: str, source: Path) -> ModuleType:
+    """Builds in a fresh temp folder (torch writes the sources' absolute paths into its build.ninja, so
+    a folder shared with another checkout would rebuild each time), then renames it into place."""
+    from torch.utils.cpp_extension import load
+
+    staging = Path(tempfile.mkdtemp(dir=directory.parent, prefix=directory.name + ".tmp-"))
+    try:
+        for file in _inputs(source):
+            shutil.copyfile(file, staging / file.name)
+        with _ninja_on_path():
+            module = load(
+                name=module_name,
+                sources=[str(staging / source.name)],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(staging),
+                verbose=False,
+            )
+        library = Path(module.__file__)
+        for file in staging.iterdir():  # objects, ninja's files, torch's lock: only the library is used
+            if file.suffix not in (".so", ".cpp", ".h"):
+                file.unlink()
+        with open(library, "rb") as f:
+            os.fsync(f.fileno())  # whole on disk before it is published
+        os.rename(staging, directory)
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+    module.__file__ = str(directory / library.name)  # where it now lives
+    if module.__spec__ is not None:
+        module.__spec__.origin = module.__file__
+    return module
+
+
+@contextlib.contextmanager
+def _ninja_on_path() -> Iterator[None]:
+    """torch runs `ninja` from PATH, and a virtual environment that is not activated (pipx, or
+    .venv/bin/folio) has the ninja dependency only in its own bin folder."""
+    path = os.environ.get("PATH", "")
+    if shutil.which("ninja") is None:
+        os.environ["PATH"] = sysconfig.get_path("scripts") + os.pathsep + path
+    try:
+        yield
+    finally:
+        os.environ["PATH"] = path
+
+
+def _reason(exc: Exception) -> str:
+    """One line of a build failure: past torch's first line (ninja's command), the first that names a cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    causes = [line for line in lines[1:] if _CAUSE.search(line)]
+    return (causes or lines or [type(exc).__name__])[0]

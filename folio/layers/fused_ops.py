@@ -25,7 +25,8 @@ _SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
 def _load() -> ModuleType | None:
     if os.environ.get("FOLIO_FUSED_OPS", "1") == "0":
         return None
-    return load_extension("fused_ops", "folio_fused_ops", _SOURCE, "fused norm/rotary/activation")
+    fallback = "norms, rotary embeddings and activations run as separate PyTorch ops instead (slower decode)"
+    return load_extension("fused_ops", "folio_fused_ops", _SOURCE, "fused norm/rotary/activation kernel", fallback)
 
 
 def fused_ops_for(x: torch.Tensor) -> ModuleType | None:

@@ -34,7 +34,8 @@ _SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_stack.cpp"
 def _load() -> ModuleType | None:
     if os.environ.get("FOLIO_DECODE_STACK", "1") == "0":
         return None
-    return load_extension("decode_stack", "folio_decode_stack", _SOURCE, "C++ decode step")
+    fallback = "decode steps run the Python layers instead (slower at small batches)"
+    return load_extension("decode_stack", "folio_decode_stack", _SOURCE, "C++ decode-step kernel", fallback)
 
 
 def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> Any | None:

@@ -37,7 +37,8 @@ DOT_MAX_ROWS = 8
 
 @cache
 def load_q8_kernel() -> ModuleType | None:
-    return load_extension("q8_linear", "folio_q8_linear", _SOURCE, "int8 weight")
+    fallback = "8-bit weights are widened for a PyTorch matmul instead (slower at small batches)"
+    return load_extension("q8_linear", "folio_q8_linear", _SOURCE, "int8 weight kernel", fallback)
 
 
 @dataclass

@@ -26,7 +26,8 @@ GROUP_SIZES = (32, 64, 128, 256)  # weight groups the kernels take: 32, or a mul
 
 @cache
 def load_int8_dot_kernel() -> ModuleType | None:
-    return load_extension("int8_dot", "folio_int8_dot", _SOURCE, "int8 dot-product")
+    fallback = "4-bit weights are widened for PyTorch matmuls, 8-bit ones take the float kernel (slower decode)"
+    return load_extension("int8_dot", "folio_int8_dot", _SOURCE, "int8 dot-product kernel", fallback)
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:

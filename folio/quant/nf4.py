@@ -74,7 +74,8 @@ KERNEL_MAX_ROWS_16BIT = 64  # bfloat16 / float16 x
 
 @cache
 def load_nf4_kernel() -> ModuleType | None:
-    return load_extension("nf4_linear", "folio_nf4_linear", _SOURCE, "NF4 weight")
+    fallback = "NF4 weights are widened for a PyTorch matmul instead (3-4x slower matmuls at batch 1)"
+    return load_extension("nf4_linear", "folio_nf4_linear", _SOURCE, "NF4 weight kernel", fallback)
 
 
 def _double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:

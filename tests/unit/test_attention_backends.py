@@ -52,22 +52,6 @@ def test_decode_kernel_matches_torch_path(heads, window, dtype):
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
 
 
-def test_stale_build_lock_is_cleared_and_a_fresh_one_kept(tmp_path, monkeypatch):
-    import os
-    import time
-
-    from folio.layers.attention.cpu_kernel import _build_directory
-
-    monkeypatch.setenv("FOLIO_HOME", str(tmp_path))
-    lock = _build_directory() / "lock"
-    lock.touch()
-    assert _build_directory() and lock.exists()  # a build in progress is left alone
-    old = time.time() - 3600
-    os.utime(lock, (old, old))
-    _build_directory()
-    assert not lock.exists()  # an interrupted build's lock no longer blocks every later start
-
-
 def _quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, name: str) -> LayerKV:
     fmt = FORMATS[name]
     slots, heads = k_cache.shape[:2]

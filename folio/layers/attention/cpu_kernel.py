@@ -12,13 +12,9 @@ from functools import cache
 from pathlib import Path
 from types import ModuleType
 
-from folio.cpp_extension import build_directory, load_extension
+from folio.cpp_extension import load_extension
 
 _SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
-
-
-def _build_directory() -> Path:
-    return build_directory("paged_decode", _SOURCE)
 
 
 @cache
@@ -26,4 +22,5 @@ def load_decode_kernel() -> ModuleType | None:
     """The compiled module, or None when disabled (FOLIO_ATTENTION=torch) or it cannot be built."""
     if os.environ.get("FOLIO_ATTENTION", "auto") == "torch":
         return None
-    return load_extension("paged_decode", "folio_paged_decode", _SOURCE, "CPU decode-attention")
+    fallback = "decode attention gathers each sequence's K/V cache in PyTorch instead (slower on long contexts)"
+    return load_extension("paged_decode", "folio_paged_decode", _SOURCE, "decode-attention kernel", fallback)
