@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, write_json
+from folio.bench.report import machine_info, result_paths, save_figure, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
 PROMPT = "Write a long story about a lighthouse keeper."
@@ -172,5 +172,5 @@ def _plot(report: DecodeReport, path: Path) -> None:
     fig.suptitle(f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
                  f"({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

@@ -1,4 +1,8 @@
-"""Benchmark results: per-engine metrics, the side-by-side table, and the JSON + PNG written to disk."""
+"""Benchmark results: per-engine metrics, the side-by-side table, and the JSON + PNG written to disk.
+
+Results are written to a temporary `*.tmp` file beside the final one and renamed over it, so a killed
+or failed benchmark never leaves a half-written JSON or PNG under a result's name.
+"""
 
 from __future__ import annotations
 
@@ -6,9 +10,12 @@ import json
 import os
 import platform
 import re
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import IO, Any
 
 import torch
 
@@ -140,7 +147,7 @@ def write_report(report: ThroughputReport, output_dir: Path) -> tuple[Path, Path
     output_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
     json_path, png_path = output_dir / f"{stem}.json", output_dir / f"{stem}.png"
-    json_path.write_text(json.dumps(report.to_dict(), indent=2) + "\n", encoding="utf-8")
+    write_json(json_path, report.to_dict())
     plot_report(report, png_path)
     return json_path, png_path
 
@@ -171,7 +178,7 @@ def plot_report(report: ThroughputReport, path: Path) -> None:
         fontsize=9,
     )
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -185,5 +192,34 @@ def result_paths(output_dir: Path, kind: str, model: str, date_utc: str, *tags: 
     return output_dir / f"{stem}.json", output_dir / f"{stem}.png"
 
 
+@contextmanager
+def atomic_open(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
+    """A file (text or "wb") that appears at `path` whole when the block ends, or not at all."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        os.fchmod(fd, 0o644)  # mkstemp makes files private; results are for everyone to read
+        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
+            yield f
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
 def write_json(path: Path, data: dict[str, Any]) -> None:
-    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")
+    with atomic_open(path) as f:
+        json.dump(data, f, indent=2)
+        f.write("\n")
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    with atomic_open(path) as f:
+        f.write(text)
+
+
+def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
+    """`fig.savefig(path)`, atomically; the format comes from the final name, not the temporary one."""
+    with atomic_open(path, "wb") as f:
+        fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=dpi)

@@ -11,6 +11,7 @@ from typing import Any
 
 import numpy as np
 
+from folio.bench.report import save_figure, write_text_atomic
 from folio.bench.serve import RateResult
 from folio.bench.serve_compare import CompareReport
 from folio.bench.serve_metrics import hit_rate
@@ -141,7 +142,7 @@ def write_report(report: CompareReport, output_dir: Path) -> list[Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
     json_path = output_dir / f"{stem}.json"
-    json_path.write_text(dump_json(to_dict(report)), encoding="utf-8")
+    write_text_atomic(json_path, dump_json(to_dict(report)))
     paths = [json_path, output_dir / f"{stem}-latency.png"]
     plot_latency_cdfs(report, paths[1])
     if len(report.config.workload.request_rates) > 1:
@@ -188,7 +189,7 @@ def plot_latency_cdfs(report: CompareReport, path: Path) -> None:
     rate = format_rate(report.config.workload.request_rates[index])
     fig.suptitle(_title(report, f"rate {rate} req/s"), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -218,5 +219,5 @@ def plot_rates(report: CompareReport, path: Path) -> None:
         ax.legend(fontsize=7)
     fig.suptitle(_title(report, "each rate in turn"), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

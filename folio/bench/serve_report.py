@@ -9,6 +9,7 @@ from typing import Any
 
 import numpy as np
 
+from folio.bench.report import save_figure, write_text_atomic
 from folio.bench.serve import ServeReport
 from folio.bench.serve_stats import dump_json, format_rate
 
@@ -89,7 +90,7 @@ def write_report(report: ServeReport, output_dir: Path) -> list[Path]:
     output_dir.mkdir(parents=True, exist_ok=True)
     stem = file_stem(report)
     json_path = output_dir / f"{stem}.json"
-    json_path.write_text(dump_json(report.to_dict()), encoding="utf-8")
+    write_text_atomic(json_path, dump_json(report.to_dict()))
     paths = [json_path, output_dir / f"{stem}-latency.png"]
     plot_latency_cdfs(report, paths[1])
     if len(report.results) > 1:
@@ -137,7 +138,7 @@ def plot_latency_cdfs(report: ServeReport, path: Path) -> None:
         ax.legend(title="req/s", fontsize=7, title_fontsize=7)
     fig.suptitle(_title(report), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)
 
 
@@ -176,5 +177,5 @@ def plot_rates(report: ServeReport, path: Path) -> None:
         ax.grid(alpha=0.3)
     fig.suptitle(_title(report), fontsize=9)
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

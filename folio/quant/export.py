@@ -5,12 +5,20 @@ the checkpoint's own (unfused) names, e.g. `model.layers.0.self_attn.q_proj.qwei
 A GGUF source has no config.json or tokenizer.json of its own: both are written from what folio read
 out of the file, with the tensors in Hugging Face's conventions (q/k rows un-permuted, Gemma norms
 without the +1), so the folder loads like any Hugging Face checkpoint.
+
+The folder is written as a temporary sibling and renamed into place at the end: a run that is killed
+or fails never leaves a folder at the output path that looks like a checkpoint.
 """
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
+import tempfile
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -144,9 +152,32 @@ def _pack(weight: Any, layout: str) -> dict[str, torch.Tensor]:
     return weight.to_tensors()
 
 
-def write_checkpoint(output: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor],
-                     notes: dict[str, Any]) -> None:  # fmt: skip
-    output.mkdir(parents=True, exist_ok=True)
-    save_file(tensors, str(output / "model.safetensors"), metadata={"format": "pt"})
-    (output / "config.json").write_text(json.dumps(config, indent=2))
-    (output / "folio_quantize.json").write_text(json.dumps(notes, indent=2))
+@contextmanager
+def staged_folder(output: Path) -> Iterator[Path]:
+    """A fresh temporary sibling of `output` to write into, renamed to `output` when the block ends and
+    removed if it raises. An existing empty `output` is replaced; a non-empty one is left alone."""
+    output.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(dir=output.parent, prefix=f".{output.name}.", suffix=".tmp"))
+    try:
+        yield staging
+        staging.chmod(0o755)  # mkdtemp makes it private; a checkpoint is plain data
+        try:
+            os.replace(staging, output)  # rename(2) replaces an empty folder, never a full one
+        except OSError as exc:
+            if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST, errno.ENOTDIR):
+                raise
+            raise FileExistsError(f"{output} exists and is not an empty folder; choose a new output") from None
+    except BaseException:
+        shutil.rmtree(staging, ignore_errors=True)
+        raise
+
+
+def write_checkpoint(output: Path, config: dict[str, Any], tensors: dict[str, torch.Tensor], notes: dict[str, Any],
+                     tokenizer: Tokenizer, tokenizer_source: Path) -> None:  # fmt: skip
+    """The whole folder at once: safetensors, config.json, folio_quantize.json and the tokenizer files
+    (`tokenizer_source`: the model the tokenizer was read from)."""
+    with staged_folder(output) as staging:
+        save_file(tensors, str(staging / "model.safetensors"), metadata={"format": "pt"})
+        (staging / "config.json").write_text(json.dumps(config, indent=2))
+        (staging / "folio_quantize.json").write_text(json.dumps(notes, indent=2))
+        write_tokenizer(tokenizer, tokenizer_source, staging)

@@ -27,7 +27,7 @@ from tqdm import tqdm
 from folio.layers.linear import Linear, MergedLinear
 from folio.quant.awq import search_scales
 from folio.quant.calibration import InputStatistics, collect_input_statistics
-from folio.quant.export import checkpoint_tensors, hf_config, write_checkpoint, write_tokenizer
+from folio.quant.export import checkpoint_tensors, hf_config, write_checkpoint
 from folio.quant.gptq import gptq_quantize
 from folio.quant.group_quantizer import rtn_int_groups
 
@@ -98,8 +98,7 @@ def quantize_checkpoint(source: str | Path, output: Path, options: QuantizeOptio
     config["quantization_config"] = quantization_config(options)
     notes = {**asdict(options), "source": str(source), "date_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
              "calibration": CALIBRATION_SOURCE if options.method in CALIBRATED else None}  # fmt: skip
-    write_checkpoint(output, config, tensors, notes)
-    write_tokenizer(llm.tokenizer, llm.loaded.path, output)
+    write_checkpoint(output, config, tensors, notes, llm.tokenizer, llm.loaded.path)
     tokens = next(iter(stats.values())).tokens if stats else 0
     size = sum(p.stat().st_size for p in output.iterdir() if p.suffix == ".safetensors")
     return QuantizeReport(str(source), str(output), options.method, options.group_size, len(quantized), tokens,
