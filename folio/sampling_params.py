@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Literal
 
 from folio.structured.params import StructuredOutputParams
 
 MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat API
+# torch.Generator.manual_seed takes [-2**63, 2**64); the API takes int64 seeds (as vLLM) and sample j
+# of a request draws with seed + j, which stays inside that range.
+SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
+INT64_MAX = 2**63 - 1  # top_k and priorities become int64 tensors or are compared as such
 
 
 @dataclass
@@ -39,14 +44,20 @@ class SamplingParams:
     early_stopping: bool | Literal["never"] = False
 
     def __post_init__(self) -> None:
+        for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
+                     "repetition_penalty", "length_penalty"):  # fmt: skip
+            if not math.isfinite(getattr(self, name)):
+                raise ValueError(f"{name} must be a finite number, got {getattr(self, name)}")
+        if self.seed is not None and not SEED_MIN <= self.seed <= SEED_MAX:
+            raise ValueError(f"seed must be in [{SEED_MIN}, {SEED_MAX}], got {self.seed}")
         if self.n < 1:
             raise ValueError(f"n must be at least 1, got {self.n}")
         if self.max_tokens < 1:
             raise ValueError(f"max_tokens must be at least 1, got {self.max_tokens}")
         if self.temperature < 0:
             raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < -1:
-            raise ValueError(f"top_k must be -1, 0 (off) or positive, got {self.top_k}")
+        if not -1 <= self.top_k <= INT64_MAX:
+            raise ValueError(f"top_k must be -1, 0 (off) or positive (at most {INT64_MAX}), got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if not 0.0 <= self.min_p <= 1.0:
@@ -58,8 +69,10 @@ class SamplingParams:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):
+        if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):  # NaN fails this too
             raise ValueError("logit_bias values must be in [-100, 100]")
+        if any(not isinstance(t, int) or t < 0 for t in [*self.logit_bias, *self.stop_token_ids]):
+            raise ValueError("logit_bias keys and stop_token_ids must be token ids (non-negative integers)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         if any(not s for s in self.stop):
@@ -89,6 +102,11 @@ class SamplingParams:
             if is_set:
                 raise ValueError(f"beam search does not support {name}")
         self.temperature = 0.0  # the engine computes no sample for a beam, only its candidates
+
+    def sample_seed(self, index: int) -> int | None:
+        """The seed of sample `index` of a request: seed + index, wrapped to 64 bits as torch's
+        generators wrap seeds (so -1 and 2**64 - 1 draw alike) and never out of their range."""
+        return None if self.seed is None else (self.seed + index) % 2**64 if index else self.seed
 
     @property
     def greedy(self) -> bool:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from folio import LLM
 from folio.loaders.catalog import pull
 
 
@@ -18,3 +19,10 @@ def smollm2_gguf() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_gguf() -> Path:
     return pull("gemma3-270m")
+
+
+@pytest.fixture(scope="session")
+def offline_llm(smollm2_gguf) -> LLM:
+    """An in-process engine for offline runs and comparisons (the served one belongs to the server's
+    engine thread). Tests leave it with no request in flight."""
+    return LLM(smollm2_gguf, kv_cache_memory="64MiB")

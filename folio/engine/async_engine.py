@@ -1,22 +1,29 @@
 """The narrow async interface the server talks to: the engine loop runs in a background thread.
 
-Requests and aborts reach the loop through a thread-safe inbox; each request's updates come back
-through its own asyncio queue, so a slow client only slows its own stream, never the loop. Keeping the
-interface this small (add, stream updates, abort) is what lets the loop move to a subprocess later.
+Requests and aborts reach the loop through a thread-safe inbox; the updates of one API call's requests
+come back on that call's own asyncio queue (`Generation`), so a slow client only slows its own stream,
+never the loop. Keeping the interface this small (submit, stream updates, abort) is what lets the loop
+move to a subprocess later.
 
 Detokenizing and stop strings happen here, on the engine side, so a request that hits a stop string
 frees its KV blocks in the same step and is counted as finished with reason "stop".
+
+Faults: one request's fault (its row in the sampler, its grammar, its detokenizer) ends that request
+with an error and the rest of the batch goes on. If the engine thread itself dies (any BaseException),
+every waiting caller gets `EngineDeadError` at once, later submissions are refused, and `on_death` is
+called so the server can report unhealthy and exit.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
-from collections.abc import AsyncIterator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -30,6 +37,14 @@ from folio.sampling_params import SamplingParams
 logger = logging.getLogger("folio")
 
 
+class EngineDeadError(RuntimeError):
+    """The engine thread has stopped: nothing runs until the process restarts."""
+
+
+class RequestFailedError(RuntimeError):
+    """A fault inside the engine ended one request; the others in its batch went on."""
+
+
 @dataclass
 class RequestUpdate:
     text: str  # new text that is safe to show (stop strings cut, partial characters held back)
@@ -38,6 +53,7 @@ class RequestUpdate:
     finish_reason: str | None
     num_prompt_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
+    error: str | None = None  # set with finish_reason "error"
 
 
 class EngineObserver(Protocol):
@@ -48,11 +64,25 @@ class EngineObserver(Protocol):
     def on_finished(self, request: Request, now: float) -> None: ...
 
 
+@dataclass(eq=False)
+class _Mailbox:
+    """Where the engine thread posts one Generation's updates. The engine holds this, not the Generation,
+    so a Generation nobody holds any more is collected, and its __del__ aborts its requests."""
+
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue[tuple[int, RequestUpdate] | BaseException]
+
+    def post(self, item: tuple[int, RequestUpdate] | BaseException) -> None:
+        """Called on the engine thread. A closed event loop means nobody is listening any more."""
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+
+
 @dataclass
 class _Stream:
     request: Request
-    loop: asyncio.AbstractEventLoop
-    updates: asyncio.Queue[RequestUpdate | BaseException]
+    mailbox: _Mailbox
+    index: int  # the choice this request answers
     detokenizer: IncrementalDetokenizer
     num_sent: int = 0
 
@@ -67,6 +97,70 @@ class _Abort:
     request_id: str
 
 
+class Generation:
+    """The engine requests behind one API call (prompts x samples), numbered as its choices.
+
+    Their updates arrive on one queue as (choice index, update). Iterating ends when every choice has
+    finished; a failed choice or a dead engine raises. `close()` aborts every choice that has not
+    finished: it is synchronous and idempotent, so it is safe in any finally block, a cancelled
+    task's included, and it also runs if the object is dropped unclosed.
+    """
+
+    _open: dict[int, str] = {}  # class defaults: __del__ must work even if __init__ failed
+    _closed = True
+
+    def __init__(self, engine: AsyncEngine) -> None:
+        self._engine = engine
+        self._mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
+        self._open = {}  # choice index -> request id, until that choice finishes
+        self._num_choices = 0
+        self._closed = False
+
+    def add(
+        self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None:  # fmt: skip
+        """The samples of one prompt, as the next choices: the first computes the prompt and the others
+        fork from it, sharing its KV blocks. Raises EngineDeadError if the engine has died."""
+        streams = []
+        for sample in params:
+            request = self._engine.new_request(prompt_token_ids, sample, cache_salt, priority)
+            detokenizer = IncrementalDetokenizer(self._engine.tokenizer, sample.stop, sample.include_stop_str_in_output)
+            streams.append(_Stream(request, self._mailbox, self._num_choices, detokenizer))
+            self._num_choices += 1
+        self._engine.submit(streams)
+        self._open.update({s.index: s.request.request_id for s in streams})
+
+    def __aiter__(self) -> Generation:
+        return self
+
+    async def __anext__(self) -> tuple[int, RequestUpdate]:
+        if not self._open:
+            raise StopAsyncIteration
+        item = await self._mailbox.queue.get()
+        if isinstance(item, BaseException):
+            self.close()
+            raise item
+        index, update = item
+        if update.finished:
+            self._open.pop(index, None)
+            if update.error is not None:
+                self.close()
+                raise RequestFailedError(update.error)
+        return index, update
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        for request_id in self._open.values():
+            self._engine.abort(request_id)
+        self._open = {}
+
+    def __del__(self) -> None:
+        self.close()
+
+
 class AsyncEngine:
     def __init__(
         self,
@@ -74,11 +168,15 @@ class AsyncEngine:
         tokenizer: Tokenizer,
         eos_token_ids: frozenset[int],
         observer: EngineObserver | None = None,
+        on_death: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.engine = engine
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.observer = observer
+        self.on_death = on_death
+        self.dead: BaseException | None = None  # why the engine thread died
+        self._lock = threading.Lock()  # orders submissions against the engine's death
         self._inbox: queue.Queue[_AddGroup | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
@@ -86,59 +184,29 @@ class AsyncEngine:
         self._thread.start()
 
     # -- client side (event loop) ------------------------------------------------------------------
-    async def generate(
-        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None = None, priority: int = 0
-    ) -> AsyncIterator[RequestUpdate]:
-        """Stream a request's updates; closing or cancelling the consumer aborts it within one step.
+    def generation(self) -> Generation:
+        """A new API call's requests (add prompts to it, then iterate its updates)."""
+        return Generation(self)
 
-        The request reaches the engine on the first iteration. One the engine refuses (e.g. a prompt
-        longer than the context) raises ValueError there.
-        """
-        stream = self._new_stream(prompt_token_ids, params, cache_salt, priority)
-        self._inbox.put(_AddGroup([stream]))
-        async for update in self._consume(stream):
-            yield update
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self._thread.is_alive()
 
-    def generate_samples(
-        self,
-        prompt_token_ids: list[int],
-        params: list[SamplingParams],
-        cache_salt: str | None = None,
-        priority: int = 0,
-    ) -> list[AsyncIterator[RequestUpdate]]:
-        """Several samples of one prompt, submitted now: the first computes the prompt and the others
-        fork from it, sharing its KV blocks. Each stream must be consumed or closed."""
-        streams = [self._new_stream(prompt_token_ids, p, cache_salt, priority) for p in params]
-        self._inbox.put(_AddGroup(streams))
-        return [self._consume(s) for s in streams]
-
-    def _new_stream(
+    def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
-    ) -> _Stream:
-        request = Request(
-            f"req-{next(self._ids)}",
-            prompt_token_ids,
-            params,
-            eos_token_ids=self.eos_token_ids,
-            cache_salt=cache_salt,
-            priority=priority,
-        )
-        detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-        return _Stream(request, asyncio.get_running_loop(), asyncio.Queue(), detokenizer)
+    ) -> Request:
+        return Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
+                       cache_salt=cache_salt, priority=priority)  # fmt: skip
 
-    async def _consume(self, stream: _Stream) -> AsyncIterator[RequestUpdate]:
-        finished = False
-        try:
-            while not finished:
-                update = await stream.updates.get()
-                if isinstance(update, BaseException):
-                    finished = True
-                    raise update
-                finished = update.finished
-                yield update
-        finally:
-            if not finished:
-                self._inbox.put(_Abort(stream.request.request_id))
+    def submit(self, streams: list[_Stream]) -> None:
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError("the engine has stopped after an internal error")
+            self._inbox.put(_AddGroup(streams))
+
+    def abort(self, request_id: str) -> None:
+        """Thread-safe; the engine drops the request (and frees its blocks) before its next step."""
+        self._inbox.put(_Abort(request_id))
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -146,6 +214,14 @@ class AsyncEngine:
 
     # -- engine side (background thread) -----------------------------------------------------------
     def _run(self) -> None:
+        try:
+            self._loop()
+        except BaseException as exc:  # a panic in native code is a BaseException too
+            self._die(exc)
+            return
+        self._fail_every_stream(EngineDeadError("the server is shutting down"))
+
+    def _loop(self) -> None:
         stalled = False  # the last step scheduled nothing: requests wait for a batch to form
         while True:
             # Wait for work when idle (or, stalled, until a dynamic batch times out); otherwise just
@@ -167,36 +243,69 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     updated = self.engine.step()
-                except Exception as exc:  # a bug must fail the requests in flight, not hang them forever
+                except Exception:  # not one row's fault: fail the requests in flight, keep serving
                     logger.exception("engine step failed; failing the requests in flight")
-                    self._fail_all(exc)
+                    self._fail_in_flight("the engine failed while running this request's batch")
                     continue
                 stalled = self.engine.last_step is not None and self.engine.last_step.num_batched_tokens == 0
-                if self.observer is not None:
-                    self.observer.on_step(updated, time.monotonic())
+                self._observe_step(updated)
                 for request in updated:
                     self._publish(request)
 
-    def _fail_all(self, exc: Exception) -> None:
-        for request_id, stream in list(self._streams.items()):
-            self.engine.abort_request(request_id)
-            error = RuntimeError(f"the engine failed: {exc}")
-            stream.loop.call_soon_threadsafe(stream.updates.put_nowait, error)
+    def _die(self, exc: BaseException) -> None:
+        logger.critical("the engine thread died; failing every request", exc_info=exc)
+        with self._lock:
+            self.dead = exc
+        error = EngineDeadError("the engine has stopped after an internal error")
+        self._fail_every_stream(error)
+        if self.on_death is not None:
+            self.on_death(exc)
+
+    def _fail_every_stream(self, error: BaseException) -> None:
+        """Hand `error` to every caller still waiting, including submissions never picked up."""
+        mailboxes = {s.mailbox for s in self._streams.values()}
         self._streams.clear()
+        while True:
+            try:
+                message = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if isinstance(message, _AddGroup):
+                mailboxes.update(s.mailbox for s in message.streams)
+        for mailbox in mailboxes:
+            mailbox.post(error)
+
+    def _fail_in_flight(self, error: str) -> None:
+        for stream in list(self._streams.values()):
+            self._fail(stream, error)
+
+    def _fail(self, stream: _Stream, error: str) -> None:
+        """End one request with an error, however far it got."""
+        request = stream.request
+        if not request.is_finished:
+            self.engine.abort_request(request.request_id, FinishReason.ERROR)
+        request.finish_reason, request.error = FinishReason.ERROR, error
+        self._streams.pop(request.request_id, None)
+        self._observe_finished(request)
+        update = RequestUpdate("", [], True, FinishReason.ERROR.value, request.num_prompt_tokens, error=error)
+        stream.mailbox.post((stream.index, update))
 
     def _handle(self, message: _AddGroup | _Abort) -> None:
         if isinstance(message, _Abort):
             request = self.engine.abort_request(message.request_id)
             self._streams.pop(message.request_id, None)
-            if request is not None and self.observer is not None:
-                self.observer.on_finished(request, time.monotonic())
+            if request is not None:
+                self._observe_finished(request)
             return
         first, *forks = message.streams
         try:
             self.engine.add_request(first.request, [s.request for s in forks])
-        except ValueError as exc:  # e.g. prompt longer than the context: hand the error to the callers
-            for stream in message.streams:
-                stream.loop.call_soon_threadsafe(stream.updates.put_nowait, exc)
+        except ValueError as exc:  # e.g. prompt longer than the context: hand the error to the caller
+            first.mailbox.post(exc)
+            return
+        except Exception:
+            logger.exception("could not add request %s", first.request.request_id)
+            first.mailbox.post(RequestFailedError("the engine could not accept this request"))
             return
         for stream in message.streams:
             self._streams[stream.request.request_id] = stream
@@ -205,6 +314,19 @@ class AsyncEngine:
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
+        try:
+            update = self._next_update(stream)
+        except Exception:  # e.g. its tokens cannot be decoded: this request ends, the others go on
+            logger.exception("could not produce the output of request %s", request.request_id)
+            self._fail(stream, "the output could not be decoded")
+            return
+        if request.is_finished:
+            del self._streams[request.request_id]
+            self._observe_finished(request)
+        stream.mailbox.post((stream.index, update))
+
+    def _next_update(self, stream: _Stream) -> RequestUpdate:
+        request = stream.request
         new_tokens = request.output_token_ids[stream.num_sent :]
         text = detokenize_step(stream.detokenizer, request, new_tokens)
         if stream.detokenizer.stopped and not request.is_finished:
@@ -216,10 +338,21 @@ class AsyncEngine:
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             num_prompt_tokens=request.num_prompt_tokens,
             new_logprobs=list(request.output_logprobs[stream.num_sent :]),
+            error=request.error,
         )
         stream.num_sent = len(request.output_token_ids)
-        if request.is_finished:
-            del self._streams[request.request_id]
-            if self.observer is not None:
+        return update
+
+    def _observe_step(self, updated: list[Request]) -> None:
+        if self.observer is not None:
+            try:
+                self.observer.on_step(updated, time.monotonic())
+            except Exception:  # metrics must never fail requests
+                logger.exception("the step observer failed")
+
+    def _observe_finished(self, request: Request) -> None:
+        if self.observer is not None:
+            try:
                 self.observer.on_finished(request, time.monotonic())
-        stream.loop.call_soon_threadsafe(stream.updates.put_nowait, update)
+            except Exception:
+                logger.exception("the request observer failed")

@@ -85,7 +85,10 @@ class EngineCore:
                 f"the prompt has {request.num_prompt_tokens} tokens but the context length is "
                 f"{self.max_model_len}, leaving no room to generate"
             )
+        vocab_size = self.runner.config.vocab_size
         for r in [request, *(forks or [])]:
+            if any(t >= vocab_size for t in r.sampling_params.logit_bias):
+                raise ValueError(f"logit_bias keys must be token ids in [0, {vocab_size})")
             structured = r.sampling_params.structured_output
             if structured is not None:
                 if self.grammars is None:
@@ -108,4 +111,6 @@ class EngineCore:
         if out.is_empty:
             return []
         result = self.runner.execute(out)
-        return self.scheduler.update_from_output(out, result.token_ids, result.logprobs, result.beam_candidates)
+        return self.scheduler.update_from_output(
+            out, result.token_ids, result.logprobs, result.beam_candidates, result.failed
+        )

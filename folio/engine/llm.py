@@ -54,6 +54,7 @@ class LLM:
         self.dtype = parse_dtype(dtype)
         # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
         path = resolve_model(str(model))
+        logger.info("loading %s", path)
         self.loaded: LoadedModel = load_model(path, self.dtype, self.device, quantization)
         logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
@@ -161,9 +162,7 @@ class LLM:
                 for request in self.engine.step():
                     detok = detoks.get(request.request_id)
                     if detok is not None:
-                        detokenize_step(detok, request, request.output_token_ids[-1:])
-                        if detok.stopped and not request.is_finished:
-                            self.engine.abort_request(request.request_id, FinishReason.STOP)
+                        self._detokenize(detok, request)
                     finished += request.is_finished
                 bar.update(finished)
         finally:
@@ -176,13 +175,25 @@ class LLM:
             for group, p in zip(groups, prompts, strict=True)
         ]
 
+    def _detokenize(self, detok: IncrementalDetokenizer, request: Request) -> None:
+        """Feed the request's new token to its stop-string matcher; a fault ends this request only."""
+        try:
+            detokenize_step(detok, request, request.output_token_ids[-1:])
+        except Exception:
+            logger.exception("could not decode the output of request %s", request.request_id)
+            if not request.is_finished:
+                self.engine.abort_request(request.request_id, FinishReason.ERROR)
+            request.finish_reason, request.error = FinishReason.ERROR, "the output could not be decoded"
+            return
+        if detok.stopped and not request.is_finished:
+            self.engine.abort_request(request.request_id, FinishReason.STOP)
+
     def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """One request per sample; sample j draws with seed + j so that the samples differ."""
         first = self._make_request(prompt, params)
         forks = []
         for j in range(1, params.n):
-            seed = None if params.seed is None else params.seed + j
-            fork = Request(str(next(self._ids)), first.prompt_token_ids, replace(params, seed=seed),
+            fork = Request(str(next(self._ids)), first.prompt_token_ids, replace(params, seed=params.sample_seed(j)),
                            eos_token_ids=first.eos_token_ids)  # fmt: skip
             forks.append(fork)
         return [first, *forks]

@@ -28,6 +28,7 @@ class FinishReason(enum.StrEnum):
     STOP = "stop"  # EOS or a stop token id
     LENGTH = "length"  # max_tokens or the context length
     ABORT = "abort"
+    ERROR = "error"  # a fault inside the engine ended this request (its batch went on)
 
 
 @dataclass(eq=False)  # identity: requests are compared and removed from lists by object
@@ -56,6 +57,7 @@ class Request:
     num_preemptions: int = 0
     generator: torch.Generator | None = None
     grammar: TokenGrammar | None = None  # structured output: what the output may continue with
+    error: str | None = None  # with FinishReason.ERROR: what failed, in words fit for the client
 
     def __post_init__(self) -> None:
         if self.sampling_params.seed is not None:
@@ -101,6 +103,10 @@ class Request:
             self.finish(FinishReason.STOP, now)
         elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish(FinishReason.LENGTH, now)
+
+    def fail(self, error: str, now: float | None = None) -> None:
+        self.error = error
+        self.finish(FinishReason.ERROR, now)
 
     def finish(self, reason: FinishReason, now: float | None = None) -> None:
         self.status = RequestStatus.FINISHED

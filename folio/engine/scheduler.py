@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import bisect
 import itertools
+import logging
 import time
 
 from folio.config import SchedulerConfig
@@ -22,6 +23,8 @@ from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.scheduler_output import ForkedSample, ScheduledRequest, SchedulerOutput
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
+
+logger = logging.getLogger("folio")
 
 
 def _queue_order(request: Request) -> tuple[int, int]:
@@ -265,6 +268,22 @@ class Scheduler:
         else:
             self._enqueue(child)
 
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        try:
+            request.append_output_token(token, self.config.max_model_len, logprob)
+        except Exception:  # e.g. its grammar failed to advance: this request ends, its batch goes on
+            logger.exception("request %s failed to take its sampled token", request.request_id)
+            request.fail("the sampled token could not be applied")
+
+    def _fail_beam_group(self, group: BeamGroup, error: str, now: float) -> list[Request]:
+        """A beam's row failed: the whole search ends with the error, its beams freed."""
+        for beam in list(group.beams):
+            self.abort_request(beam.request_id)
+        for result in group.results:
+            self._beam_groups.pop(result.request_id, None)
+            result.fail(error, now)
+        return list(group.results)
+
     def _preempt(self, request: Request) -> None:
         if (group := self._beam_groups.get(request.request_id)) is not None:
             group.num_preemptions += 1
@@ -298,20 +317,28 @@ class Scheduler:
         sampled: dict[str, int],
         logprobs: dict[str, TokenLogprob] | None = None,
         beam_candidates: dict[str, BeamCandidates] | None = None,
+        failed: dict[str, str] | None = None,
     ) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
 
         Returns the requests that produced a token this step (finished ones included); a beam search's
-        results appear once, finished, when the search ends.
+        results appear once, finished, when the search ends. A request in `failed` (its row faulted)
+        finishes with an error and gets no token; the rest of the batch goes on.
         """
         updated: list[Request] = []
+        failed = failed or {}
         now = time.monotonic()
         for item in output.scheduled:
-            request = self.requests[item.request_id]
+            request = self.requests.get(item.request_id)
+            if request is None:  # a beam whose group failed earlier in this loop
+                continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
             group = self._beam_groups.get(request.request_id)
             if group is not None:
+                if request.request_id in failed:
+                    updated.extend(self._fail_beam_group(group, failed[request.request_id], now))
+                    continue
                 candidates = (beam_candidates or {}).get(request.request_id)
                 if candidates is not None:
                     group.pending[request.request_id] = candidates
@@ -321,10 +348,12 @@ class Scheduler:
             forks = self._start_forks(request, item, now) if item.forks else []
             for sampler in [request, *forks]:  # forks first share the blocks, then anyone may finish
                 token = sampled.get(sampler.request_id)
-                if token is None:
+                if sampler.request_id in failed:
+                    sampler.fail(failed[sampler.request_id], now)
+                elif token is None:
                     continue
-                lp = (logprobs or {}).get(sampler.request_id)
-                sampler.append_output_token(token, self.config.max_model_len, lp)
+                else:
+                    self._append_token(sampler, token, (logprobs or {}).get(sampler.request_id))
                 updated.append(sampler)
                 if sampler.is_finished:
                     self.gate.leave(sampler.request_id)

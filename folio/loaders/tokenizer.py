@@ -91,7 +91,7 @@ class Tokenizer:
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
             )
-        except jinja2.TemplateError as exc:
+        except Exception as exc:  # the sandbox raises TemplateError, the template's own code anything
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
     def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:

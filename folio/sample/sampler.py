@@ -68,6 +68,7 @@ class SamplingBatch:
 class SamplerOutput:
     token_ids: torch.Tensor  # [N]
     logprobs: list[TokenLogprob | None]  # per row; None where a row asked for none
+    problems: list[str | None]  # per row: why its token is meaningless (None: the token is good)
 
 
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -122,7 +123,20 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
         adjusted = adjusted.masked_fill(~batch.allowed, float("-inf"))
     tokens = sample_tokens(adjusted, batch)
     logprobs = gather_logprobs(logits, tokens, batch.num_logprobs) if batch.num_logprobs else [None] * len(tokens)
-    return SamplerOutput(tokens, logprobs)
+    return SamplerOutput(tokens, logprobs, row_problems(logits, adjusted))
+
+
+def row_problems(logits: torch.Tensor, adjusted: torch.Tensor) -> list[str | None]:
+    """Rows whose draw means nothing: the model's logits hold NaN or infinity (argmax of NaN is
+    arbitrary), or the masks left no token with a finite logit."""
+    not_finite = ~torch.isfinite(logits).all(dim=-1)
+    none_left = ~torch.isfinite(adjusted).any(dim=-1)
+    if not bool((not_finite | none_left).any()):
+        return [None] * logits.shape[0]
+    return [
+        "the model's logits were not finite" if bad else "no token was allowed" if empty else None
+        for bad, empty in zip(not_finite.tolist(), none_left.tolist(), strict=True)
+    ]
 
 
 def _add_logit_bias(logits: torch.Tensor, biases: list[dict[int, float]]) -> torch.Tensor:

@@ -18,9 +18,8 @@ from folio.kv_cache.quant import SCALE_DTYPE, kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
-from folio.sample.sampler import SamplingBatch, sample
-from folio.sampling_params import SamplingParams
-from folio.structured.grammar import MaskTiming, TokenGrammar, allowed_tokens
+from folio.structured.grammar import MaskTiming
+from folio.worker.row_sampling import SampleSpec, sample_rows
 
 
 @dataclass
@@ -34,23 +33,14 @@ class BatchInputs:
 
 
 @dataclass
-class SampleSpec:
-    sampling_params: SamplingParams
-    generator: torch.Generator | None
-    prompt_token_ids: list[int]
-    output_token_ids: list[int]
-    num_beam_candidates: int = 0
-    grammar: TokenGrammar | None = None
-
-
-@dataclass
 class RunnerOutput:
     """What one step produced, by request id: the sampled token and, if asked for, its logprobs;
-    for a beam, its best next tokens instead."""
+    for a beam, its best next tokens instead; for a request whose row failed, what failed."""
 
     token_ids: dict[str, int]
     logprobs: dict[str, TokenLogprob]
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
+    failed: dict[str, str] = field(default_factory=dict)
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -166,19 +156,12 @@ class ModelRunner:
             return RunnerOutput({}, {})
         # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
         logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
-        rows = inputs.samplers
-        batch = SamplingBatch.from_params(
-            [r.sampling_params for r in rows],
-            [r.generator for r in rows],
-            prompt_token_ids=[r.prompt_token_ids for r in rows],
-            output_token_ids=[r.output_token_ids for r in rows],
-            vocab_size=logits.shape[-1],
-            allowed=allowed_tokens([r.grammar for r in rows], logits.shape[-1], self.mask_timing),
-        )
-        result = sample(logits.cpu(), batch)
-        tokens = dict(zip(inputs.sampled_ids, result.token_ids.tolist(), strict=True))
-        logprobs = {rid: lp for rid, lp in zip(inputs.sampled_ids, result.logprobs, strict=True) if lp is not None}
-        return RunnerOutput(tokens, logprobs, self._beam_candidates(logits, inputs))
+        result = sample_rows(logits.cpu(), inputs.samplers, self.mask_timing)
+        ids = inputs.sampled_ids
+        failed = {ids[row]: problem for row, problem in result.failures.items()}
+        tokens = {rid: token for rid, token in zip(ids, result.token_ids, strict=True) if rid not in failed}
+        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp and rid not in failed}
+        return RunnerOutput(tokens, logprobs, self._beam_candidates(logits, inputs), failed)
 
     @staticmethod
     def _beam_candidates(logits: torch.Tensor, inputs: BatchInputs) -> dict[str, BeamCandidates]:
