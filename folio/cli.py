@@ -13,6 +13,7 @@ import sys
 from collections.abc import Callable
 
 from folio import __version__
+from folio.server.limits import RequestLimits
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -78,6 +79,38 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -
                         "or a file holding one")  # fmt: skip
 
 
+def _add_limit_args(parser: argparse.ArgumentParser) -> None:
+    """What one request may cost (folio/server/limits.py); beyond a limit the server answers 400 (413 for
+    the body)."""
+    defaults = RequestLimits()
+    limits = parser.add_argument_group("request limits")
+    limits.add_argument("--max-request-bytes", type=int, default=defaults.max_body_bytes,
+                        help=f"largest HTTP request body (default {defaults.max_body_bytes})")  # fmt: skip
+    limits.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
+                        help=f"stop strings per request (default {defaults.max_stop_strings})")  # fmt: skip
+    limits.add_argument("--max-stop-length", type=int, default=defaults.max_stop_chars,
+                        help=f"characters in one stop string (default {defaults.max_stop_chars})")  # fmt: skip
+    limits.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias,
+                        help=f"logit_bias entries per request (default {defaults.max_logit_bias})")  # fmt: skip
+    limits.add_argument("--max-grammar-bytes", type=int, default=defaults.max_grammar_bytes,
+                        help="size of a structured-output schema, regex, grammar or choice list, as JSON "
+                        f"(default {defaults.max_grammar_bytes})")  # fmt: skip
+    limits.add_argument("--max-logprobs-per-request", type=int, default=defaults.max_logprobs,
+                        help="choices x (top_logprobs + 1) x max_tokens a request may ask for "
+                        f"(default {defaults.max_logprobs})")  # fmt: skip
+
+
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    return RequestLimits(
+        max_body_bytes=args.max_request_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_length,
+        max_logit_bias=args.max_logit_bias,
+        max_grammar_bytes=args.max_grammar_bytes,
+        max_logprobs=args.max_logprobs_per_request,
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Run open language models locally.")
     parser.add_argument("--version", action="version", version=f"folio {__version__}")
@@ -112,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond --max-num-seqs "
                        "before the server answers 429 (default 256)")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
-                       "to finish after SIGTERM (default 30)")  # fmt: skip
+                       "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
+    _add_limit_args(serve)
     _add_engine_args(serve)
 
     kv_calc = sub.add_parser("kv-calc", help="KV cache and weight memory of a model, and how many sequences fit")

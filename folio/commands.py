@@ -189,13 +189,20 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from folio.server.serve import ServerOptions, serve
+    from folio.cli import request_limits
+    from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
 
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
+    if args.api_key is not None and not args.api_key.strip():
+        raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
+    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args))
     _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
-    options = ServerOptions(max_queue=args.max_queue, api_key=args.api_key or None, grace_period=args.grace_period)
-    serve(_llm(args), args.model, args.host, args.port, options)
+    try:
+        with sigterm_stops_startup():
+            serve(_llm(args), args.model, args.host, args.port, options)
+    except StartupInterrupted:
+        print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0
 
 

@@ -12,12 +12,15 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.server.auth import APIKeyMiddleware
+from folio.server.body_limit import BodySizeLimit, too_large_message
 from folio.server.chat import create_chat_completion, encode_messages
 from folio.server.completions import create_completion
 from folio.server.context import ServerContext
-from folio.server.errors import APIError, error_response
+from folio.server.errors import INTERNAL_ERROR, APIError, error_response
+from folio.server.lifetime import cancel_on_disconnect
 from folio.server.metrics import ServerMetrics
 from folio.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
@@ -31,6 +34,8 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "extra_forbidden":
         return f"unknown parameter '{location[-1]}'", location[-1]
+    if first.get("type") == "lone_surrogate":
+        return str(first.get("msg")), first.get("ctx", {}).get("param")
     param = ".".join(location) or None
     message = str(first.get("msg"))
     return (f"{param}: {message}" if param else message), param
@@ -38,8 +43,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(ctx: ServerContext, metrics: ServerMetrics | None = None, api_key: str | None = None) -> FastAPI:
     app = FastAPI(title="folio", docs_url=None, redoc_url=None)
-    if api_key:
+    if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
+    app.add_middleware(BodySizeLimit, max_body_bytes=ctx.limits.max_body_bytes)  # outermost: added last
 
     @app.exception_handler(APIError)
     async def _api_error(_: Request, exc: APIError) -> JSONResponse:
@@ -50,14 +56,24 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics | None = None, api_key
         message, param = _validation_message(exc)
         return error_response(APIError(400, message, param=param))
 
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        # Routing and body errors (404, 405, 413, ...) in the same error format as everything else.
+        message = str(exc.detail)
+        if exc.status_code == 413:
+            message = too_large_message(ctx.limits.max_body_bytes)
+        return error_response(APIError(exc.status_code, message, headers=exc.headers))
+
     @app.exception_handler(Exception)
     async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
-        logger.exception("request failed")
-        return error_response(APIError(500, f"internal error: {type(exc).__name__}: {exc}"))
+        logger.error("request failed", exc_info=exc)
+        return error_response(APIError(500, INTERNAL_ERROR))
 
     @app.get("/health")
-    async def health() -> dict[str, str]:
-        return {"status": "ok"}
+    async def health() -> JSONResponse:
+        if not ctx.engine.is_alive:
+            return error_response(APIError(503, "the engine has stopped", code="engine_dead"))
+        return JSONResponse({"status": "ok"})
 
     @app.get("/v1/models")
     async def models() -> dict:
@@ -66,12 +82,12 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics | None = None, api_key
         return {"object": "list", "data": [card]}
 
     @app.post("/v1/completions")
-    async def completions(body: CompletionRequest):
-        return await create_completion(ctx, body)
+    async def completions(request: Request, body: CompletionRequest):
+        return await cancel_on_disconnect(request, create_completion(ctx, body))
 
     @app.post("/v1/chat/completions")
-    async def chat_completions(body: ChatCompletionRequest):
-        return await create_chat_completion(ctx, body)
+    async def chat_completions(request: Request, body: ChatCompletionRequest):
+        return await cancel_on_disconnect(request, create_chat_completion(ctx, body))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

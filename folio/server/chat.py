@@ -6,12 +6,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
-
+from folio.engine.async_engine import EngineDeadError, Generation, RequestFailedError
 from folio.loaders.tokenizer import ChatTemplateError
-from folio.server.choices import collect, merge_updates
+from folio.server.choices import collect
 from folio.server.context import ServerContext
-from folio.server.errors import APIError
+from folio.server.errors import APIError, error_for
+from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.logprobs_format import TokenText, chat_logprobs
 from folio.server.protocol import ChatCompletionRequest, ChatMessage
 from folio.server.sse import DONE, event, guarded, usage
@@ -25,28 +25,26 @@ def encode_messages(ctx: ServerContext, messages: list[ChatMessage], add_generat
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
+    # Everything is checked before the call takes admission slots or engine requests.
     ctx.check_model(body.model)
     body.reject_unsupported()
     prompt_ids = encode_messages(ctx, body.messages, body.add_generation_prompt)
     ctx.check_prompt(prompt_ids)
     # Without a limit the answer may run to the end of the context, as with OpenAI.
     max_tokens = min(body.completion_limit or ctx.max_model_len, ctx.default_max_tokens(len(prompt_ids)))
-    ctx.admission.acquire(body.n)
-    logit_bias = body.token_logit_bias(ctx.vocab_size)
     logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    structured = body.structured_output()  # compiled once, shared by every choice
-    choice_params = [body.sampling_params(max_tokens, j, logit_bias, logprobs, structured) for j in range(body.n)]
-    streams = ctx.generate(prompt_ids, choice_params, body.cache_salt, body.priority)
+    ctx.limits.check_logprobs(body.n, logprobs, max_tokens, "top_logprobs")
+    choice_params = body.choice_params(ctx.limits, ctx.vocab_size, max_tokens, body.n, logprobs)
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
-    if body.stream:
-        events = _stream(ctx, body, head, streams, len(prompt_ids))
-        return StreamingResponse(guarded(events, lambda: ctx.admission.release(body.n)), media_type="text/event-stream")
-    try:
-        results = await collect(streams)
-    except RuntimeError as exc:
-        raise APIError(500, str(exc)) from exc
-    finally:
-        ctx.admission.release(body.n)
+    with ctx.open_call(body.num_sequences, "beam_width" if body.use_beam_search else "n") as call:
+        call.generation.add(prompt_ids, choice_params, body.cache_salt, body.priority)
+        if body.stream:
+            events = _stream(ctx, body, head, call.generation, len(prompt_ids))
+            return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)
+        try:
+            results = await collect(call.generation, body.n)
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
+            raise error_for(exc) from exc
     token_text = TokenText(ctx.tokenizer)
     choices = [
         {
@@ -63,7 +61,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
 
 
 async def _stream(
-    ctx: ServerContext, body: ChatCompletionRequest, head: dict, streams: list, prompt_tokens: int
+    ctx: ServerContext, body: ChatCompletionRequest, head: dict, generation: Generation, prompt_tokens: int
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if body.include_usage else {}
@@ -74,9 +72,9 @@ async def _stream(
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         return event({**head, "choices": [choice], **extra})
 
-    for index in range(len(streams)):
+    for index in range(body.n):
         yield chunk(index, {"role": "assistant", "content": ""})
-    async for index, update in merge_updates(streams):
+    async for index, update in generation:
         completion_tokens += len(update.new_token_ids)
         logprobs = chat_logprobs(token_text, update.new_logprobs) if body.logprobs else None
         if update.text or (logprobs and logprobs["content"]):

@@ -6,11 +6,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from fastapi.responses import StreamingResponse
-
-from folio.server.choices import ChoiceResult, collect, merge_updates
+from folio.engine.async_engine import EngineDeadError, Generation, RequestFailedError
+from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
-from folio.server.errors import APIError
+from folio.server.errors import APIError, error_for
+from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.logprobs_format import TokenText, completion_logprobs
 from folio.server.protocol import CompletionRequest
 from folio.server.sse import DONE, event, guarded, usage
@@ -29,6 +29,7 @@ def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | No
 
 
 async def create_completion(ctx: ServerContext, body: CompletionRequest):
+    # Everything is checked before the call takes admission slots or engine requests.
     ctx.check_model(body.model)
     body.reject_unsupported()
     if body.echo and body.logprobs is not None:
@@ -38,29 +39,27 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
         ctx.check_prompt(ids)
     n, samples = body.n, body.num_samples
     count = len(prompts) * samples
-    ctx.admission.acquire(count)
-    logit_bias = body.token_logit_bias(ctx.vocab_size)
     # best_of ranks samples by the sum of their tokens' logprobs, so it needs them even if not asked.
     logprobs = body.logprobs if samples == n else max(body.logprobs or 0, 0)
-    structured = body.structured_output()  # compiled once, shared by every choice
     limit = body.max_tokens or 16
-    choice_params = [body.sampling_params(limit, j, logit_bias, logprobs, structured) for j in range(samples)]
-    streams = []
-    for _, ids in prompts:
-        streams += ctx.generate(ids, choice_params, body.cache_salt, body.priority)
+    shortest = min(len(ids) for _, ids in prompts)
+    ctx.limits.check_logprobs(count, body.logprobs, min(limit, ctx.default_max_tokens(shortest)), "logprobs")
+    choice_params = body.choice_params(ctx.limits, ctx.vocab_size, limit, samples, logprobs)
     echoes = [(text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}  # fmt: skip
     prompt_tokens = sum(len(ids) for _, ids in prompts)
-    if body.stream:
-        events = _stream(ctx, body, head, streams, [echoes[i // n] for i in range(count)], prompt_tokens)
-        return StreamingResponse(guarded(events, lambda: ctx.admission.release(count)), media_type="text/event-stream")
-    try:
-        results = await collect(streams)
-    except RuntimeError as exc:
-        raise APIError(500, str(exc)) from exc
-    finally:
-        ctx.admission.release(count)
+    param = "best_of" if samples > n else "beam_width" if body.use_beam_search else "n"
+    with ctx.open_call(len(prompts) * body.num_sequences, param) as call:
+        for _, ids in prompts:
+            call.generation.add(ids, choice_params, body.cache_salt, body.priority)
+        if body.stream:
+            events = _stream(ctx, body, head, call.generation, [echoes[i // n] for i in range(count)], prompt_tokens)
+            return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)
+        try:
+            results = await collect(call.generation, count)
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
+            raise error_for(exc) from exc
     completion_tokens = sum(len(r.token_ids) for r in results)  # best_of: every sample is paid for
     if samples > n:
         results = [
@@ -89,7 +88,7 @@ async def _stream(
     ctx: ServerContext,
     body: CompletionRequest,
     head: dict,
-    streams: list,
+    generation: Generation,
     echoes: list[str],
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
@@ -105,7 +104,7 @@ async def _stream(
     for index, echo in enumerate(echoes):
         if echo:
             yield chunk(index, echo, None, None)
-    async for index, update in merge_updates(streams):
+    async for index, update in generation:
         completion_tokens += len(update.new_token_ids)
         logprobs = None
         if body.logprobs is not None:

@@ -1,15 +1,42 @@
-"""What every route handler needs: the engine, the tokenizer, the served name, and admission limits."""
+"""What every route handler needs: the engine, the tokenizer, the served name, admission and limits;
+and `EngineCall`, one API call's hold on the server."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from types import TracebackType
 
-from folio.engine.async_engine import AsyncEngine, RequestUpdate
+from folio.engine.async_engine import AsyncEngine, Generation
 from folio.loaders.tokenizer import Tokenizer
-from folio.sampling_params import SamplingParams
-from folio.server.admission import Admission
+from folio.server.admission import Admission, Reservation
 from folio.server.errors import APIError
+from folio.server.limits import RequestLimits
+
+
+class EngineCall:
+    """One API call's admission slots and engine requests, given back together by `close()`
+    (idempotent). As a context manager it closes on every exit, unless the handler handed the call
+    to a streaming response (`hand_off`), whose own cleanup closes it when the stream ends."""
+
+    def __init__(self, reservation: Reservation, generation: Generation) -> None:
+        self.reservation = reservation
+        self.generation = generation
+        self._handed_off = False
+
+    def close(self) -> None:
+        self.generation.close()
+        self.reservation.release()
+
+    def hand_off(self) -> EngineCall:
+        self._handed_off = True
+        return self
+
+    def __enter__(self) -> EngineCall:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
+        if exc is not None or not self._handed_off:
+            self.close()
 
 
 @dataclass
@@ -19,6 +46,7 @@ class ServerContext:
     model_name: str
     vocab_size: int
     admission: Admission
+    limits: RequestLimits = field(default_factory=RequestLimits)
 
     @property
     def max_model_len(self) -> int:
@@ -47,10 +75,9 @@ class ServerContext:
     def default_max_tokens(self, prompt_len: int) -> int:
         return self.max_model_len - prompt_len
 
-    def generate(
-        self, ids: list[int], params: list[SamplingParams], cache_salt: str | None, priority: int
-    ) -> list[AsyncIterator[RequestUpdate]]:
-        """One stream per sample; several samples share the prompt's KV blocks."""
-        if len(params) == 1:
-            return [self.engine.generate(ids, params[0], cache_salt, priority)]
-        return self.engine.generate_samples(ids, params, cache_salt, priority)
+    def open_call(self, num_sequences: int, param: str) -> EngineCall:
+        """Admission for `num_sequences` engine requests: 503 if the engine has died, 400 if the request
+        alone exceeds the server's capacity, 429 if the server is full."""
+        if not self.engine.is_alive:
+            raise APIError(503, "the engine has stopped after an internal error", code="engine_dead")
+        return EngineCall(self.admission.reserve(num_sequences, param), self.engine.generation())

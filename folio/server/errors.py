@@ -4,8 +4,14 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
+from folio.engine.async_engine import EngineDeadError, RequestFailedError
+
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-          429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
+          413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip
+
+# What a 500 says: the exception's own text stays in the server's log (it can hold paths, values or
+# library internals a client should not see).
+INTERNAL_ERROR = "the server failed to process this request; the error is in the server's log"
 
 
 class APIError(Exception):
@@ -25,6 +31,19 @@ class APIError(Exception):
         self.param = param
         self.code = code
         self.headers = headers
+
+
+def error_for(exc: BaseException) -> APIError:
+    """The error a client sees for a failure after its request was accepted (kept to words we wrote)."""
+    if isinstance(exc, APIError):
+        return exc
+    if isinstance(exc, EngineDeadError):
+        return APIError(503, str(exc), code="engine_dead")
+    if isinstance(exc, RequestFailedError):
+        return APIError(500, f"this request failed inside the engine: {exc}", code="request_failed")
+    if isinstance(exc, ValueError):  # the engine refused the request's own parameters
+        return APIError(400, str(exc))
+    return APIError(500, INTERNAL_ERROR)
 
 
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:

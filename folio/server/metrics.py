@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
+from folio.server.admission import Admission
 
 disable_created_metrics()  # `*_created` timestamps only clutter the scrape
 
@@ -44,6 +45,10 @@ class ServerMetrics:
         self.running = gauge("num_requests_running", "Requests in the running batch.")
         self.waiting = gauge("num_requests_waiting", "Requests waiting to be scheduled (incl. preempted).")
         self.kv_usage = gauge("kv_cache_usage_ratio", "Fraction of KV cache blocks in use (0-1).")
+        self.admitted = gauge(
+            "num_requests_admitted", "Engine requests holding admission slots (running, queued, or being set up); "
+            "new requests get 429 when this reaches --max-num-seqs + --max-queue."
+        )  # fmt: skip
         self.prompt_tokens = counter("prompt_tokens", "Prompt tokens prefilled (counted once per request).")
         self.generation_tokens = counter("generation_tokens", "Tokens generated.")
         self.preemptions = counter("num_preemptions", "Requests preempted to free KV blocks.")
@@ -59,6 +64,9 @@ class ServerMetrics:
         )  # fmt: skip
         self._model_name = model_name
         self._progress: dict[str, tuple[float, int]] = {}  # request id -> (last update, tokens seen)
+
+    def track_admission(self, admission: Admission) -> None:
+        self.admitted.set_function(lambda: admission.in_flight)  # read at each scrape
 
     def on_step(self, updated: list[Request], now: float) -> None:
         stats = self.engine.last_step

@@ -7,16 +7,55 @@ is the same as leaving them out.
 
 from __future__ import annotations
 
+import dataclasses
+import re
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic_core import PydanticCustomError
 
-from folio.sampling_params import MAX_LOGPROBS, SamplingParams
+from folio.sampling_params import INT64_MAX, MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
+from folio.server.limits import RequestLimits
 from folio.server.structured_fields import StructuredFields
 from folio.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per request
+INT64_MIN = -(2**63)  # seeds and priorities are int64, as in vLLM
+_TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in plain ASCII decimal
+
+
+def _check_unicode(value: Any, path: str) -> None:
+    """JSON can escape a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text: tokenizers and
+    encoders fail on it deep inside. Refuse it up front, naming where it is."""
+    if isinstance(value, str):
+        try:
+            value.encode("utf-8")
+        except UnicodeEncodeError:
+            raise PydanticCustomError(
+                "lone_surrogate",
+                "{param}: the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+                {"param": path or "body"},
+            ) from None
+    elif isinstance(value, dict):
+        for key, item in value.items():
+            _check_unicode(key, path)
+            _check_unicode(item, f"{path}.{key}" if path else str(key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            _check_unicode(item, f"{path}.{index}")
+
+
+class _Body(BaseModel):
+    """A whole request body: unknown fields, NaN/infinity and lone surrogates are refused."""
+
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+    @model_validator(mode="before")
+    @classmethod
+    def _valid_unicode(cls, data: Any) -> Any:
+        _check_unicode(data, "")
+        return data
 
 
 class StreamOptions(BaseModel):
@@ -24,8 +63,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Strict(_Body):
     _unsupported: tuple[str, ...] = ()
 
     def reject_unsupported(self) -> None:
@@ -39,11 +77,11 @@ class _SamplingFields(StructuredFields, _Strict):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    top_k: int | None = Field(None, ge=-1, le=INT64_MAX)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
     n: int = Field(1, ge=1, le=MAX_N)
     stop: str | list[str] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)
     stream: bool = False
     stream_options: StreamOptions | None = None
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
@@ -57,7 +95,7 @@ class _SamplingFields(StructuredFields, _Strict):
     def token_logit_bias(self, vocab_size: int) -> dict[int, float]:
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not key.lstrip("-").isdigit() or not 0 <= int(key) < vocab_size:
+            if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
                 raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                                param="logit_bias")  # fmt: skip
             if not -100 <= value <= 100:
@@ -66,7 +104,7 @@ class _SamplingFields(StructuredFields, _Strict):
         return bias
 
     cache_salt: str | None = Field(None, min_length=1)  # prefix-cache isolation between tenants (as vLLM)
-    priority: int = 0  # lower values are scheduled first and preempted last (as vLLM)
+    priority: int = Field(0, ge=INT64_MIN, le=INT64_MAX)  # lower values are scheduled first and preempted last
     # Beam search (extension, as vLLM): the n best of beam_width beams (default n).
     use_beam_search: bool = False
     beam_width: int | None = Field(None, ge=1, le=MAX_N)
@@ -86,6 +124,22 @@ class _SamplingFields(StructuredFields, _Strict):
             raise ValueError(f"beam_width must be at least n ({self.n})")
         return self
 
+    def choice_params(
+        self, limits: RequestLimits, vocab_size: int, max_tokens: int, num_samples: int, logprobs: int | None
+    ) -> list[SamplingParams]:
+        """The engine parameters of every sample, checked whole (and against `limits`) before the call
+        takes anything: the logit bias and the structured-output grammar are built once, shared."""
+        limits.check_stop(self.stop_list)
+        limits.check_logit_bias(len(self.logit_bias or {}))
+        logit_bias = self.token_logit_bias(vocab_size)
+        structured = self.structured_output(limits.max_grammar_bytes)
+        return [self.sampling_params(max_tokens, j, logit_bias, logprobs, structured) for j in range(num_samples)]
+
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests per prompt: a beam search runs beam_width beams, sampling one per choice."""
+        return (self.beam_width or self.n) if self.use_beam_search else self.n
+
     def sampling_params(
         self,
         max_tokens: int,
@@ -97,14 +151,14 @@ class _SamplingFields(StructuredFields, _Strict):
         """Engine parameters for sample `choice` of this request (seed + choice, so samples differ).
         `logit_bias` and `structured` (from `structured_output()`) are built once per request."""
         try:
-            return self._engine_params(max_tokens, choice, logit_bias, logprobs, structured)
+            params = self._engine_params(max_tokens, logit_bias, logprobs, structured)
+            return dataclasses.replace(params, seed=params.sample_seed(choice)) if choice else params
         except ValueError as exc:  # a combination the engine refuses, e.g. beam search with penalties
             raise APIError(400, str(exc)) from exc
 
     def _engine_params(
         self,
         max_tokens: int,
-        choice: int,
         logit_bias: dict[int, float],
         logprobs: int | None,
         structured: StructuredOutputParams | None,
@@ -115,7 +169,7 @@ class _SamplingFields(StructuredFields, _Strict):
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=self.top_k or 0,
             min_p=self.min_p or 0.0,
-            seed=None if self.seed is None else self.seed + choice,
+            seed=self.seed,
             presence_penalty=self.presence_penalty or 0.0,
             frequency_penalty=self.frequency_penalty or 0.0,
             repetition_penalty=self.repetition_penalty or 1.0,
@@ -144,7 +198,7 @@ class CompletionRequest(_SamplingFields):
     _unsupported = ("suffix",)
 
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)
+    max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     suffix: str | None = None
@@ -165,6 +219,10 @@ class CompletionRequest(_SamplingFields):
     @property
     def num_samples(self) -> int:
         return self.best_of or self.n
+
+    @property
+    def num_sequences(self) -> int:
+        return (self.beam_width or self.n) if self.use_beam_search else self.num_samples
 
 
 class TextPart(BaseModel):
@@ -193,8 +251,8 @@ class ChatCompletionRequest(_SamplingFields):
     )  # fmt: skip
 
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
+    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     add_generation_prompt: bool = True
@@ -223,8 +281,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
-class TokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TokenizeRequest(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -238,7 +295,6 @@ class TokenizeRequest(BaseModel):
         return self
 
 
-class DetokenizeRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class DetokenizeRequest(_Body):
     model: str | None = None
     tokens: list[int]

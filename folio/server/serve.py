@@ -1,7 +1,10 @@
 """`folio serve`: load a model, start the engine thread, run uvicorn until SIGINT/SIGTERM.
 
 On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for up to
-`grace_period` seconds; then the engine thread stops and the process exits 0.
+`grace_period` seconds; then the engine thread stops and the process exits 0. A SIGTERM that arrives
+while the model is still loading stops the start-up cleanly (`sigterm_stops_startup`). If the engine
+thread dies, /health answers 503, the server shuts down and `serve` raises `EngineDiedError`, so the
+process exits non-zero and a supervisor restarts it.
 """
 
 from __future__ import annotations
@@ -9,9 +12,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import signal
+import socket
 import threading
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
@@ -21,9 +25,19 @@ from folio.engine.llm import LLM
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.context import ServerContext
+from folio.server.limits import RequestLimits
 from folio.server.metrics import ServerMetrics
 
 logger = logging.getLogger("folio")
+
+
+class EngineDiedError(RuntimeError):
+    """The engine thread died while serving; the server stopped."""
+
+
+class StartupInterrupted(BaseException):
+    """SIGTERM arrived before the server was serving. A BaseException, as KeyboardInterrupt is, so that
+    code which falls back on any Exception (a kernel that fails to build) does not swallow it."""
 
 
 @dataclass
@@ -31,13 +45,26 @@ class ServerOptions:
     max_queue: int = 256  # requests waiting beyond max_num_seqs before 429
     api_key: str | None = None
     grace_period: float = 30.0  # seconds in-flight requests get after SIGTERM
+    limits: RequestLimits = field(default_factory=RequestLimits)
+
+    def __post_init__(self) -> None:
+        if self.api_key is not None and not self.api_key.strip():
+            raise ValueError("the API key is empty; pass a real key, or none to serve without authentication")
+        if self.max_queue < 0:
+            raise ValueError(f"max_queue must be >= 0, got {self.max_queue}")
+        if not self.grace_period >= 0:  # NaN fails too
+            raise ValueError(f"the grace period must be >= 0 seconds, got {self.grace_period}")
 
 
 @dataclass
 class Server:
     app: FastAPI
-    engine: AsyncEngine
+    context: ServerContext
     metrics: ServerMetrics
+
+    @property
+    def engine(self) -> AsyncEngine:
+        return self.context.engine
 
 
 class _GracefulServer(uvicorn.Server):
@@ -62,27 +89,57 @@ class _GracefulServer(uvicorn.Server):
         self.handle_exit(sig, frame)  # type: ignore[arg-type]
 
 
-def build_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Server:
+def build_server(
+    llm: LLM,
+    model_name: str,
+    options: ServerOptions | None = None,
+    on_engine_death: Callable[[BaseException], None] | None = None,
+) -> Server:
     options = options or ServerOptions()
     llm.engine.scheduler.gate.flush = False  # requests keep arriving: a static batch waits to be full
     metrics = ServerMetrics(llm.engine, model_name)
-    engine = AsyncEngine(llm.engine, llm.tokenizer, frozenset(llm.model_config.eos_token_ids), observer=metrics)
+    eos = frozenset(llm.model_config.eos_token_ids)
+    engine = AsyncEngine(llm.engine, llm.tokenizer, eos, observer=metrics, on_death=on_engine_death)
     ctx = ServerContext(
         engine=engine,
         tokenizer=llm.tokenizer,
         model_name=model_name,
         vocab_size=llm.model_config.vocab_size,
         admission=Admission(llm.engine.scheduler_config.max_num_seqs, options.max_queue),
+        limits=options.limits,
     )
-    return Server(create_app(ctx, metrics, options.api_key), engine, metrics)
+    metrics.track_admission(ctx.admission)
+    return Server(create_app(ctx, metrics, options.api_key), ctx, metrics)
+
+
+def is_loopback(host: str) -> bool:
+    """Whether every address `host` names is a loopback one (an unresolvable name counts as not)."""
+    try:
+        addresses = {info[4][0] for info in socket.getaddrinfo(host, None)}
+    except OSError:
+        return False
+    return all(a.startswith("127.") or a == "::1" for a in addresses)
 
 
 def serve(llm: LLM, model_name: str, host: str, port: int, options: ServerOptions | None = None) -> None:
     options = options or ServerOptions()
-    server = build_server(llm, model_name, options)
+    if options.api_key is None and not is_loopback(host):
+        logger.warning(
+            "WARNING: serving on %s without an API key: anyone who can reach port %d can use this model. "
+            "Pass --api-key (or set FOLIO_API_KEY), or bind 127.0.0.1.",
+            host,
+            port,
+        )
+    http: list[uvicorn.Server] = []  # filled below; the engine may die before uvicorn exists
+
+    def stop_on_engine_death(_: BaseException) -> None:
+        for running in http:
+            running.should_exit = True
+
+    server = build_server(llm, model_name, options, on_engine_death=stop_on_engine_death)
     config = uvicorn.Config(
-        server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=int(options.grace_period)
-    )
+        server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
+    )  # type: ignore[arg-type]  # uvicorn hints an int; it passes the value to asyncio.wait_for
     logger.info(
         "serving %s (%s, KV cache %d tokens, context %d) at http://%s:%d/v1%s",
         model_name,
@@ -93,8 +150,30 @@ def serve(llm: LLM, model_name: str, host: str, port: int, options: ServerOption
         port,
         " (API key required)" if options.api_key else "",
     )
+    http.append(_GracefulServer(config))
     try:
-        _GracefulServer(config).run()
+        if server.engine.is_alive:
+            http[0].run()
     finally:
         server.engine.shutdown()
+    if server.engine.dead is not None:
+        raise EngineDiedError(f"the engine thread died ({type(server.engine.dead).__name__}); see the log above")
     logger.info("server stopped")
+
+
+@contextlib.contextmanager
+def sigterm_stops_startup() -> Iterator[None]:
+    """Until uvicorn installs its own handlers, SIGTERM raises StartupInterrupted in the main thread, so a
+    start-up (model load, kernel builds) stops through its finally blocks instead of dying mid-write."""
+
+    def interrupt(sig: int, frame: object) -> None:
+        raise StartupInterrupted()
+
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.signal(signal.SIGTERM, interrupt)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)

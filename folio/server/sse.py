@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 
-from folio.server.errors import error_body
+from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.server.errors import error_body, error_for
 
 logger = logging.getLogger("folio")
 
@@ -25,15 +26,15 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-async def guarded(events: AsyncIterator[str], release: Callable[[], None]) -> AsyncIterator[str]:
-    """Relay a response's events; an engine failure mid-stream becomes an error event (the status line
-    is already sent). `release` runs however the stream ends, client disconnects included."""
+async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """Relay a response's events. A failure after the 200 (the status line is already sent) becomes an
+    error event followed by `[DONE]`, so every stream ends the way clients expect."""
     try:
         async for item in events:
             yield item
-    except RuntimeError as exc:
-        logger.error("stream failed: %s", exc)
-        yield event(error_body(500, str(exc)))
-    finally:
-        await events.aclose()  # type: ignore[attr-defined]
-        release()
+    except Exception as exc:
+        error = error_for(exc)
+        if error.status >= 500:
+            logger.error("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDeadError | RequestFailedError))
+        yield event(error_body(error.status, error.message, error.param, error.code))
+        yield DONE

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
@@ -50,8 +51,9 @@ class StructuredFields(BaseModel):
     guided_choice: list[str] | None = None
     guided_grammar: str | None = None
 
-    def structured_output(self) -> StructuredOutputParams | None:
-        """The one constraint this request asks for (400 if it asks for several, or an invalid one)."""
+    def structured_output(self, max_bytes: int | None = None) -> StructuredOutputParams | None:
+        """The one constraint this request asks for (400 if it asks for several, an invalid one, or one
+        over `max_bytes` as JSON: compiling a grammar costs time that grows with its size)."""
         asked: list[tuple[str, dict[str, Any]]] = []
         if self.response_format is not None and self.response_format.type == "json_object":
             asked.append(("response_format", {"json_object": True}))
@@ -72,6 +74,10 @@ class StructuredFields(BaseModel):
             names = ", ".join(name for name, _ in asked)
             raise APIError(400, f"ask for one kind of structured output, not several ({names})", param=asked[1][0])
         param, fields = asked[0]
+        size = len(json.dumps(fields, ensure_ascii=False).encode())
+        if max_bytes is not None and size > max_bytes:
+            raise APIError(400, f"the structured-output constraint is {size} bytes; at most {max_bytes} are allowed",
+                           param=param)  # fmt: skip
         try:
             return StructuredOutputParams(**fields)
         except ValueError as exc:

@@ -13,12 +13,6 @@ def smollm2_llm(smollm2_gguf):
 
 
 @pytest.fixture(scope="session")
-def offline_llm(smollm2_gguf):
-    """A second engine for offline comparisons: the served one belongs to the server's engine thread."""
-    return LLM(smollm2_gguf, kv_cache_memory="64MiB")
-
-
-@pytest.fixture(scope="session")
 def served(smollm2_llm):
     """One server for the API tests that need no special options."""
     with running_server(smollm2_llm, MODEL) as (url, server):
