@@ -12,11 +12,10 @@ import httpx
 import pytest
 
 from folio import LLM
-from folio.worker import row_sampling
 from tests.api.server_runner import running_server
+from tests.faults import MARK, fail_marked_rows_in_the_sampler
 from tests.tiny_models import make_tiny_model
 
-MARK = 7777  # top_k of the request whose row faults
 STREAM = {"prompt": "Tell me a story.", "max_tokens": 40, "ignore_eos": True, "stream": True}
 
 
@@ -26,14 +25,7 @@ class Panic(BaseException):
 
 @pytest.fixture
 def faulty_row(monkeypatch):
-    real = row_sampling.sample
-
-    def sample(logits, batch):
-        if bool((batch.top_k == MARK).any()):
-            raise RuntimeError("injected sampler fault")
-        return real(logits, batch)
-
-    monkeypatch.setattr(row_sampling, "sample", sample)
+    fail_marked_rows_in_the_sampler(monkeypatch)
 
 
 def _wait_for(condition, timeout: float = 10.0) -> None:

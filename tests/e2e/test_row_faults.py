@@ -17,8 +17,8 @@ from folio.engine import output_processor
 from folio.sample.sampler import row_problems
 from folio.structured import grammar
 from folio.worker import model_runner, row_sampling
+from tests.faults import MARK, fail_marked_rows_in_the_sampler
 
-MARK = 7777
 STOP_MARK = "\x00never"
 PROMPTS = ["The capital of France is", "Once upon a time, in a small village,", "def fibonacci(n):"]
 
@@ -33,17 +33,6 @@ def _params(victim: SamplingParams) -> list[SamplingParams]:
 
 def _is_victim(params: SamplingParams) -> bool:
     return params.top_k == MARK
-
-
-def _sampler_raises(monkeypatch):
-    real = row_sampling.sample
-
-    def sample(logits, batch):
-        if bool((batch.top_k == MARK).any()):
-            raise RuntimeError("injected sampler fault")
-        return real(logits, batch)
-
-    monkeypatch.setattr(row_sampling, "sample", sample)
 
 
 def _nan_logits(monkeypatch):
@@ -92,7 +81,7 @@ CONSTRAINED = SamplingParams(max_tokens=10, temperature=0, top_k=MARK,
                              structured_output=StructuredOutputParams(regex="[a-z ]{1,40}"))  # fmt: skip
 WITH_STOP = SamplingParams(max_tokens=10, temperature=0, top_k=MARK, stop=[STOP_MARK], ignore_eos=True)
 FAULTS = {
-    "sampler raises": (_sampler_raises, VICTIM),
+    "sampler raises": (fail_marked_rows_in_the_sampler, VICTIM),
     "NaN logits": (_nan_logits, VICTIM),
     "grammar mask raises": (_mask_raises, CONSTRAINED),
     "grammar advance raises": (_advance_raises, CONSTRAINED),
