@@ -237,7 +237,9 @@ def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="folio: %(message)s", stream=sys.stderr)
+    # folio's own progress at INFO; other libraries (httpx logs every request at INFO) only warn.
+    logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
+    logging.getLogger("folio").setLevel(logging.INFO)
     try:
         return _handlers()[args.command](args)
     except KeyboardInterrupt:

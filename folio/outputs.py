@@ -35,7 +35,7 @@ class RequestMetrics:
 class CompletionOutput:
     text: str
     token_ids: list[int]
-    finish_reason: str | None  # "stop" | "length" | "abort" | None while running
+    finish_reason: str | None  # "stop" | "length" | "abort" | "error" (a fault ended it) | None while running
     logprobs: list[TokenLogprob] | None = None  # one per token id when SamplingParams.logprobs is set
     cumulative_logprob: float | None = None  # beam search: the hypothesis's summed token logprobs
 

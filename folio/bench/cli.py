@@ -7,12 +7,13 @@ new `_add_<name>` call in `add_bench_parser` and nothing else.
 from __future__ import annotations
 
 import argparse
-import shlex
 from collections.abc import Callable
 from pathlib import Path
 
+from folio.bench.flags import command_line
+from folio.bench.robustness_cli import add_robustness_parsers
+
 DEFAULT_OUTPUT_DIR = "benchmarks/results"
-_NOT_OPTIONS = {"command", "bench_command", "bench_run", "model"}
 
 AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
@@ -26,6 +27,7 @@ def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: Ad
     _add_structured(benchmarks, add_engine_args)
     _add_decode(benchmarks, add_engine_args)
     _add_quantization(benchmarks)
+    add_robustness_parsers(benchmarks, add_engine_args)
 
 
 def run_bench(args: argparse.Namespace) -> int:
@@ -188,30 +190,6 @@ def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False)
     )
 
 
-def option_words(key: str, value: object) -> list[str]:
-    """One option as command-line words. Booleans are `--no-...` switches whose default is True:
-    `enable_x=False` is `--no-x`, `probe_request=False` is `--no-probe-request`."""
-    if isinstance(value, bool):
-        return [] if value else [f"--no-{key.removeprefix('enable_').replace('_', '-')}"]
-    option = f"--{key.replace('_', '-')}"
-    return [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
-
-
-def engine_flags(engine_args: dict[str, object]) -> list[str]:
-    """`folio serve` flags for LLM keyword arguments (as folio.cli.engine_kwargs builds them)."""
-    return [word for key, value in engine_args.items() if value is not None for word in option_words(key, value)]
-
-
-def _command_line(args: argparse.Namespace) -> str:
-    """The run as a `folio` command with every option spelled out, defaults included."""
-    words = ["folio", "bench", args.bench_command, str(args.model)]
-    for key, value in vars(args).items():
-        if key in _NOT_OPTIONS or value is None or callable(value):
-            continue
-        words += option_words(key, value)
-    return shlex.join(words)
-
-
 def _add_structured(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
     parser = benchmarks.add_parser(
         "structured",
@@ -238,7 +216,7 @@ def _run_structured(args: argparse.Namespace) -> int:
 
     config = StructuredConfig(args.model, args.num_prompts, args.max_tokens, args.temperature, args.seed,
                               args.peer, engine_kwargs(args))  # fmt: skip
-    report = run_structured(config, _command_line(args))
+    report = run_structured(config, command_line(args))
     print(f"{report.model} ({report.dtype}), {config.num_prompts} JSON-schema requests, seed {config.seed}")
     print(format_table(report))
     json_path, png_path = write_report(report, Path(args.output_dir))
@@ -271,7 +249,7 @@ def _run_decode(args: argparse.Namespace) -> int:
 
     engine = {k: v for k, v in engine_kwargs(args).items() if k != "quantization"}  # both variants run
     config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine)
-    report = run_decode(config, _command_line(args))
+    report = run_decode(config, command_line(args))
     print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
     print(format_table(report))
     json_path, png_path = write_report(report, Path(args.output_dir))
@@ -312,7 +290,7 @@ def _run_quantization(args: argparse.Namespace) -> int:
     config = TableConfig(args.model, args.formats.split(","), args.kv_cache_dtypes.split(","), args.dtype,
                          args.num_tokens, num_prompts=args.num_prompts, gen_tokens=args.gen_tokens,
                          batch=args.batch, group_size=args.group_size, checkpoint_dir=args.checkpoint_dir)  # fmt: skip
-    report = run_table(config, _command_line(args))
+    report = run_table(config, command_line(args))
     print(f"{report.model}: perplexity over {config.num_tokens} held-out tokens; agreement over "
           f"{config.agreement_tokens} greedy tokens; decode over {config.gen_tokens} tokens")  # fmt: skip
     print(format_table(report))
@@ -337,7 +315,7 @@ def _run_throughput(args: argparse.Namespace) -> int:
         hf_batch_size=args.hf_batch_size,
         engine_args=engine_kwargs(args),
     )
-    report = run_throughput(config, _command_line(args))
+    report = run_throughput(config, command_line(args))
     print(f"{report.model} ({report.dtype}), {report.dataset}, {report.num_prompts} requests, seed {report.seed}")
     print(format_table(report))
     json_path, png_path = write_report(report, Path(args.output_dir))

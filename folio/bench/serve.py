@@ -19,14 +19,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import math
-import shlex
 import sys
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from folio.bench.cli import option_words
 from folio.bench.datasets import LengthRange
+from folio.bench.flags import command_line
 from folio.bench.serve_client import (
     ServeRequest,
     Target,
@@ -247,16 +246,6 @@ def workload_config(args: argparse.Namespace, base_url: str, **settings: Any) ->
     )
 
 
-def serve_command_line(args: argparse.Namespace) -> str:
-    """The run as a `folio bench serve` command with every option spelled out, defaults included."""
-    words = ["folio", "bench", "serve"]
-    for key, value in vars(args).items():
-        if key in ("command", "bench_command", "bench_run") or value is None or callable(value):
-            continue
-        words += option_words(key, value)
-    return shlex.join(words)
-
-
 def run_serve_command(args: argparse.Namespace) -> int:
     """The runner `folio bench serve` stores in `args.bench_run`."""
     from pathlib import Path
@@ -270,7 +259,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         extra_body=parse_extra_body(args.extra_body),
         probe_request=args.probe_request,
     )
-    report = run_serve(config, serve_command_line(args), args.label)
+    report = run_serve(config, command_line(args, positionals=()), args.label)
     print(format_table(report))
     for path in write_report(report, Path(args.output_dir)):
         print(f"wrote {path}")

@@ -36,7 +36,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from folio.bench.cli import engine_flags, option_words
+from folio.bench.flags import command_line, engine_flags
 from folio.bench.llama_cpp_server import free_port, poll_health, stop_process
 from folio.bench.serve import ServeConfig, ServeReport, run_serve, workload_config
 from folio.bench.serve_client import check_extra_body, parse_extra_body
@@ -300,16 +300,6 @@ def run_compare(config: CompareConfig, command: str) -> CompareReport:
     return CompareReport(command, date, config, machine_info(), runs)
 
 
-def compare_command_line(args: argparse.Namespace) -> str:
-    """The run as a `folio bench serve-compare` command with every option spelled out, defaults included."""
-    words = ["folio", "bench", "serve-compare", str(args.model)]
-    for key, value in vars(args).items():
-        if key in ("command", "bench_command", "bench_run", "model") or value is None or callable(value):
-            continue
-        words += option_words(key, value)
-    return shlex.join(words)
-
-
 def run_serve_compare_command(args: argparse.Namespace) -> int:
     """The runner `folio bench serve-compare` stores in `args.bench_run`."""
     from folio.bench.serve_compare_report import format_table, write_report
@@ -325,7 +315,7 @@ def run_serve_compare_command(args: argparse.Namespace) -> int:
     config = CompareConfig(args.model, workload, args.peer, engine_kwargs(args), llama)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)  # now, not after a long run
-    report = run_compare(config, compare_command_line(args))
+    report = run_compare(config, command_line(args))
     print(format_table(report))
     for path in write_report(report, output_dir):
         print(f"wrote {path}")

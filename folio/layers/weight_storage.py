@@ -40,6 +40,10 @@ class QuantizedKernel(Protocol):
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
 
+    def load_kernels(self) -> None:
+        """Load (building on first use) the compiled kernels its matmuls take, so that a start-up
+        compiles them and reports any that fail, not the first request."""
+
 
 class RowStaging:
     """Rows of a [N, K] weight arriving as quantized parts of one kind, until all N are in."""
@@ -104,6 +108,10 @@ class ConcatRows:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         out = torch.cat([p.linear(x) for p in self.parts], dim=-1)
         return out if bias is None else out + bias
+
+    def load_kernels(self) -> None:
+        for part in self.parts:
+            part.load_kernels()
 
 
 def can_pack(rows: int, cols: int, dtype: torch.dtype, device: torch.device, group_size: int = GROUP_SIZE) -> bool:

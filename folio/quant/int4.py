@@ -126,6 +126,10 @@ class PackedInt4:
         mins = untile_groups(self.mins, rows).float().unsqueeze(-1)
         return torch.addcmul(mins, codes, scales).reshape(rows, cols).to(dtype)
 
+    def load_kernels(self) -> None:
+        if self.tiles.device.type == "cpu":
+            load_int8_dot_kernel()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> x @ W.T + bias in x's dtype."""
         kernel = load_int8_dot_kernel()

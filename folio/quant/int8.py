@@ -79,6 +79,12 @@ class Int8Groups:
             .view(*ids.shape, self.shape[1])
         )
 
+    def load_kernels(self) -> None:
+        if self.codes.device.type == "cpu":
+            if self.group_size in GROUP_SIZES:
+                load_int8_dot_kernel()
+            load_q8_kernel()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
         flat = x.reshape(-1, self.shape[1])
@@ -138,6 +144,9 @@ class ChannelInt8:
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.codes.float() * self.scales.float().unsqueeze(1)).to(dtype)
+
+    def load_kernels(self) -> None:
+        """None to load: aten's own int8 kernel."""
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> x @ W.T + bias in x's dtype."""

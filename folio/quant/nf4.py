@@ -150,6 +150,10 @@ class NF4Weight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.absmax_codes.nbytes + self.absmax_scales.nbytes + 4  # + float32 offset
 
+    def load_kernels(self) -> None:
+        if self.codes.device.type == "cpu":
+            load_nf4_kernel()
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
         flat = x.reshape(-1, self.shape[1])

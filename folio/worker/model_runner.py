@@ -89,6 +89,9 @@ class ModelRunner:
                 layer_kv.v_scales = _zeros(shape[:2], SCALE_DTYPE, device)
             layer.bind_cache(layer_kv, self.block_size)
             self.kv_caches.append(layer_kv)
+        for module in model.modules():  # now, so that a start-up compiles or reports them, not a request
+            if (packed := getattr(module, "packed", None)) is not None:
+                packed.load_kernels()
         model.bind_decode_stack(dtype)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:

@@ -85,7 +85,14 @@ def single(smollm2_gguf):
         yield url, server
 
 
-def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(single):
+def _stream_then_hang_up(url: str, path: str, body: dict, seconds: float) -> None:
+    with httpx.stream("POST", f"{url}{path}", json={**body, "stream": True}, timeout=30) as response:
+        assert response.status_code == 200
+        time.sleep(seconds)
+
+
+@pytest.mark.parametrize("hang_up", [_hang_up_after, _stream_then_hang_up], ids=["whole", "streamed"])
+def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(single, hang_up):
     url, server = single
     scheduler = server.engine.engine.scheduler
     lines: list[str] = []
@@ -98,7 +105,7 @@ def test_a_queued_request_whose_client_hangs_up_leaves_the_queue(single):
     first = threading.Thread(target=running)
     first.start()
     _wait_for(lambda: len(scheduler.running) == 1)
-    waiter = threading.Thread(target=_hang_up_after, args=(url, "/v1/chat/completions", CHAT, 1.0))
+    waiter = threading.Thread(target=hang_up, args=(url, "/v1/chat/completions", CHAT, 1.0))
     waiter.start()
     _wait_for(lambda: len(scheduler.waiting) == 1)
     waiter.join()

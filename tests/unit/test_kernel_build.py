@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 
-from folio import cpp_extension
+from folio import LLM, cpp_extension
 from folio.cpp_extension import kernel_directory, load_extension
+from folio.quant import nf4
+from tests.tiny_models import make_tiny_model
 
 TINY = """\
 #include <Python.h>
@@ -208,3 +210,12 @@ def test_every_real_kernel_builds_into_the_content_keyed_layout():
     assert None not in modules.values(), modules  # a C++ compiler is part of the project's setup
     for module in modules.values():  # (a loader may have run first under another test's FOLIO_HOME)
         assert Path(module.__file__).parts[-4:-2] == ("kernels", cpp_extension.LAYOUT), module.__file__
+
+
+def test_a_model_loads_the_kernels_of_its_weights_when_it_starts(tmp_path, monkeypatch):
+    """Built (or reported) at start-up, not at the first request that multiplies by them."""
+    calls: list[int] = []
+    real = nf4.load_nf4_kernel
+    monkeypatch.setattr(nf4, "load_nf4_kernel", lambda: calls.append(1) or real())
+    LLM(make_tiny_model("llama", tmp_path / "llama"), quantization="nf4", kv_cache_memory="8MiB")
+    assert calls  # before any generation

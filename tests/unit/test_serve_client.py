@@ -16,7 +16,8 @@ import pytest
 
 from folio.bench import serve_client
 from folio.bench.datasets import LengthRange
-from folio.bench.serve import ServeConfig, serve_command_line
+from folio.bench.flags import command_line
+from folio.bench.serve import ServeConfig
 from folio.bench.serve_client import (
     ServeRequest,
     Target,
@@ -197,8 +198,10 @@ def test_extra_body_parsing_and_command_line():
     assert parse_extra_body(None) == {} and parse_extra_body('{"cache_prompt": false}') == {"cache_prompt": False}
     with pytest.raises(ValueError, match="must not set n:"):
         ServeConfig("http://x", "m", LengthRange(1, 2), LengthRange(1, 2), extra_body={"n": 2})
-    args = argparse.Namespace(base_url="http://x", extra_body='{"cache_prompt": false}', bench_run=print)
-    assert serve_command_line(args) == "folio bench serve --base-url http://x --extra-body '{\"cache_prompt\": false}'"
+    args = argparse.Namespace(bench_command="serve", base_url="http://x", extra_body='{"cache_prompt": false}',
+                              bench_run=print)  # fmt: skip
+    expected = "folio bench serve --base-url http://x --extra-body '{\"cache_prompt\": false}'"
+    assert command_line(args, positionals=()) == expected
 
 
 def test_connections_are_not_reused():

@@ -1,0 +1,33 @@
+"""Benchmark runs as command lines: every option spelled out, defaults included, so a result file says
+exactly how to run it again; and the `folio serve` flags that match LLM keyword arguments."""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+
+_NOT_OPTIONS = ("command", "bench_command", "bench_run")
+
+
+def option_words(key: str, value: object) -> list[str]:
+    """One option as command-line words. Booleans are `--no-...` switches whose default is True:
+    `enable_x=False` is `--no-x`, `probe_request=False` is `--no-probe-request`."""
+    if isinstance(value, bool):
+        return [] if value else [f"--no-{key.removeprefix('enable_').replace('_', '-')}"]
+    option = f"--{key.replace('_', '-')}"
+    return [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
+
+
+def engine_flags(engine_args: dict[str, object]) -> list[str]:
+    """`folio serve` flags for LLM keyword arguments (as folio.cli.engine_kwargs builds them)."""
+    return [word for key, value in engine_args.items() if value is not None for word in option_words(key, value)]
+
+
+def command_line(args: argparse.Namespace, positionals: tuple[str, ...] = ("model",)) -> str:
+    """The run as a `folio bench <benchmark>` command; `positionals` are written first, as arguments."""
+    words = ["folio", "bench", args.bench_command, *(str(getattr(args, name)) for name in positionals)]
+    for key, value in vars(args).items():
+        if key in _NOT_OPTIONS or key in positionals or value is None or callable(value):
+            continue
+        words += option_words(key, value)
+    return shlex.join(words)

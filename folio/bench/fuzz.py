@@ -1,0 +1,123 @@
+"""`folio bench fuzz`: schemathesis against a real folio server, from the server's own OpenAPI schema.
+
+Every operation gets requests that fit the schema (positive) and requests that break it (negative),
+sent one at a time. The bar: every answer is 2xx or 4xx, every 4xx is OpenAI's error JSON, no stream
+carries a server error, and at the end the server is alive and holds nothing (admission, running,
+waiting and KV cache all zero). Failures are kept as samples (request and answer, cut short).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import hypothesis
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from schemathesis import GenerationMode
+from tqdm import tqdm
+
+from folio.bench.robustness_run import RobustnessRun, stream_error
+
+POST_WEIGHT = 10  # generation endpoints take most cases: their bodies are where the parameters are
+
+
+@dataclass(kw_only=True)
+class FuzzReport(RobustnessRun):
+    base_url: str
+    by_operation: dict[str, dict[str, int]] = field(default_factory=dict)  # "POST /v1/completions" -> status -> n
+
+    def record_case(self, operation: str, status: str, problem: str | None, case: Any, answer: str) -> None:
+        per_operation = self.by_operation.setdefault(operation, {})
+        per_operation[status] = per_operation.get(status, 0) + 1
+        body = getattr(case, "body", None)
+        sample = {"operation": operation, "problem": problem, "answer": answer[:2000],
+                  "body": json.dumps(body, default=repr)[:2000] if body is not None else None}  # fmt: skip
+        self.record(status, problem, sample)
+
+
+def _problem(response: requests.Response) -> str | None:
+    """What is wrong with an answer, or None."""
+    if response.status_code >= 500:
+        return f"status {response.status_code}"
+    if response.status_code >= 400:
+        try:
+            error = response.json()["error"]
+            if not isinstance(error.get("message"), str):
+                return "a 4xx without an error message"
+        except (ValueError, KeyError, TypeError, AttributeError):
+            return "a 4xx that is not OpenAI's error JSON"
+        return None
+    is_stream = "text/event-stream" in response.headers.get("content-type", "")
+    if is_stream and (error := stream_error(response.text)) is not None:  # even a 4xx belonged before the 200
+        return f"a stream that ended with an error: {error.get('message')}"
+    return None
+
+
+def _runs(operations: list[Any]) -> list[tuple[Any, GenerationMode, int]]:
+    """(operation, mode, weight), lightest first: POST operations weigh POST_WEIGHT times a GET's, and the
+    cases a light run could not use (a GET without inputs has one case) go to the runs after it."""
+    runs = [
+        (op, mode, POST_WEIGHT if op.method.upper() == "POST" else 1) for op in operations for mode in GenerationMode
+    ]
+    return sorted(runs, key=lambda run: run[2])
+
+
+def _served_schema(base_url: str) -> dict[str, Any]:
+    """The server's OpenAPI schema with `model` pinned to the model it serves: any other name is a 404
+    before the parameters are even read, and the point is to reach them."""
+    schema = requests.get(f"{base_url}/openapi.json", timeout=30).json()
+    served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        if "model" in component.get("properties", {}):
+            component["properties"]["model"] = {"type": "string", "enum": [served]}
+    return schema
+
+
+def run_fuzz(base_url: str, num_cases: int, seed: int = 0, request_timeout: float = 300.0) -> FuzzReport:
+    """About `num_cases` requests (the last operation may find fewer distinct ones than it was given)."""
+    started = time.monotonic()
+    report = FuzzReport(base_url=base_url)
+    schema = schemathesis.openapi.from_dict(_served_schema(base_url))
+    operations = [result.ok() for result in schema.get_all_operations()]
+    runs = _runs(operations)
+    weight_left = sum(weight for *_, weight in runs)
+    # disable=None: a bar on a terminal, silence in logs and tests.
+    with requests.Session() as session, tqdm(total=num_cases, unit="case", disable=None) as bar:
+        for operation, mode, weight in runs:
+            count = max(1, (num_cases - report.requests) * weight // weight_left)
+            weight_left -= weight
+            bar.set_postfix_str(f"{operation.method.upper()} {operation.path} ({mode.value})")
+            _fuzz_operation(operation, mode, count, seed, report, session, request_timeout, bar)
+    report.settle(base_url)
+    report.elapsed_s = round(time.monotonic() - started, 1)
+    return report
+
+
+def _fuzz_operation(
+    operation: Any, mode: GenerationMode, count: int, seed: int, report: FuzzReport, session: requests.Session,
+    timeout: float, bar: tqdm,
+) -> None:  # fmt: skip
+    name = f"{operation.method.upper()} {operation.path}"
+
+    @hypothesis.seed(seed)
+    @settings(max_examples=count, deadline=None, database=None, phases=[Phase.generate],
+              suppress_health_check=list(HealthCheck))  # fmt: skip
+    @given(case=operation.as_strategy(generation_mode=mode))
+    def send(case: Any) -> None:
+        try:
+            response = case.call(base_url=report.base_url, session=session, timeout=timeout)
+        except requests.RequestException as exc:
+            report.record_case(name, "no answer", f"no answer: {type(exc).__name__}", case, str(exc))
+            bar.update()
+            return
+        report.record_case(name, str(response.status_code), _problem(response), case, response.text)
+        bar.update()
+
+    # Unsatisfiable: nothing of this mode can be made for this operation (e.g. breaking a GET without inputs).
+    with contextlib.suppress(hypothesis.errors.Unsatisfiable):
+        send()

@@ -1,0 +1,108 @@
+"""`folio bench fuzz` and `folio bench overload`: the server's robustness, measured on a `folio serve`
+the command starts itself (or, for fuzz, one already running at --base-url)."""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable
+from datetime import UTC, datetime
+from pathlib import Path
+
+from folio.bench.flags import command_line, engine_flags
+
+AddEngineArgs = Callable[[argparse.ArgumentParser], None]
+DEFAULT_OUTPUT_DIR = "benchmarks/results"
+
+
+def add_robustness_parsers(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+    fuzz = benchmarks.add_parser(
+        "fuzz",
+        help="schemathesis against folio serve: only 2xx/4xx, the server alive and empty at the end",
+        description="Generate requests from the server's own OpenAPI schema with schemathesis (fitting it and "
+        "breaking it), send them one at a time, and check that every answer is 2xx or 4xx in OpenAI's error "
+        "format, that no stream ends with a server error, and that afterwards the server is healthy and holds "
+        "no admission slot, request or KV block.",
+    )
+    fuzz.add_argument("model", nargs="?", default="smollm2-135m")
+    fuzz.add_argument("--cases", type=int, default=10_000, help="requests to generate (default 10000)")
+    fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    fuzz.add_argument("--base-url", default=None, help="fuzz this running folio server instead of starting one")
+    fuzz.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_engine_args(fuzz)
+    fuzz.set_defaults(bench_run=_run_fuzz, max_model_len=96)  # short answers: more cases per minute
+
+    overload = benchmarks.add_parser(
+        "overload",
+        help="10x the server's capacity in clients for a while: only 200/429, bounded memory, empty at the end",
+        description="Start folio serve with a small capacity (--max-num-seqs + --max-queue) and run --concurrency "
+        "clients (default 10x that capacity) sending completions and chats back to back for --duration seconds; "
+        "check that every answer is 200 or 429, no stream ends with an error, the server's resident memory stays "
+        "bounded, and that afterwards it is healthy and holds nothing.",
+    )
+    overload.add_argument("model", nargs="?", default="smollm2-135m")
+    overload.add_argument("--duration", type=float, default=60.0, help="seconds of load (default 60)")
+    overload.add_argument("--concurrency", type=int, default=None, help="clients (default 10 x capacity)")
+    overload.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
+    overload.add_argument("--max-tokens-range", default="4:48", help="tokens per request, LOW:HIGH (default 4:48)")
+    overload.add_argument("--seed", type=int, default=0)
+    overload.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_engine_args(overload)
+    # A KV pool small enough that the run touches all of it: its pages are mapped lazily, so with a
+    # large pool the resident memory would grow for the whole run as new blocks are first written.
+    overload.set_defaults(bench_run=_run_overload, max_num_seqs=4, max_model_len=512, kv_cache_memory="128MiB")
+
+
+def _server_flags(args: argparse.Namespace, *extra: str) -> list[str]:
+    from folio.cli import engine_kwargs
+
+    return [*engine_flags(engine_kwargs(args)), *extra]
+
+
+def _run_fuzz(args: argparse.Namespace) -> int:
+    from folio.bench.folio_server import folio_server
+    from folio.bench.fuzz import run_fuzz
+    from folio.bench.report import result_paths
+    from folio.bench.robustness_report import format_fuzz, write_fuzz
+
+    if args.cases < 1:
+        raise ValueError("--cases must be at least 1")
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    if args.base_url is not None:
+        report = run_fuzz(args.base_url.rstrip("/"), args.cases, args.seed)
+        report.server = {"base_url": args.base_url}
+    else:
+        with tempfile.TemporaryDirectory() as tmp:
+            with folio_server(args.model, _server_flags(args), Path(tmp) / "server.log") as running:
+                report = run_fuzz(running.base_url, args.cases, args.seed)
+            report.server = {"command": running.command}
+    report.command, report.date_utc = command_line(args), date
+    print(format_fuzz(report))
+    json_path, png_path = result_paths(Path(args.output_dir), "fuzz", args.model, date, f"{args.cases}cases")
+    write_fuzz(report, json_path, png_path)
+    print(f"wrote {json_path}\nwrote {png_path}")
+    return 0 if report.passed else 1
+
+
+def _run_overload(args: argparse.Namespace) -> int:
+    from folio.bench.folio_server import folio_server, resident_mib
+    from folio.bench.overload import OverloadConfig, run_overload
+    from folio.bench.report import result_paths
+    from folio.bench.robustness_report import format_overload, write_overload
+
+    low, _, high = args.max_tokens_range.partition(":")
+    capacity = args.max_num_seqs + args.max_queue
+    clients = args.concurrency or 10 * capacity
+    config = OverloadConfig(args.model, args.duration, clients, (int(low), int(high or low)), args.seed)
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    with tempfile.TemporaryDirectory() as tmp:
+        flags = _server_flags(args, "--max-queue", str(args.max_queue))
+        with folio_server(args.model, flags, Path(tmp) / "server.log") as running:
+            report = run_overload(config, running.base_url, lambda: resident_mib(running.pid))
+            report.server = {"command": running.command, "capacity": capacity}
+    report.command, report.date_utc = command_line(args), date
+    print(format_overload(report))
+    json_path, png_path = result_paths(Path(args.output_dir), "overload", args.model, date, f"{clients}clients")
+    write_overload(report, json_path, png_path)
+    print(f"wrote {json_path}\nwrote {png_path}")
+    return 0 if report.passed else 1

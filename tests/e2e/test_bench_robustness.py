@@ -1,0 +1,64 @@
+"""The robustness benchmarks, short: schemathesis cases against a real server (only 2xx/4xx, the server
+empty afterwards), ten times the server's capacity in clients for a few seconds (only 200/429), and both
+commands end to end on a tiny model (server started and stopped, JSON and PNG written)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+
+from folio import LLM
+from folio.bench.folio_server import resident_mib
+from folio.bench.fuzz import run_fuzz
+from folio.bench.overload import OverloadConfig, run_overload
+from folio.cli import main
+from folio.server.serve import ServerOptions
+from tests.api.server_runner import MODEL, running_server
+from tests.tiny_models import make_tiny_model
+
+
+def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smollm2_gguf):
+    llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_model_len=96)
+    with running_server(llm, MODEL) as (url, _):
+        report = run_fuzz(url, num_cases=160, seed=1)
+    assert report.failures == 0, report.samples
+    assert report.final_state["settled"] and report.passed
+    assert report.requests >= 100
+    generation = report.by_operation["POST /v1/completions"], report.by_operation["POST /v1/chat/completions"]
+    assert all("200" in statuses and "400" in statuses for statuses in generation)  # reached the engine, and not
+
+
+def test_ten_times_the_capacity_gets_only_200_and_429(smollm2_gguf):
+    llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_num_seqs=2, max_model_len=256)
+    with running_server(llm, MODEL, ServerOptions(max_queue=2)) as (url, _):
+        config = OverloadConfig(MODEL, duration_s=6, concurrency=40, max_tokens=(2, 12))
+        report = run_overload(config, url, lambda: resident_mib(os.getpid()))
+    assert report.failures == 0, report.samples
+    assert set(report.by_status) == {"200", "429"}
+    assert report.final_state["settled"] and report.passed
+    assert report.memory_mib and report.memory_summary() is not None
+
+
+@pytest.fixture(scope="module")
+def tiny_chat_model(tmp_path_factory):
+    folder = make_tiny_model("llama", tmp_path_factory.mktemp("robust") / "llama")
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
+    return folder
+
+
+def test_the_commands_start_a_server_and_write_their_results(tiny_chat_model, tmp_path, capsys):
+    out = tmp_path / "results"
+    assert main(["bench", "fuzz", str(tiny_chat_model), "--cases", "24", "--output-dir", str(out)]) == 0
+    assert main(["bench", "overload", str(tiny_chat_model), "--duration", "3", "--max-queue", "1",
+                 "--max-num-seqs", "1", "--output-dir", str(out)]) == 0  # fmt: skip
+    printed = capsys.readouterr().out
+    assert printed.count("PASSED") == 2
+    results = sorted(out.glob("*.json"))
+    assert [p.name.split("_")[0] for p in results] == ["fuzz", "overload"]
+    assert all(p.with_suffix(".png").is_file() for p in results)
+    fuzz, overload = (json.loads(p.read_text()) for p in results)
+    assert fuzz["passed"] and fuzz["command"].startswith("folio bench fuzz") and fuzz["requests"] >= 10
+    assert overload["passed"] and overload["config"]["concurrency"] == 20 and overload["server"]["capacity"] == 2
