@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
@@ -79,6 +80,14 @@ def make_tiny_model(kind: str, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(folder, safe_serialization=True)
     _write_tokenizer(folder)
+    return folder
+
+
+def make_tiny_chat_model(folder: Path) -> Path:
+    """A tiny llama with a chat template (messages' contents joined), so that chat routes can serve it."""
+    make_tiny_model("llama", folder)
+    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
+    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
     return folder
 
 

@@ -21,7 +21,7 @@ from folio.bench.serve_report import format_table
 from folio.bench.serve_workload import build_serve_requests, load_tokenizer
 from folio.cli import main
 from tests.api.server_runner import running_server
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -53,10 +53,7 @@ def write_sharegpt(path):
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("prefix") / "llama")
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return folder
+    return make_tiny_chat_model(tmp_path_factory.mktemp("prefix") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -16,7 +16,7 @@ from folio.bench.overload import OverloadConfig, run_overload
 from folio.cli import main
 from folio.server.serve import ServerOptions
 from tests.api.server_runner import MODEL, running_server
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model
 
 
 def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smollm2_gguf):
@@ -43,10 +43,7 @@ def test_ten_times_the_capacity_gets_only_200_and_429(smollm2_gguf):
 
 @pytest.fixture(scope="module")
 def tiny_chat_model(tmp_path_factory):
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("robust") / "llama")
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return folder
+    return make_tiny_chat_model(tmp_path_factory.mktemp("robust") / "llama")
 
 
 def test_the_commands_start_a_server_and_write_their_results(tiny_chat_model, tmp_path, capsys):

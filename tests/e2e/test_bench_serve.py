@@ -17,7 +17,7 @@ from folio.bench.serve_client import (
 )
 from folio.cli import main
 from tests.api.server_runner import free_port, running_server
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -27,11 +27,7 @@ MODEL = "tiny-llama"
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("serve") / "llama")
-    # A chat template, so that /v1/chat/completions can serve the tiny model too.
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return folder
+    return make_tiny_chat_model(tmp_path_factory.mktemp("serve") / "llama")
 
 
 @pytest.fixture(scope="module")

@@ -27,7 +27,7 @@ from folio.bench.serve_compare import (
 )
 from folio.bench.serve_compare_report import format_table, plotted_rate_index, ratios
 from folio.cli import main
-from tests.tiny_models import make_tiny_model
+from tests.tiny_models import make_tiny_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -35,10 +35,7 @@ pytest.importorskip("matplotlib")
 
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
-    folder = make_tiny_model("llama", tmp_path_factory.mktemp("compare") / "llama")
-    template = "{% for m in messages %}{{ m['content'] }} {% endfor %}"
-    (folder / "tokenizer_config.json").write_text(json.dumps({"chat_template": template}))
-    return folder
+    return make_tiny_chat_model(tmp_path_factory.mktemp("compare") / "llama")
 
 
 @pytest.fixture
