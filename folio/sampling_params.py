@@ -34,6 +34,7 @@ class SamplingParams:
     stop_token_ids: list[int] = field(default_factory=list)
     ignore_eos: bool = False
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k alternatives
+    prompt_logprobs: int | None = None  # the same for every prompt token (the first has none); as vLLM
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
     # Beam search (transformers' semantics): the n best of beam_width beams (default: n). It is
     # deterministic, so temperature, top-k/p, min-p and seed do not apply.
@@ -67,8 +68,10 @@ class SamplingParams:
                 raise ValueError(f"{name} must be in [-2, 2], got {getattr(self, name)}")
         if self.repetition_penalty <= 0:
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
-        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
-            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and not 0 <= value <= MAX_LOGPROBS:
+                raise ValueError(f"{name} must be in [0, {MAX_LOGPROBS}], got {value}")
         if any(not -100.0 <= b <= 100.0 for b in self.logit_bias.values()):  # NaN fails this too
             raise ValueError("logit_bias values must be in [-100, 100]")
         if any(not isinstance(t, int) or t < 0 for t in [*self.logit_bias, *self.stop_token_ids]):
@@ -94,7 +97,7 @@ class SamplingParams:
         unsupported = {
             "penalties": self.has_penalties,
             "logit_bias": bool(self.logit_bias),
-            "logprobs": self.logprobs is not None,
+            "logprobs": self.logprobs is not None or self.prompt_logprobs is not None,
             "stop strings": bool(self.stop),
             "structured output": self.structured_output is not None,
         }

@@ -1,5 +1,6 @@
-"""Drives an EngineCore step by step the way EngineCore.step does, but keeps the logits of every
-computed position, so tests can compare them with a reference model."""
+"""Drives EngineCore.step greedily and keeps the logits of every computed position, so tests can compare
+them with a reference model. Every request scores its prompt (prompt_logprobs), so the runner computes
+logits at every prompt position; the runner's logits observer hands them over."""
 
 from __future__ import annotations
 
@@ -15,26 +16,21 @@ def run_greedy_capturing_logits(
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
     """Greedy-generate for every prompt at once; return output ids and logits [num_tokens-1, V] per request
     (logits at position p predict token p+1; the last generated token has none)."""
-    requests = [
-        Request(str(i), list(p), SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True))
-        for i, p in enumerate(prompts)
-    ]
-    for r in requests:
-        engine.add_request(r)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
+    requests = [Request(str(i), list(p), params) for i, p in enumerate(prompts)]
     rows: dict[str, dict[int, torch.Tensor]] = {r.request_id: {} for r in requests}
-    while engine.has_unfinished():
-        out = engine.scheduler.schedule()
-        inputs = engine.runner.prepare(out)
-        hidden = engine.runner.forward(inputs)
-        logits = engine.runner.compute_logits(hidden)
-        offset = 0
-        for item in out.scheduled:
-            for i in range(item.num_tokens):
-                rows[item.request_id][item.start_position + i] = logits[offset + i]
-            offset += item.num_tokens
-        sampled = {
-            rid: int(logits[row].argmax()) for rid, row in zip(inputs.sampled_ids, inputs.logits_rows, strict=True)
-        }
-        engine.scheduler.update_from_output(out, sampled)
+
+    def observe(request_id: str, positions: list[int], logits: torch.Tensor) -> None:
+        for position, row in zip(positions, logits, strict=True):
+            rows[request_id][position] = row.clone()
+
+    engine.runner.logits_observer = observe
+    try:
+        for r in requests:
+            engine.add_request(r)
+        while engine.has_unfinished():
+            engine.step()
+    finally:
+        engine.runner.logits_observer = None
     stacked = [torch.stack([rows[r.request_id][p] for p in sorted(rows[r.request_id])]) for r in requests]
     return [r.output_token_ids for r in requests], stacked

@@ -178,7 +178,7 @@ def _run_folio(
     warm = StructuredOutputParams(json=SCHEMAS[chats[0][0]])
     llm.generate(prompts[:2], [SamplingParams(max_tokens=8, structured_output=warm), SamplingParams(max_tokens=8)],
                  use_tqdm=False)  # fmt: skip
-    timing = llm.engine.runner.mask_timing
+    timing = llm.engine.scheduler.structured.timing
     before = (timing.num_steps, timing.num_masks, timing.seconds)
     bound_params = [
         SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed + i,

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from folio.engine.engine_core import EngineCore
-from folio.engine.output_processor import IncrementalDetokenizer, detokenize_step
+from folio.engine.output_processor import OutputDelta, OutputProcessor
 from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
 from folio.outputs import TokenLogprob
@@ -54,6 +54,7 @@ class RequestUpdate:
     num_prompt_tokens: int
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None  # set with finish_reason "error"
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update, if asked for
 
 
 class EngineObserver(Protocol):
@@ -83,8 +84,6 @@ class _Stream:
     request: Request
     mailbox: _Mailbox
     index: int  # the choice this request answers
-    detokenizer: IncrementalDetokenizer
-    num_sent: int = 0
 
 
 @dataclass
@@ -125,8 +124,7 @@ class Generation:
         streams = []
         for sample in params:
             request = self._engine.new_request(prompt_token_ids, sample, cache_salt, priority)
-            detokenizer = IncrementalDetokenizer(self._engine.tokenizer, sample.stop, sample.include_stop_str_in_output)
-            streams.append(_Stream(request, self._mailbox, self._num_choices, detokenizer))
+            streams.append(_Stream(request, self._mailbox, self._num_choices))
             self._num_choices += 1
         self._engine.submit(streams)
         self._open.update({s.index: s.request.request_id for s in streams})
@@ -179,6 +177,7 @@ class AsyncEngine:
         self._lock = threading.Lock()  # orders submissions against the engine's death
         self._inbox: queue.Queue[_AddGroup | _Abort | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
+        self._outputs = OutputProcessor(engine, tokenizer)  # used on the engine thread only
         self._ids = itertools.count()
         self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
         self._thread.start()
@@ -249,8 +248,8 @@ class AsyncEngine:
                     continue
                 stalled = self.engine.last_step is not None and self.engine.last_step.num_batched_tokens == 0
                 self._observe_step(updated)
-                for request in updated:
-                    self._publish(request)
+                for delta in self._outputs.process(updated):
+                    self._publish(delta)
 
     def _die(self, exc: BaseException) -> None:
         logger.critical("the engine thread died; failing every request", exc_info=exc)
@@ -282,10 +281,9 @@ class AsyncEngine:
     def _fail(self, stream: _Stream, error: str) -> None:
         """End one request with an error, however far it got."""
         request = stream.request
-        if not request.is_finished:
-            self.engine.abort_request(request.request_id, FinishReason.ERROR)
-        request.finish_reason, request.error = FinishReason.ERROR, error
+        self._outputs.fail(request, error)
         self._streams.pop(request.request_id, None)
+        self._outputs.forget(request.request_id)
         self._observe_finished(request)
         update = RequestUpdate("", [], True, FinishReason.ERROR.value, request.num_prompt_tokens, error=error)
         stream.mailbox.post((stream.index, update))
@@ -294,6 +292,7 @@ class AsyncEngine:
         if isinstance(message, _Abort):
             request = self.engine.abort_request(message.request_id)
             self._streams.pop(message.request_id, None)
+            self._outputs.forget(message.request_id)
             if request is not None:
                 self._observe_finished(request)
             return
@@ -309,39 +308,28 @@ class AsyncEngine:
             return
         for stream in message.streams:
             self._streams[stream.request.request_id] = stream
+            self._outputs.add(stream.request)
 
-    def _publish(self, request: Request) -> None:
+    def _publish(self, delta: OutputDelta) -> None:
+        request = delta.request
         stream = self._streams.get(request.request_id)
         if stream is None:
             return
-        try:
-            update = self._next_update(stream)
-        except Exception:  # e.g. its tokens cannot be decoded: this request ends, the others go on
-            logger.exception("could not produce the output of request %s", request.request_id)
-            self._fail(stream, "the output could not be decoded")
-            return
         if request.is_finished:
             del self._streams[request.request_id]
+            self._outputs.forget(request.request_id)
             self._observe_finished(request)
-        stream.mailbox.post((stream.index, update))
-
-    def _next_update(self, stream: _Stream) -> RequestUpdate:
-        request = stream.request
-        new_tokens = request.output_token_ids[stream.num_sent :]
-        text = detokenize_step(stream.detokenizer, request, new_tokens)
-        if stream.detokenizer.stopped and not request.is_finished:
-            self.engine.abort_request(request.request_id, FinishReason.STOP)
         update = RequestUpdate(
-            text=text,
-            new_token_ids=list(new_tokens),
+            text=delta.text,
+            new_token_ids=delta.new_token_ids,
             finished=request.is_finished,
             finish_reason=request.finish_reason.value if request.finish_reason else None,
             num_prompt_tokens=request.num_prompt_tokens,
-            new_logprobs=list(request.output_logprobs[stream.num_sent :]),
+            new_logprobs=delta.new_logprobs,
             error=request.error,
+            prompt_logprobs=delta.prompt_logprobs,
         )
-        stream.num_sent = len(request.output_token_ids)
-        return update
+        stream.mailbox.post((stream.index, update))
 
     def _observe_step(self, updated: list[Request]) -> None:
         if self.observer is not None:

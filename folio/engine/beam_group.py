@@ -15,8 +15,9 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
-from folio.engine.beam_search import BeamCandidates, BeamSearch
+from folio.engine.beam_search import BeamSearch
 from folio.engine.request import FinishReason, Request
+from folio.step.runner_output import BeamCandidates
 
 
 @dataclass(eq=False)

@@ -19,6 +19,8 @@ from typing import Literal
 
 import torch
 
+from folio.step.runner_output import BeamCandidates
+
 EarlyStopping = bool | Literal["never"]
 
 
@@ -35,20 +37,6 @@ class Continuation:
     parent: int  # index of the live beam it extends
     token_id: int
     cumulative_logprob: float
-
-
-@dataclass
-class BeamCandidates:
-    """One beam's best next tokens: log-softmax values and token ids, best first."""
-
-    logprobs: torch.Tensor  # [k] float32
-    token_ids: torch.Tensor  # [k] int64
-
-
-def top_candidates(logits: torch.Tensor, k: int) -> list[BeamCandidates]:
-    """Rows of raw logits [N, V] -> each row's k most likely next tokens by log-softmax."""
-    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
-    return [BeamCandidates(v, i) for v, i in zip(values, ids, strict=True)]
 
 
 class BeamSearch:

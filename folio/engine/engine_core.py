@@ -53,7 +53,7 @@ class EngineCore:
         max_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings, self.kv.capacity_tokens)
         scheduler_config.max_model_len = max_len
         self.scheduler_config = scheduler_config
-        self.scheduler = Scheduler(scheduler_config, self.kv)
+        self.scheduler = Scheduler(scheduler_config, self.kv, model_config.vocab_size)
         self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device)
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
@@ -108,9 +108,7 @@ class EngineCore:
         self.last_step = StepStats(
             out.num_batched_tokens, len(self.scheduler.running), len(self.scheduler.waiting), len(out.preempted_ids)
         )
+        result = self.runner.execute(out)  # an empty step still tells the runner which requests ended
         if out.is_empty:
             return []
-        result = self.runner.execute(out)
-        return self.scheduler.update_from_output(
-            out, result.token_ids, result.logprobs, result.beam_candidates, result.failed
-        )
+        return self.scheduler.update_from_output(out, result)

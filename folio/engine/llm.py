@@ -14,8 +14,8 @@ from tqdm import tqdm
 from folio.config import CacheConfig, SchedulerConfig, parse_dtype, parse_memory
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import LoadedModel, load_model
-from folio.engine.output_processor import IncrementalDetokenizer, detokenize_step
-from folio.engine.request import FinishReason, Request
+from folio.engine.output_processor import OutputProcessor
+from folio.engine.request import Request
 from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
@@ -98,14 +98,11 @@ class LLM:
             eos_token_ids=frozenset(self.model_config.eos_token_ids),
         )
 
-    def _output(
-        self, group: list[Request], prompt: str | None, detoks: dict[str, IncrementalDetokenizer]
-    ) -> RequestOutput:
+    def _output(self, group: list[Request], prompt: str | None, processor: OutputProcessor) -> RequestOutput:
         first = group[0]
         outputs = []
         for request in group:
-            detok = detoks.get(request.request_id)
-            text = detok.text if detok is not None else self.tokenizer.decode(request.output_token_ids)
+            text = processor.text(request)
             logprobs = list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
             reason = request.finish_reason.value if request.finish_reason else None
             outputs.append(
@@ -124,6 +121,7 @@ class LLM:
                 sum(r.num_preemptions for r in group),
                 first.num_cached_tokens,
             ),
+            prompt_logprobs=list(first.prompt_logprobs) if first.sampling_params.prompt_logprobs is not None else None,
         )
 
     # -- public API --------------------------------------------------------------------------------
@@ -151,42 +149,25 @@ class LLM:
             for request in group:
                 request.priority = rank
         requests = [r for group in groups for r in group]
-        # Only requests with stop strings need text while they run; the rest are decoded once at the end.
-        detoks = {r.request_id: self._detokenizer(r.sampling_params) for r in requests if r.sampling_params.stop}
+        processor = OutputProcessor(self.engine, self.tokenizer)
+        for request in requests:  # decoded once at the end, unless stop strings need the text as it grows
+            processor.add(request, stream_text=False)
         bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm or len(requests) < 2)
         try:
             for first, *forks in groups:
                 self.engine.add_request(first, forks)
             while self.engine.has_unfinished():
-                finished = 0
-                for request in self.engine.step():
-                    detok = detoks.get(request.request_id)
-                    if detok is not None:
-                        self._detokenize(detok, request)
-                    finished += request.is_finished
-                bar.update(finished)
+                deltas = processor.process(self.engine.step())
+                bar.update(sum(delta.request.is_finished for delta in deltas))
         finally:
             bar.close()
             for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
                 if not request.is_finished:
                     self.engine.abort_request(request.request_id)
         return [
-            self._output(group, p if isinstance(p, str) else None, detoks)
+            self._output(group, p if isinstance(p, str) else None, processor)
             for group, p in zip(groups, prompts, strict=True)
         ]
-
-    def _detokenize(self, detok: IncrementalDetokenizer, request: Request) -> None:
-        """Feed the request's new token to its stop-string matcher; a fault ends this request only."""
-        try:
-            detokenize_step(detok, request, request.output_token_ids[-1:])
-        except Exception:
-            logger.exception("could not decode the output of request %s", request.request_id)
-            if not request.is_finished:
-                self.engine.abort_request(request.request_id, FinishReason.ERROR)
-            request.finish_reason, request.error = FinishReason.ERROR, "the output could not be decoded"
-            return
-        if detok.stopped and not request.is_finished:
-            self.engine.abort_request(request.request_id, FinishReason.STOP)
 
     def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """One request per sample; sample j draws with seed + j so that the samples differ."""
@@ -198,24 +179,17 @@ class LLM:
             forks.append(fork)
         return [first, *forks]
 
-    def _detokenizer(self, params: SamplingParams) -> IncrementalDetokenizer:
-        return IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
-
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
         """Yield text as tokens are generated (one request)."""
         request = self._make_request(prompt, sampling_params or SamplingParams())
         self.engine.add_request(request)
-        detok = self._detokenizer(request.sampling_params)
+        processor = OutputProcessor(self.engine, self.tokenizer)
+        processor.add(request)
         try:
             while not request.is_finished:
-                updated = self.engine.step()
-                if request not in updated:
-                    continue
-                text = detokenize_step(detok, request, request.output_token_ids[-1:])
-                if detok.stopped and not request.is_finished:
-                    self.engine.abort_request(request.request_id, FinishReason.STOP)
-                if text:
-                    yield text
+                for delta in processor.process(self.engine.step()):
+                    if delta.text:
+                        yield delta.text
         finally:
             if not request.is_finished:
                 self.engine.abort_request(request.request_id)

@@ -1,5 +1,10 @@
 """Turns a request's token ids into text as they arrive, and ends it at a stop string.
 
+`OutputProcessor` is the one place that does this for every caller (the offline LLM, its stream,
+the server's async engine): it feeds each updated request's new tokens to its detokenizer, aborts a
+request whose text reached a stop string (so its blocks are freed in the same step), and ends a
+request whose tokens cannot be decoded with an error, never its batch.
+
 Stop strings are matched on decoded text, not on token ids, because one string can span several
 tokens and a token can hold the end of one string and the start of the next text. While a request
 runs, the last `len(longest stop) - 1` characters are held back: they could still turn out to be the
@@ -8,10 +13,16 @@ start of a stop string, and text once sent to a client cannot be taken back.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 
+from folio.engine.engine_core import EngineCore
 from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
+from folio.outputs import TokenLogprob
+
+logger = logging.getLogger("folio")
 
 
 class IncrementalDetokenizer:
@@ -77,3 +88,76 @@ def detokenize_step(detokenizer: IncrementalDetokenizer, request: Request, new_t
     if detokenizer.stopped and not was_stopped and request.is_finished:
         request.finish_reason = FinishReason.STOP
     return text
+
+
+@dataclass
+class OutputDelta:
+    """What one request produced since the last delta."""
+
+    request: Request
+    text: str  # safe to show: stop strings cut, characters that may start one held back
+    new_token_ids: list[int]
+    new_logprobs: list[TokenLogprob]
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # in a request's first delta, if it asked
+
+
+@dataclass
+class _Tracked:
+    detokenizer: IncrementalDetokenizer | None  # None: text decoded once, at the end
+    num_sent: int = 0
+    sent_prompt_logprobs: bool = False
+
+
+class OutputProcessor:
+    def __init__(self, engine: EngineCore, tokenizer: Tokenizer) -> None:
+        self.engine = engine
+        self.tokenizer = tokenizer
+        self._tracked: dict[str, _Tracked] = {}
+
+    def add(self, request: Request, stream_text: bool = True) -> None:
+        """Track a request. Without `stream_text`, and without stop strings that need the text as it
+        grows, its text is decoded once at the end (`text`), which costs less."""
+        params = request.sampling_params
+        detokenizer = None
+        if stream_text or params.stop:
+            detokenizer = IncrementalDetokenizer(self.tokenizer, params.stop, params.include_stop_str_in_output)
+        self._tracked[request.request_id] = _Tracked(detokenizer)
+
+    def forget(self, request_id: str) -> None:
+        self._tracked.pop(request_id, None)
+
+    def process(self, updated: list[Request]) -> list[OutputDelta]:
+        """The deltas of the tracked requests among a step's updated ones."""
+        return [self._delta(r, tracked) for r in updated if (tracked := self._tracked.get(r.request_id))]
+
+    def text(self, request: Request) -> str:
+        """The request's whole text so far."""
+        tracked = self._tracked.get(request.request_id)
+        if tracked is not None and tracked.detokenizer is not None:
+            return tracked.detokenizer.text
+        return self.tokenizer.decode(request.output_token_ids)
+
+    def _delta(self, request: Request, tracked: _Tracked) -> OutputDelta:
+        new_tokens = request.output_token_ids[tracked.num_sent :]
+        new_logprobs = request.output_logprobs[tracked.num_sent :]
+        text = ""
+        if tracked.detokenizer is not None:
+            try:
+                text = detokenize_step(tracked.detokenizer, request, new_tokens)
+            except Exception:
+                logger.exception("could not decode the output of request %s", request.request_id)
+                self.fail(request, "the output could not be decoded")
+                return OutputDelta(request, "", [], [])
+            if tracked.detokenizer.stopped and not request.is_finished:
+                self.engine.abort_request(request.request_id, FinishReason.STOP)
+        tracked.num_sent = len(request.output_token_ids)
+        prompt_logprobs = None
+        if request.sampling_params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs:
+            prompt_logprobs, tracked.sent_prompt_logprobs = list(request.prompt_logprobs), True
+        return OutputDelta(request, text, list(new_tokens), list(new_logprobs), prompt_logprobs)
+
+    def fail(self, request: Request, error: str) -> None:
+        """End one request with an error, however far it got."""
+        if not request.is_finished:
+            self.engine.abort_request(request.request_id, FinishReason.ERROR)
+        request.finish_reason, request.error = FinishReason.ERROR, error

@@ -7,8 +7,6 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
-import torch
-
 from folio.kv_cache.hashing import BlockKey
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
@@ -44,6 +42,8 @@ class Request:
 
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)  # filled when params.logprobs is set
+    # With params.prompt_logprobs: one per prompt token, None for the first (nothing predicts it).
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
     cumulative_logprob: float | None = None  # set on a beam search's results
     status: RequestStatus = RequestStatus.WAITING
     num_computed_tokens: int = 0  # tokens whose KV is in the cache
@@ -55,13 +55,8 @@ class Request:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_preemptions: int = 0
-    generator: torch.Generator | None = None
     grammar: TokenGrammar | None = None  # structured output: what the output may continue with
     error: str | None = None  # with FinishReason.ERROR: what failed, in words fit for the client
-
-    def __post_init__(self) -> None:
-        if self.sampling_params.seed is not None:
-            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -103,6 +98,17 @@ class Request:
             self.finish(FinishReason.STOP, now)
         elif len(self.output_token_ids) >= params.max_tokens or self.num_tokens >= max_model_len:
             self.finish(FinishReason.LENGTH, now)
+
+    def __post_init__(self) -> None:
+        if self.sampling_params.prompt_logprobs is not None:
+            self.prompt_logprobs.append(None)  # the first token: nothing predicts it
+
+    def add_prompt_logprobs(self, start: int, scored: tuple[TokenLogprob, ...]) -> None:
+        """Logprobs of prompt tokens start + 1, start + 2, ... (a chunk from `start` predicted them).
+        A request recomputed after a preemption scores its prompt again; the first scores are kept."""
+        for offset, logprob in enumerate(scored):
+            if start + 1 + offset == len(self.prompt_logprobs):
+                self.prompt_logprobs.append(logprob)
 
     def fail(self, error: str, now: float | None = None) -> None:
         self.error = error

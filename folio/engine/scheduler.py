@@ -18,11 +18,14 @@ import time
 from folio.config import SchedulerConfig
 from folio.engine.batching import BatchGate
 from folio.engine.beam_group import BeamGroup, advance, start_group
-from folio.engine.beam_search import BeamCandidates
 from folio.engine.request import FinishReason, Request, RequestStatus
-from folio.engine.scheduler_output import ForkedSample, ScheduledRequest, SchedulerOutput
+from folio.engine.runner_view import RunnerView
+from folio.engine.structured_output import StructuredOutputManager
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
+from folio.step.runner_output import ModelRunnerOutput
+from folio.step.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from folio.structured.grammar import TokenGrammar
 
 logger = logging.getLogger("folio")
 
@@ -33,9 +36,10 @@ def _queue_order(request: Request) -> tuple[int, int]:
 
 
 class Scheduler:
-    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager) -> None:
+    def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, vocab_size: int | None = None) -> None:
         self.config = config
         self.kv = kv_manager
+        self.structured = StructuredOutputManager(vocab_size)
         self.waiting: list[Request] = []  # kept in admission order: (priority, arrival)
         batch_size = min(config.batch_size or config.max_num_seqs, config.max_num_seqs)
         self.gate = BatchGate(config.batching, batch_size, config.batch_timeout)
@@ -44,6 +48,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every scheduled request, live beams included
         self._beam_groups: dict[str, BeamGroup] = {}  # by the request id of each live beam and each result
         self.num_preemptions = 0
+        self.runner_view = RunnerView()  # what the runner holds, so each step sends only changes
 
     # -- queue management --------------------------------------------------------------------------
     def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
@@ -85,6 +90,7 @@ class Scheduler:
         elif request in self.waiting:
             self.waiting.remove(request)
         self.kv.free(request_id)
+        self.runner_view.finished(request_id)
         self.gate.leave(request_id)
         if not request.is_finished:
             request.finish(reason)
@@ -116,12 +122,22 @@ class Scheduler:
 
     # -- one step ----------------------------------------------------------------------------------
     def schedule(self) -> SchedulerOutput:
+        """Serve the running requests (preempting when blocks run out), then admit waiting ones."""
         budget = self.config.max_num_batched_tokens
-        chosen: list[tuple[Request, int]] = []
         self.running.sort(key=_queue_order)  # budget goes to the most urgent first
-        preempted: list[Request] = self._preempt_for_priority(budget)
+        preempted = self._preempt_for_priority(budget)
         made_room = len(preempted)
+        chosen: list[tuple[Request, int]] = []
+        budget = self._schedule_running(budget, chosen, preempted)
+        # Admit waiting requests only when nobody was preempted for blocks, so a freed block is not
+        # handed straight to a newcomer while the preempted request waits.
+        if len(preempted) == made_room:
+            self._schedule_waiting(budget, chosen, preempted)
+        return self._output(chosen, preempted)
 
+    def _schedule_running(self, budget: int, chosen: list[tuple[Request, int]], preempted: list[Request]) -> int:
+        """Give running requests their next tokens, most urgent first; when a request needs a block and
+        none is free, preempt the least urgent request not yet given tokens this step."""
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
@@ -131,60 +147,70 @@ class Scheduler:
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             start = request.num_computed_tokens
             while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
-                # The least urgent request not yet given tokens this step (maybe this one) makes room.
-                victim = max(self.running[index:], key=_queue_order)
+                victim = max(self.running[index:], key=_queue_order)  # maybe this request itself
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
                 if victim is request:
-                    break
-            else:
-                chosen.append((request, num_new))
-                budget -= num_new
-                index += 1
-                continue
-            break  # the request preempted itself: nothing after it can run either
+                    return budget  # nothing after it can run either
+            chosen.append((request, num_new))
+            budget -= num_new
+            index += 1
+        return budget
 
-        # Admit waiting requests only when nobody was preempted, so a freed block is not handed
-        # straight to a newcomer while the preempted request waits.
-        if len(preempted) == made_room:
-            self.gate.maybe_form(self.waiting, time.monotonic())
+    def _schedule_waiting(self, budget: int, chosen: list[tuple[Request, int]], preempted: list[Request]) -> None:
+        self.gate.maybe_form(self.waiting, time.monotonic())
+        budget = self._admit(budget, chosen)
+        # Parked beams may hold the blocks the beams they wait for need: give one's up.
+        while not chosen and (parked := [r for r in self.running if self._is_parked(r)]):
+            if not any(self.gate.admits(r) and not self._is_parked(r) for r in self.waiting):
+                break
+            victim = max(parked, key=_queue_order)
+            self.running.remove(victim)
+            self._preempt(victim)
+            preempted.append(victim)
             budget = self._admit(budget, chosen)
-            # Parked beams may hold the blocks the beams they wait for need: give one's up.
-            while not chosen and (parked := [r for r in self.running if self._is_parked(r)]):
-                if not any(self.gate.admits(r) and not self._is_parked(r) for r in self.waiting):
-                    break
-                victim = max(parked, key=_queue_order)
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
-                budget = self._admit(budget, chosen)
 
-        output = SchedulerOutput(preempted_ids=[r.request_id for r in preempted])
+    def _output(self, chosen: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
+        """The step as values: new requests' data once, then each chunk's tokens and block changes."""
+        new_requests: list[NewRequestData] = []
+        chunks: list[ScheduledChunk] = []
+        constrained: list[tuple[str, TokenGrammar]] = []
         for request, num_new in chosen:
             start = request.num_computed_tokens
             end = start + num_new
-            forks = []
-            if request.forks and end == request.num_tokens and not request.output_token_ids:
+            needs_sample = end == request.num_tokens
+            forks: list[Request] = []
+            if request.forks and needs_sample and not request.output_token_ids:
                 forks = self._forks_to_sample(request)
-            output.scheduled.append(
-                ScheduledRequest(
+            for r in [request, *forks]:
+                if (data := self.runner_view.new_request_data(r)) is not None:
+                    new_requests.append(data)
+                if needs_sample and r.grammar is not None:
+                    constrained.append((r.request_id, r.grammar))
+            first_new_block, new_block_ids = self.runner_view.block_changes(
+                request.request_id, self.kv.block_table(request.request_id)
+            )
+            chunks.append(
+                ScheduledChunk(
                     request_id=request.request_id,
                     token_ids=request.token_ids_between(start, end),
                     start_position=start,
-                    block_table=self.kv.block_table(request.request_id),
-                    needs_sample=end == request.num_tokens,
-                    sampling_params=request.sampling_params,
-                    generator=request.generator,
-                    prompt_token_ids=request.prompt_token_ids,
-                    output_token_ids=request.output_token_ids,
-                    forks=forks,
-                    grammar=request.grammar,
+                    first_new_block=first_new_block,
+                    new_block_ids=new_block_ids,
+                    needs_sample=needs_sample,
+                    fork_ids=tuple(f.request_id for f in forks),
                     num_beam_candidates=self._num_beam_candidates(request),
                 )
             )
-        output.block_copies = self.kv.take_copies()
-        return output
+        return SchedulerOutput(
+            new_requests=tuple(new_requests),
+            scheduled=tuple(chunks),
+            preempted_ids=tuple(r.request_id for r in preempted),
+            finished_request_ids=self.runner_view.take_finished(),
+            block_copies=tuple(self.kv.take_copies()),
+            grammar_bitmask=self.structured.bitmask(constrained),
+        )
 
     def _admit(self, budget: int, chosen: list[tuple[Request, int]]) -> int:
         """Move waiting requests to running while budget, sequence slots and blocks last."""
@@ -192,7 +218,9 @@ class Scheduler:
             request = next((r for r in self.waiting if self.gate.admits(r) and not self._is_parked(r)), None)
             if request is None:
                 break
-            cached = self.kv.find_cached_prefix(request)
+            # A cached block has no logits, so a request scoring its prompt computes all of it.
+            scores_prompt = request.sampling_params.prompt_logprobs is not None
+            cached = [] if scores_prompt else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
@@ -210,14 +238,13 @@ class Scheduler:
             budget -= num_new
         return budget
 
-    def _forks_to_sample(self, request: Request) -> list[ForkedSample]:
+    def _forks_to_sample(self, request: Request) -> list[Request]:
         """Forks that sample alongside the request's first token; if the running batch has no room for
         them, they become ordinary requests instead (the prefix cache still shares its full blocks)."""
         if len(self.running) + len(request.forks) > self.config.max_num_seqs:
             self._release_forks(request)
             return []
-        return [ForkedSample(f.request_id, f.sampling_params, f.generator, f.prompt_token_ids, f.grammar)
-                for f in request.forks]  # fmt: skip
+        return list(request.forks)
 
     def _num_beam_candidates(self, request: Request) -> int:
         group = self._beam_groups.get(request.request_id)
@@ -229,11 +256,11 @@ class Scheduler:
             self._enqueue(fork)
         request.forks = []
 
-    def _start_forks(self, parent: Request, item: ScheduledRequest, now: float) -> list[Request]:
+    def _start_forks(self, parent: Request, item: ScheduledChunk, now: float) -> list[Request]:
         """Forks sampled this step join the running batch holding the parent's blocks."""
         started = []
-        for sample in item.forks:
-            fork = self.requests.get(sample.request_id)
+        for fork_id in item.fork_ids:
+            fork = self.requests.get(fork_id)
             if fork is None or fork not in parent.forks:  # aborted meanwhile
                 continue
             self.kv.fork(parent.request_id, fork.request_id)
@@ -288,6 +315,7 @@ class Scheduler:
         if (group := self._beam_groups.get(request.request_id)) is not None:
             group.num_preemptions += 1
         self.kv.free(request.request_id)
+        self.runner_view.preempted(request.request_id)
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -311,22 +339,15 @@ class Scheduler:
             victims.append(worst)
         return victims
 
-    def update_from_output(
-        self,
-        output: SchedulerOutput,
-        sampled: dict[str, int],
-        logprobs: dict[str, TokenLogprob] | None = None,
-        beam_candidates: dict[str, BeamCandidates] | None = None,
-        failed: dict[str, str] | None = None,
-    ) -> list[Request]:
+    def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         """Advance computed counts, append sampled tokens, retire finished requests.
 
         Returns the requests that produced a token this step (finished ones included); a beam search's
-        results appear once, finished, when the search ends. A request in `failed` (its row faulted)
-        finishes with an error and gets no token; the rest of the batch goes on.
+        results appear once, finished, when the search ends. A request in `result.failed` (its row
+        faulted) finishes with an error and gets no token; the rest of the batch goes on.
         """
         updated: list[Request] = []
-        failed = failed or {}
+        sampled, failed, logprobs = result.sampled_token_ids, result.failed, result.logprobs
         now = time.monotonic()
         for item in output.scheduled:
             request = self.requests.get(item.request_id)
@@ -334,18 +355,20 @@ class Scheduler:
                 continue
             request.num_computed_tokens += item.num_tokens
             self.kv.cache_full_blocks(request)
+            if (scored := result.prompt_logprobs.get(request.request_id)) is not None:
+                request.add_prompt_logprobs(item.start_position, scored)
             group = self._beam_groups.get(request.request_id)
             if group is not None:
                 if request.request_id in failed:
                     updated.extend(self._fail_beam_group(group, failed[request.request_id], now))
                     continue
-                candidates = (beam_candidates or {}).get(request.request_id)
+                candidates = result.beam_candidates.get(request.request_id)
                 if candidates is not None:
                     group.pending[request.request_id] = candidates
                     if group.ready:
                         updated.extend(self._advance_beams(group, now))
                 continue
-            forks = self._start_forks(request, item, now) if item.forks else []
+            forks = self._start_forks(request, item, now) if item.fork_ids else []
             for sampler in [request, *forks]:  # forks first share the blocks, then anyone may finish
                 token = sampled.get(sampler.request_id)
                 if sampler.request_id in failed:
@@ -353,11 +376,12 @@ class Scheduler:
                 elif token is None:
                     continue
                 else:
-                    self._append_token(sampler, token, (logprobs or {}).get(sampler.request_id))
+                    self._append_token(sampler, token, logprobs.get(sampler.request_id))
                 updated.append(sampler)
                 if sampler.is_finished:
                     self.gate.leave(sampler.request_id)
                     self.running.remove(sampler)
                     self.kv.free(sampler.request_id)
+                    self.runner_view.finished(sampler.request_id)
                     del self.requests[sampler.request_id]
         return updated

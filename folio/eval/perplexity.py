@@ -1,9 +1,9 @@
 """`folio eval perplexity`: how well a model (in a given weight format) predicts held-out text.
 
-Each window of the held-out text (folio/eval/corpus.py) is prefilled as a prompt; the hidden state at
-every position goes through the LM head, and the log-probability of the next token is summed.
-Perplexity is exp(mean negative log-likelihood) over every predicted token. Prefix caching is off,
-so every position is computed (a cached block would have no logits).
+Each window of the held-out text (folio/eval/corpus.py) is a prompt whose tokens are scored as they
+are prefilled (`prompt_logprobs`: the log-probability of each prompt token given those before it).
+Perplexity is exp(mean negative log-likelihood) over every predicted token. A request that scores its
+prompt skips the prefix cache, so every position is computed (a cached block would have no logits).
 """
 
 from __future__ import annotations
@@ -13,8 +13,6 @@ import time
 from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
-
-import torch
 
 from folio.bench.report import machine_info
 from folio.eval.corpus import held_out_windows
@@ -52,53 +50,31 @@ def weight_format_label(llm: Any, quantization: str | None) -> str:
     return llm.loaded.quantization.replace(" ", "-").replace("-bit", "bit")
 
 
-@torch.inference_mode()
 def score_windows(llm: Any, windows: list[list[int]], chunk: int | None = None) -> tuple[float, int]:
     """(summed negative log-likelihood of every next token, number of tokens scored). With `chunk`,
     windows are prefilled that many tokens at a time: an unchunked window never reads its own KV
     cache, so an 8-bit cache would cost it nothing."""
-    engine = llm.engine
+    scheduler = llm.engine.scheduler
     if chunk is None:
-        return _score(engine, windows)
-    budget = engine.scheduler.config
-    engine.scheduler.config = replace(budget, max_num_batched_tokens=chunk)
+        return _score(llm, windows)
+    budget = scheduler.config
+    scheduler.config = replace(budget, max_num_batched_tokens=chunk)
     try:
-        return _score(engine, windows)
+        return _score(llm, windows)
     finally:
-        engine.scheduler.config = budget
+        scheduler.config = budget
 
 
-def _score(engine: Any, windows: list[list[int]]) -> tuple[float, int]:
-    from folio.engine.request import Request
+def _score(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
     from folio.sampling_params import SamplingParams
 
-    if engine.kv.enable_prefix_caching:
-        raise ValueError("scoring needs every position computed: make the LLM with enable_prefix_caching=False")
-    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
-    requests = {f"ppl-{i}": Request(f"ppl-{i}", list(w), params) for i, w in enumerate(windows)}
-    for request in requests.values():
-        engine.add_request(request)
+    # Each window is a prompt scored token by token (prompt_logprobs); one arbitrary token ends it.
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
     total, count = 0.0, 0
-    while engine.has_unfinished():
-        out = engine.scheduler.schedule()
-        inputs = engine.runner.prepare(out)
-        if out.block_copies:
-            engine.runner.copy_blocks(out.block_copies)
-        hidden = engine.runner.forward(inputs)
-        offset = 0
-        for item in out.scheduled:
-            tokens = requests[item.request_id].prompt_token_ids
-            start, end = item.start_position, item.start_position + item.num_tokens
-            scored = min(end, len(tokens) - 1) - start  # the last prompt position has no next token
-            if scored > 0:
-                logits = engine.runner.compute_logits(hidden[offset : offset + scored])
-                targets = torch.tensor(tokens[start + 1 : start + 1 + scored], device=logits.device)
-                logprobs = torch.log_softmax(logits.float(), dim=-1).gather(1, targets.unsqueeze(1))
-                total -= float(logprobs.sum())
-                count += scored
-            offset += item.num_tokens
-        # Every window ends at its prompt: finish it with an arbitrary token, never decoded further.
-        engine.scheduler.update_from_output(out, {rid: 0 for rid in inputs.sampled_ids})
+    for output in llm.generate(windows, params, use_tqdm=False):
+        scored = output.prompt_logprobs[1:]  # the first token has no context to be predicted from
+        total -= sum(logprob.logprob for logprob in scored)
+        count += len(scored)
     return total, count
 
 

@@ -17,8 +17,11 @@ class ChoiceResult:
     logprobs: list[TokenLogprob] = field(default_factory=list)
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # if asked for, from the request's first update
 
     def add(self, update: RequestUpdate) -> None:
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
         self.text += update.text
         self.token_ids.extend(update.new_token_ids)
         self.logprobs.extend(update.new_logprobs)

@@ -7,11 +7,12 @@ import uuid
 from collections.abc import AsyncIterator
 
 from folio.engine.async_engine import EngineDeadError, Generation, RequestFailedError
+from folio.outputs import TokenLogprob
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
-from folio.server.errors import APIError, error_for
+from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
-from folio.server.logprobs_format import TokenText, completion_logprobs
+from folio.server.logprobs_format import TokenText, completion_logprobs, prompt_positions, vllm_prompt_logprobs
 from folio.server.protocol import CompletionRequest
 from folio.server.sse import DONE, event, guarded, usage
 
@@ -32,8 +33,6 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     # Everything is checked before the call takes admission slots or engine requests.
     ctx.check_model(body.model)
     body.reject_unsupported()
-    if body.echo and body.logprobs is not None:
-        raise APIError(400, "echo together with logprobs (prompt logprobs) is not supported", param="echo")
     prompts = _prompts(ctx, body)
     for _, ids in prompts:
         ctx.check_prompt(ids)
@@ -44,7 +43,9 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     limit = body.max_tokens or 16
     shortest = min(len(ids) for _, ids in prompts)
     ctx.limits.check_logprobs(count, body.logprobs, min(limit, ctx.default_max_tokens(shortest)), "logprobs")
-    choice_params = body.choice_params(ctx.limits, ctx.vocab_size, limit, samples, logprobs)
+    longest = max(len(ids) for _, ids in prompts)
+    ctx.limits.check_logprobs(len(prompts), body.num_prompt_logprobs, longest, "prompt_logprobs")
+    choice_params = body.choice_params(ctx.limits, ctx.vocab_size, limit, samples, logprobs, body.num_prompt_logprobs)
     echoes = [(text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}  # fmt: skip
@@ -54,13 +55,14 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
         for _, ids in prompts:
             call.generation.add(ids, choice_params, body.cache_salt, body.priority)
         if body.stream:
-            events = _stream(ctx, body, head, call.generation, [echoes[i // n] for i in range(count)], prompt_tokens)
+            events = _stream(ctx, body, head, call.generation, prompts, echoes, prompt_tokens)
             return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)
         try:
             results = await collect(call.generation, count)
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             raise error_for(exc) from exc
     completion_tokens = sum(len(r.token_ids) for r in results)  # best_of: every sample is paid for
+    scores = [_prompt_scores(results[i * samples : (i + 1) * samples]) for i in range(len(prompts))]
     if samples > n:
         results = [
             result
@@ -71,12 +73,22 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     choices = []
     for index, result in enumerate(results):
         echo = echoes[index // n]
-        logprobs = None
+        choice = {"index": index, "text": echo + result.text, "logprobs": None, "finish_reason": result.finish_reason}
+        positions = (
+            prompt_positions(prompts[index // n][1], scores[index // n]) if body.num_prompt_logprobs is not None else []
+        )
         if body.logprobs is not None:
-            logprobs, _ = completion_logprobs(token_text, result.logprobs, len(echo))
-        choices.append({"index": index, "text": echo + result.text, "logprobs": logprobs,
-                        "finish_reason": result.finish_reason})  # fmt: skip
+            echoed = positions if body.echo else None
+            choice["logprobs"], _ = completion_logprobs(token_text, result.logprobs, 0, echoed)
+        if body.prompt_logprobs is not None:
+            choice["prompt_logprobs"] = vllm_prompt_logprobs(token_text, positions)
+        choices.append(choice)
     return {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+
+
+def _prompt_scores(results: list[ChoiceResult]) -> list[TokenLogprob | None]:
+    """A prompt's token logprobs: from the sample that computed the prompt (the others forked from it)."""
+    return max((r.prompt_logprobs or [] for r in results), key=len, default=[])
 
 
 def _most_likely(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
@@ -89,22 +101,45 @@ async def _stream(
     body: CompletionRequest,
     head: dict,
     generation: Generation,
+    prompts: list[tuple[str | None, list[int]]],
     echoes: list[str],
     prompt_tokens: int,
 ) -> AsyncIterator[str]:
     extra = {"usage": None} if body.include_usage else {}
     token_text = TokenText(ctx.tokenizer)
-    offsets = [len(e) for e in echoes]
+    n = body.n
+    count = len(prompts) * n
+    offsets = [0] * count
     completion_tokens = 0
+    scores: dict[int, list[TokenLogprob | None]] = {}  # prompt index -> its token logprobs, once computed
+    started: set[int] = set()
 
-    def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None) -> str:
-        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
+    def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None, **fields) -> str:
+        choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **fields}
         return event({**head, "choices": [choice], **extra})
 
-    for index, echo in enumerate(echoes):
-        if echo:
-            yield chunk(index, echo, None, None)
+    def head_chunk(index: int) -> str:
+        """A choice's first chunk: the echoed prompt, with its tokens' logprobs if asked for."""
+        echo, positions = echoes[index // n], prompt_positions(prompts[index // n][1], scores.get(index // n, []))
+        logprobs, fields = None, {}
+        if body.echo and body.logprobs is not None:
+            logprobs, offsets[index] = completion_logprobs(token_text, [], 0, positions)
+        if body.prompt_logprobs is not None:
+            fields["prompt_logprobs"] = vllm_prompt_logprobs(token_text, positions)
+        return chunk(index, echo, logprobs, None, **fields)
+
+    needs_scores = body.num_prompt_logprobs is not None
+    if not needs_scores:  # the echo goes out at once; with logprobs it waits for the prompt's scores
+        for index in range(count):
+            offsets[index] = len(echoes[index // n])
+            if echoes[index // n]:
+                yield chunk(index, echoes[index // n], None, None)
     async for index, update in generation:
+        if needs_scores and index not in started:
+            if update.prompt_logprobs is not None and len(update.prompt_logprobs) > len(scores.get(index // n, [])):
+                scores[index // n] = update.prompt_logprobs
+            started.add(index)
+            yield head_chunk(index)
         completion_tokens += len(update.new_token_ids)
         logprobs = None
         if body.logprobs is not None:

@@ -125,7 +125,13 @@ class _SamplingFields(StructuredFields, _Strict):
         return self
 
     def choice_params(
-        self, limits: RequestLimits, vocab_size: int, max_tokens: int, num_samples: int, logprobs: int | None
+        self,
+        limits: RequestLimits,
+        vocab_size: int,
+        max_tokens: int,
+        num_samples: int,
+        logprobs: int | None,
+        prompt_logprobs: int | None = None,
     ) -> list[SamplingParams]:
         """The engine parameters of every sample, checked whole (and against `limits`) before the call
         takes anything: the logit bias and the structured-output grammar are built once, shared."""
@@ -133,7 +139,10 @@ class _SamplingFields(StructuredFields, _Strict):
         limits.check_logit_bias(len(self.logit_bias or {}))
         logit_bias = self.token_logit_bias(vocab_size)
         structured = self.structured_output(limits.max_grammar_bytes)
-        return [self.sampling_params(max_tokens, j, logit_bias, logprobs, structured) for j in range(num_samples)]
+        return [
+            self.sampling_params(max_tokens, j, logit_bias, logprobs, structured, prompt_logprobs)
+            for j in range(num_samples)
+        ]
 
     @property
     def num_sequences(self) -> int:
@@ -147,11 +156,12 @@ class _SamplingFields(StructuredFields, _Strict):
         logit_bias: dict[int, float],
         logprobs: int | None,
         structured: StructuredOutputParams | None,
+        prompt_logprobs: int | None = None,
     ) -> SamplingParams:
         """Engine parameters for sample `choice` of this request (seed + choice, so samples differ).
         `logit_bias` and `structured` (from `structured_output()`) are built once per request."""
         try:
-            params = self._engine_params(max_tokens, logit_bias, logprobs, structured)
+            params = self._engine_params(max_tokens, logit_bias, logprobs, structured, prompt_logprobs)
             return dataclasses.replace(params, seed=params.sample_seed(choice)) if choice else params
         except ValueError as exc:  # a combination the engine refuses, e.g. beam search with penalties
             raise APIError(400, str(exc)) from exc
@@ -162,6 +172,7 @@ class _SamplingFields(StructuredFields, _Strict):
         logit_bias: dict[int, float],
         logprobs: int | None,
         structured: StructuredOutputParams | None,
+        prompt_logprobs: int | None,
     ) -> SamplingParams:
         return SamplingParams(
             max_tokens=max_tokens,
@@ -178,6 +189,7 @@ class _SamplingFields(StructuredFields, _Strict):
             ignore_eos=self.ignore_eos,
             logit_bias=logit_bias,
             logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
             use_beam_search=self.use_beam_search,
             beam_width=(self.beam_width or self.n) if self.use_beam_search else None,
             length_penalty=self.length_penalty,
@@ -199,10 +211,17 @@ class CompletionRequest(_SamplingFields):
 
     prompt: str | list[str] | list[int] | list[list[int]]
     max_tokens: int | None = Field(16, ge=1, le=INT64_MAX)
-    echo: bool = False
+    echo: bool = False  # with logprobs: the prompt's tokens and logprobs come first, as OpenAI's legacy API
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)  # vLLM's extension: per prompt token
     suffix: str | None = None
     best_of: int | None = Field(None, ge=1, le=MAX_N)  # sample this many, return the n most likely
+
+    @property
+    def num_prompt_logprobs(self) -> int | None:
+        """How many alternatives each prompt token's logprob needs (None: prompt tokens are not scored)."""
+        wanted = [k for k in (self.prompt_logprobs, self.logprobs if self.echo else None) if k is not None]
+        return max(wanted) if wanted else None
 
     @model_validator(mode="after")
     def _prompt_not_empty(self) -> CompletionRequest:

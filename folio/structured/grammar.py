@@ -1,8 +1,8 @@
 """Per-request grammar state (llguidance matchers) and the batched token masks they produce.
 
-A request's `TokenGrammar` advances with every token it accepts; before each sampling step the runner
-asks every constrained row for the tokens its grammar allows next and sets the rest to -inf. Masks
-are computed in parallel across rows by llguidance's executor (it releases the GIL).
+A request's `TokenGrammar` advances with every token it accepts; before each step the scheduler asks
+every constrained row for the tokens its grammar allows next, as a bitmask, and the runner sets the
+rest to -inf. Masks are computed in parallel across rows by llguidance's executor (it releases the GIL).
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ class GrammarCompiler:
 
 @dataclass
 class MaskTiming:
-    """Time spent computing and applying token masks, for the structured-output benchmark."""
+    """Time spent computing token masks, for the structured-output benchmark."""
 
     num_masks: int = 0  # rows masked
     num_steps: int = 0  # sampling steps with at least one masked row
@@ -84,21 +84,34 @@ def allowed_tokens(
 ) -> torch.Tensor | None:
     """[N, vocab_size] bool: which tokens each row's grammar allows next (all, for rows without one);
     None when no row has a grammar."""
-    rows = [(g.matcher, row) for row, g in enumerate(grammars) if g is not None]
-    if not rows:
+    if all(g is None for g in grammars):
         return None
+    return unpack_bitmask(fill_bitmask(grammars, vocab_size, timing), vocab_size)
+
+
+def fill_bitmask(
+    grammars: Sequence[TokenGrammar | None], vocab_size: int, timing: MaskTiming | None = None
+) -> torch.Tensor:
+    """[N, ceil(vocab_size / 32)] int32, bit t of a row set when its grammar allows token t next (every
+    bit set for rows without a grammar). Rows are computed in parallel by llguidance's executor."""
     start = time.perf_counter()
     words = (vocab_size + 31) // 32
     bitmask = torch.full((len(grammars), words), -1, dtype=torch.int32)  # all bits set: allowed
-    # What llguidance.torch.fill_next_token_bitmask_par does, without importing torch.compile machinery.
-    _executor().unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(grammars))
-    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
-    allowed = bits.reshape(len(grammars), -1)[:, :vocab_size].bool()
-    if timing is not None:
+    rows = [(g.matcher, row) for row, g in enumerate(grammars) if g is not None]
+    if rows:
+        # What llguidance.torch.fill_next_token_bitmask_par does, without importing torch.compile machinery.
+        _executor().unsafe_compute_mask_ptr(rows, bitmask.data_ptr(), words * 4, len(grammars))
+    if timing is not None and rows:
         timing.num_masks += len(rows)
         timing.num_steps += 1
         timing.seconds += time.perf_counter() - start
-    return allowed
+    return bitmask
+
+
+def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
+    """[N, words] int32 -> [N, vocab_size] bool."""
+    bits = (bitmask.unsqueeze(-1) >> torch.arange(32, dtype=torch.int32)) & 1
+    return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
 _shared_executor: llguidance.LLExecutor | None = None

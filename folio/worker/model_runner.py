@@ -1,25 +1,35 @@
 """Runs the model on a scheduler's flat batch: builds tensors, owns the KV cache, samples.
 
-The runner never touches the block pool; block ids arrive in the SchedulerOutput.
+The runner never touches the block pool: block ids arrive in the SchedulerOutput, a plain value, and
+what it must remember about a request between steps (tokens, block table, sampling parameters, seeded
+generator) lives in its own `RequestStates`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from collections.abc import Callable
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 from torch import nn
 
 from folio.config import CacheConfig, ModelConfig
-from folio.engine.beam_search import BeamCandidates, top_candidates
-from folio.engine.scheduler_output import SchedulerOutput
 from folio.kv_cache.quant import SCALE_DTYPE, kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
-from folio.structured.grammar import MaskTiming
+from folio.sample.beam_candidates import top_candidates
+from folio.sample.logprobs import gather_logprobs
+from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
+from folio.step.scheduler_output import SchedulerOutput
+from folio.structured.grammar import unpack_bitmask
+from folio.worker.request_states import RequestStates
 from folio.worker.row_sampling import SampleSpec, sample_rows
+
+# Called with (request id, positions, their logits [len(positions), V]) for every row whose logits a
+# step computes: analysis tools and the oracle tests read raw logits through it.
+LogitsObserver = Callable[[str, list[int], torch.Tensor], None]
 
 
 @dataclass
@@ -30,17 +40,9 @@ class BatchInputs:
     logits_rows: list[int]  # row in [T] of each request that samples this step (a fork repeats its parent's)
     sampled_ids: list[str]  # request ids, aligned with logits_rows
     samplers: list[SampleSpec]  # sampling settings, aligned with logits_rows
-
-
-@dataclass
-class RunnerOutput:
-    """What one step produced, by request id: the sampled token and, if asked for, its logprobs;
-    for a beam, its best next tokens instead; for a request whose row failed, what failed."""
-
-    token_ids: dict[str, int]
-    logprobs: dict[str, TokenLogprob]
-    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)
-    failed: dict[str, str] = field(default_factory=dict)
+    prompt_rows: list[int]  # rows in [T] whose next prompt token is scored (prompt_logprobs)
+    prompt_targets: list[int]  # that next prompt token, aligned with prompt_rows
+    prompt_scored: dict[str, tuple[int, int]]  # request id -> its slice of prompt_rows
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -78,7 +80,8 @@ class ModelRunner:
         self.device = device
         slots = num_blocks * self.block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
-        self.mask_timing = MaskTiming()
+        self.requests = RequestStates()
+        self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
         code_dtype = dtype if fmt is None else fmt.dtype
         self.kv_caches: list[LayerKV] = []
@@ -95,30 +98,42 @@ class ModelRunner:
         model.bind_decode_stack(dtype)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
+        """Flatten the step's chunks into one batch; `self.requests` must already hold this step's update."""
         input_ids: list[int] = []
         positions: list[int] = []
         logits_rows: list[int] = []
         sampled_ids: list[str] = []
         samplers: list[SampleSpec] = []
-        for item in out.scheduled:
-            input_ids.extend(item.token_ids)
-            positions.extend(range(item.start_position, item.start_position + item.num_tokens))
-            if item.needs_sample:
+        prompt_rows: list[int] = []
+        prompt_targets: list[int] = []
+        prompt_scored: dict[str, tuple[int, int]] = {}
+        allowed = self._allowed_by_request(out)
+        for chunk in out.scheduled:
+            state = self.requests[chunk.request_id]
+            first_row, start, end = len(input_ids), chunk.start_position, chunk.start_position + chunk.num_tokens
+            input_ids.extend(chunk.token_ids)
+            positions.extend(range(start, end))
+            if state.sampling_params.prompt_logprobs is not None:
+                last = min(end, state.num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
+                if last > start:
+                    prompt_scored[chunk.request_id] = (len(prompt_rows), len(prompt_rows) + last - start)
+                    prompt_rows.extend(range(first_row, first_row + last - start))
+                    prompt_targets.extend(state.token_ids[start + 1 : last + 1])
+            if not chunk.needs_sample:
+                continue
+            for request_id in (chunk.request_id, *chunk.fork_ids):  # forks sample from their parent's row
+                sampler = self.requests[request_id]
                 logits_rows.append(len(input_ids) - 1)
-                sampled_ids.append(item.request_id)
+                sampled_ids.append(request_id)
+                beams = chunk.num_beam_candidates if request_id == chunk.request_id else 0
                 samplers.append(
-                    SampleSpec(item.sampling_params, item.generator, item.prompt_token_ids, item.output_token_ids,
-                               item.num_beam_candidates, item.grammar)
+                    SampleSpec(sampler.sampling_params, sampler.generator, sampler.prompt_token_ids,
+                               sampler.output_token_ids, beams, allowed.get(request_id))
                 )  # fmt: skip
-                for fork in item.forks:
-                    logits_rows.append(len(input_ids) - 1)
-                    sampled_ids.append(fork.request_id)
-                    samplers.append(SampleSpec(fork.sampling_params, fork.generator, fork.prompt_token_ids, [],
-                                               grammar=fork.grammar))  # fmt: skip
         meta = build_attention_metadata(
-            [s.start_position for s in out.scheduled],
-            [s.num_tokens for s in out.scheduled],
-            [s.block_table for s in out.scheduled],
+            [c.start_position for c in out.scheduled],
+            [c.num_tokens for c in out.scheduled],
+            [self.requests[c.request_id].block_ids for c in out.scheduled],
             self.block_size,
             self.device,
         )
@@ -129,7 +144,17 @@ class ModelRunner:
             logits_rows=logits_rows,
             sampled_ids=sampled_ids,
             samplers=samplers,
+            prompt_rows=prompt_rows,
+            prompt_targets=prompt_targets,
+            prompt_scored=prompt_scored,
         )
+
+    def _allowed_by_request(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
+        """Each constrained request's [V] bool mask, unpacked from the step's grammar bitmask."""
+        if out.grammar_bitmask is None:
+            return {}
+        allowed = unpack_bitmask(out.grammar_bitmask.bits, self.config.vocab_size)
+        return dict(zip(out.grammar_bitmask.request_ids, allowed, strict=True))
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -149,22 +174,45 @@ class ModelRunner:
         return self.model.compute_logits(hidden)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> RunnerOutput:
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the batch; samples a token for each request whose chunk reached its end."""
+        self.requests.update(out)
+        if out.is_empty:
+            return ModelRunnerOutput()
         inputs = self.prepare(out)
         if out.block_copies:
-            self.copy_blocks(out.block_copies)
+            self.copy_blocks(list(out.block_copies))
         hidden = self.forward(inputs)
+        prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         if not inputs.logits_rows:
-            return RunnerOutput({}, {})
+            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
         # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
         logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
-        result = sample_rows(logits.cpu(), inputs.samplers, self.mask_timing)
+        if self.logits_observer is not None:
+            for row, (request_id, flat_row) in enumerate(zip(inputs.sampled_ids, inputs.logits_rows, strict=True)):
+                self.logits_observer(request_id, [int(inputs.positions[flat_row])], logits[row : row + 1])
+        result = sample_rows(logits.cpu(), inputs.samplers)
         ids = inputs.sampled_ids
         failed = {ids[row]: problem for row, problem in result.failures.items()}
         tokens = {rid: token for rid, token in zip(ids, result.token_ids, strict=True) if rid not in failed}
         logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp and rid not in failed}
-        return RunnerOutput(tokens, logprobs, self._beam_candidates(logits, inputs), failed)
+        return ModelRunnerOutput(tokens, logprobs, prompt_logprobs, self._beam_candidates(logits, inputs), failed)
+
+    def _prompt_logprobs(self, hidden: torch.Tensor, inputs: BatchInputs) -> dict[str, tuple[TokenLogprob, ...]]:
+        """For requests with prompt_logprobs: each computed prompt position's logprob of the next prompt token."""
+        if not inputs.prompt_rows:
+            return {}
+        logits = self.compute_logits(hidden[torch.tensor(inputs.prompt_rows, device=hidden.device)]).cpu()
+        scored: dict[str, tuple[TokenLogprob, ...]] = {}
+        targets = torch.tensor(inputs.prompt_targets)
+        for request_id, (first, last) in inputs.prompt_scored.items():
+            if self.logits_observer is not None:
+                rows = inputs.prompt_rows[first:last]
+                self.logits_observer(request_id, inputs.positions[rows].tolist(), logits[first:last])
+            num_top = self.requests[request_id].sampling_params.prompt_logprobs
+            found = gather_logprobs(logits[first:last], targets[first:last], [num_top] * (last - first))
+            scored[request_id] = tuple(lp for lp in found if lp is not None)
+        return scored
 
     @staticmethod
     def _beam_candidates(logits: torch.Tensor, inputs: BatchInputs) -> dict[str, BeamCandidates]:

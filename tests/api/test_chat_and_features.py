@@ -155,7 +155,7 @@ def test_tokenize_detokenize_round_trip(base_url):
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "logprobs": 21}, "logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stop": [""]}, None),
         ("/v1/completions", {"model": MODEL, "prompt": "hi", "stream_options": {"include_usage": True}}, None),
-        ("/v1/completions", {"model": MODEL, "prompt": "hi", "echo": True, "logprobs": 1}, "echo"),
+        ("/v1/completions", {"model": MODEL, "prompt": "hi", "prompt_logprobs": 21}, "prompt_logprobs"),
         ("/v1/completions", {"model": MODEL, "prompt": ""}, None),
         ("/v1/completions", {"model": MODEL, "prompt": [10**7]}, "prompt"),
         ("/v1/completions", {"model": MODEL, "prompt": 5}, "prompt"),

@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from folio import SamplingParams, StructuredOutputParams
-from folio.engine import output_processor
+from folio.engine import output_processor, structured_output
 from folio.sample.sampler import row_problems
 from folio.structured import grammar
-from folio.worker import model_runner, row_sampling
+from folio.worker import model_runner
 from tests.faults import MARK, fail_marked_rows_in_the_sampler
 
 STOP_MARK = "\x00never"
@@ -38,24 +38,20 @@ def _is_victim(params: SamplingParams) -> bool:
 def _nan_logits(monkeypatch):
     real = model_runner.sample_rows
 
-    def sample_rows(logits, specs, timing=None):
+    def sample_rows(logits, specs):
         for row, spec in enumerate(specs):
             if _is_victim(spec.sampling_params):
                 logits[row] = math.nan
-        return real(logits, specs, timing)
+        return real(logits, specs)
 
     monkeypatch.setattr(model_runner, "sample_rows", sample_rows)
 
 
 def _mask_raises(monkeypatch):
-    real = row_sampling.allowed_tokens
+    def grammar_bitmask(grammars, vocab_size, timing):
+        raise RuntimeError("injected grammar fault")
 
-    def allowed_tokens(grammars, vocab_size, timing=None):
-        if any(g is not None for g in grammars):
-            raise RuntimeError("injected grammar fault")
-        return real(grammars, vocab_size, timing)
-
-    monkeypatch.setattr(row_sampling, "allowed_tokens", allowed_tokens)
+    monkeypatch.setattr(structured_output, "grammar_bitmask", grammar_bitmask)
 
 
 def _advance_raises(monkeypatch):

@@ -4,6 +4,8 @@ C++ kernel, prefill chunks through the PyTorch path; both read the 8-bit cache).
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 
@@ -48,22 +50,20 @@ def _forced(loaded, kv_cache_dtype: str, prompts: list[list[int]], outputs: list
     from folio.engine.request import Request
     from folio.sampling_params import SamplingParams
 
-    requests = [Request(str(i), list(p), SamplingParams(max_tokens=len(o), temperature=0, ignore_eos=True))
+    requests = [Request(str(i), list(p), SamplingParams(max_tokens=len(o), temperature=0, ignore_eos=True,
+                                                        prompt_logprobs=0))
                 for i, (p, o) in enumerate(zip(prompts, outputs, strict=True))]  # fmt: skip
     forced = {r.request_id: o for r, o in zip(requests, outputs, strict=True)}
     rows: dict[str, list[torch.Tensor]] = {r.request_id: [] for r in requests}
+    engine.runner.logits_observer = lambda request_id, positions, logits: rows[request_id].extend(logits.clone())
     for r in requests:
         engine.add_request(r)
-    while engine.has_unfinished():
+    while engine.has_unfinished():  # EngineCore.step's pieces, with the runner's tokens replaced by the forced ones
         out = engine.scheduler.schedule()
-        inputs = engine.runner.prepare(out)
-        logits = engine.runner.compute_logits(engine.runner.forward(inputs))
-        offset = 0
-        for item in out.scheduled:
-            rows[item.request_id] += list(logits[offset : offset + item.num_tokens])
-            offset += item.num_tokens
-        sampled = {rid: forced[rid][len(engine.scheduler.requests[rid].output_token_ids)] for rid in inputs.sampled_ids}
-        engine.scheduler.update_from_output(out, sampled)
+        result = engine.runner.execute(out)
+        sampled = {rid: forced[rid][len(engine.scheduler.requests[rid].output_token_ids)]
+                   for rid in result.sampled_token_ids}  # fmt: skip
+        engine.scheduler.update_from_output(out, replace(result, sampled_token_ids=sampled))
     return [torch.stack(rows[r.request_id]).float() for r in requests]
 
 

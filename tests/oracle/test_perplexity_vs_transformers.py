@@ -30,7 +30,12 @@ def test_scored_nll_equals_transformers(tmp_path):
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
 
 
-def test_scoring_refuses_prefix_caching(tmp_path):
+def test_scoring_computes_every_position_with_prefix_caching_on(tmp_path):
+    """Windows sharing a prefix would hit the prefix cache, whose blocks have no logits: a request that
+    scores its prompt computes all of it instead, so the totals do not depend on the cache."""
     folder = make_tiny_model("llama", tmp_path / "llama")
-    with pytest.raises(ValueError, match="prefix_caching"):
-        score_windows(LLM(folder, num_kv_blocks=64, block_size=4), [[1, 2, 3]])
+    windows = [[1, 2, 3, 4, 5, 6, 7, 8, 9], [1, 2, 3, 4, 5, 6, 7, 8, 10]]
+    cached = score_windows(LLM(folder, num_kv_blocks=64, block_size=4), windows)
+    uncached = score_windows(LLM(folder, num_kv_blocks=64, block_size=4, enable_prefix_caching=False), windows)
+    assert cached[1] == uncached[1] == 16
+    assert cached[0] == pytest.approx(uncached[0], rel=1e-6)

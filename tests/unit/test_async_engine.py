@@ -89,8 +89,8 @@ def test_a_generation_dropped_unclosed_aborts_its_requests(engine):
 def test_a_failed_request_raises_for_its_caller_only(engine, monkeypatch):
     real = model_runner.sample_rows
 
-    def fail_victim(logits, specs, timing=None):
-        result = real(logits, specs, timing)
+    def fail_victim(logits, specs):
+        result = real(logits, specs)
         for row, spec in enumerate(specs):
             if spec.sampling_params.top_k == 99:
                 result.failures[row] = "injected"

@@ -11,6 +11,7 @@ from folio.engine.request import Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
+from folio.step.runner_output import ModelRunnerOutput
 from tests.unit.test_scheduler import EOS, fake_next_token
 
 
@@ -41,7 +42,7 @@ def _drive(policy: str, arrivals: dict[int, list[Request]], batch_size: int = 3,
                 request = scheduler.requests[item.request_id]
                 end = item.start_position + item.num_tokens
                 sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
-        scheduler.update_from_output(out, sampled)
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         step += 1
         if step > 500:
             break

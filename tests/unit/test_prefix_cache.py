@@ -13,6 +13,8 @@ from folio.kv_cache.block_pool import BlockPool
 from folio.kv_cache.hashing import ROOT, BlockKey, extend_block_keys
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
+from folio.step.runner_output import ModelRunnerOutput
+from tests.step_values import SentTables
 from tests.unit.test_scheduler import EOS, fake_next_token
 
 
@@ -60,7 +62,7 @@ def test_admission_takes_the_cached_prefix_only_if_the_rest_fits():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=4, max_model_len=100), kv)
     first = Request("a", list(range(1, 14)), SamplingParams(max_tokens=1))
     scheduler.add_request(first)
-    scheduler.update_from_output(scheduler.schedule(), {"a": 5})
+    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"a": 5}))
     assert first.is_finished and kv.pool.num_cached_blocks == 3
     second = Request("b", list(range(1, 14)) + [9, 9, 9], SamplingParams(max_tokens=1))
     scheduler.add_request(second)
@@ -77,12 +79,14 @@ def _run_with_cache(prompts, max_tokens, num_blocks, block_size, budget, max_seq
                 for i, (p, m) in enumerate(zip(prompts, max_tokens, strict=True))]  # fmt: skip
     pending = list(requests)
     steps = 0
+    sent = SentTables()
     while pending or scheduler.has_unfinished:
         if pending:  # requests arrive over time, so later ones can hit what earlier ones cached
             scheduler.add_request(pending.pop(0))
         steps += 1
         assert steps < 10_000
         out = scheduler.schedule()
+        sent.apply(out)
         holders: dict[int, int] = {}
         for table in kv.block_tables.values():
             for block in table:
@@ -93,10 +97,11 @@ def _run_with_cache(prompts, max_tokens, num_blocks, block_size, budget, max_seq
         for item in out.scheduled:
             request = scheduler.requests[item.request_id]
             end = item.start_position + item.num_tokens
-            assert len(item.block_table) * block_size >= end
+            assert len(sent[item.request_id]) * block_size >= end
+            assert sent[item.request_id] == kv.block_table(item.request_id)  # the deltas rebuild the table
             if item.needs_sample:
                 sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
-        scheduler.update_from_output(out, sampled)
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
     assert kv.pool.num_free_blocks == num_blocks and not kv.block_tables
     return [r.output_token_ids for r in requests], kv
 

@@ -9,6 +9,7 @@ from folio.engine.request import Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
+from folio.step.runner_output import ModelRunnerOutput
 from tests.unit.test_scheduler import EOS, fake_next_token
 
 
@@ -29,7 +30,7 @@ def _drive(arrivals: dict[int, list[Request]], num_blocks: int, max_seqs: int) -
             if item.needs_sample:
                 sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
                 first_token.setdefault(item.request_id, step)
-        scheduler.update_from_output(out, sampled)
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         step += 1
         assert step < 5000
     assert kv.pool.num_free_blocks == num_blocks

@@ -10,6 +10,8 @@ from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
+from folio.step.runner_output import ModelRunnerOutput
+from tests.step_values import SentTables
 
 EOS = 0
 
@@ -32,10 +34,12 @@ def run(
     for r in requests:
         scheduler.add_request(r)
     steps = 0
+    sent = SentTables()
     while scheduler.has_unfinished:
         steps += 1
         assert steps < 10_000, "scheduler made no progress"
         out = scheduler.schedule()
+        sent.apply(out)
         assert not out.is_empty, "nothing scheduled while requests wait: deadlock"
         assert out.num_batched_tokens <= budget
         assert len(scheduler.running) <= max_seqs
@@ -46,10 +50,11 @@ def run(
             request = scheduler.requests[item.request_id]
             assert item.start_position == request.num_computed_tokens
             end = item.start_position + item.num_tokens
-            assert len(item.block_table) * block_size >= end  # KV room for every scheduled token
+            assert len(sent[item.request_id]) * block_size >= end  # KV room for every scheduled token
+            assert sent[item.request_id] == kv.block_table(item.request_id)  # the deltas rebuild the table
             if item.needs_sample:
                 sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
-        scheduler.update_from_output(out, sampled)
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
     assert kv.pool.num_free_blocks == num_blocks and not kv.block_tables
     return {r.request_id: r.output_token_ids for r in requests}, scheduler, steps
 
@@ -59,7 +64,7 @@ def test_decode_and_prefill_share_a_step():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4, max_model_len=1000), kv)
     scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=5)))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, {"a": 9})
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 9}))
     scheduler.add_request(Request("b", list(range(1, 30)), SamplingParams(max_tokens=5)))
     out = scheduler.schedule()
     by_id = {s.request_id: s for s in out.scheduled}
@@ -77,7 +82,7 @@ def test_finish_reasons():
     for r in (stop, length, eos, ignored):
         scheduler.add_request(r)
     for tokens in ({"stop": 42, "length": 5, "eos": 7, "ignored": 7}, {"length": 5, "ignored": 7}):
-        scheduler.update_from_output(scheduler.schedule(), tokens)
+        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids=tokens))
     assert (stop.finish_reason, length.finish_reason) == (FinishReason.STOP, FinishReason.LENGTH)
     assert (eos.finish_reason, ignored.finish_reason) == (FinishReason.STOP, FinishReason.LENGTH)
     assert ignored.output_token_ids == [7, 7] and kv.pool.num_free_blocks == 64
@@ -89,7 +94,7 @@ def test_context_length_ends_a_request():
     request = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=100))
     scheduler.add_request(request)
     while scheduler.has_unfinished:
-        scheduler.update_from_output(scheduler.schedule(), {"r": 5})
+        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"r": 5}))
     assert request.num_tokens == 6 and request.finish_reason == FinishReason.LENGTH
 
 

@@ -1,0 +1,27 @@
+"""What the model runner produced in one step, by request id, as plain values."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from folio.outputs import TokenLogprob
+
+
+@dataclass(frozen=True)
+class BeamCandidates:
+    """One beam's best next tokens: log-softmax values and token ids, best first."""
+
+    logprobs: torch.Tensor  # [k] float32
+    token_ids: torch.Tensor  # [k] int64
+
+
+@dataclass(frozen=True)
+class ModelRunnerOutput:
+    sampled_token_ids: dict[str, int] = field(default_factory=dict)
+    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for requests that asked
+    # Per request that asked: the logprobs of the prompt tokens this step's chunk predicted, in order.
+    prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
+    beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)  # for beams, instead of a token
+    failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, in words fit for a client

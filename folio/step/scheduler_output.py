@@ -1,0 +1,72 @@
+"""The scheduler's decision for one engine step, as plain values.
+
+A request's data goes to the runner once, the first step it is scheduled (`NewRequestData`); after
+that each step carries only what changed (`ScheduledChunk`): the tokens to compute and the block ids
+that changed. The runner keeps what it was sent, keyed by request id, until the request's id appears
+in `finished_request_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from folio.sampling_params import SamplingParams
+
+
+@dataclass(frozen=True)
+class NewRequestData:
+    """What the runner keeps about a request: sent once, the first step it is scheduled or forked."""
+
+    request_id: str
+    prompt_token_ids: tuple[int, ...]
+    output_token_ids: tuple[int, ...]  # generated before the runner met it (a beam forked mid-search)
+    sampling_params: SamplingParams
+
+
+@dataclass(frozen=True)
+class ScheduledChunk:
+    """One request's part of the step: tokens [start_position, start_position + len(token_ids))."""
+
+    request_id: str
+    token_ids: list[int]  # a fresh list, never aliased to the request's own
+    start_position: int  # = tokens already in the KV cache
+    # The block table changed from index `first_new_block` on: these ids replace its tail (a grown
+    # sequence appends; a copy-on-write replaces its last block; a resumed request resends it all).
+    first_new_block: int
+    new_block_ids: tuple[int, ...]
+    needs_sample: bool  # the chunk reaches the end of the sequence, so a new token is sampled
+    fork_ids: tuple[str, ...] = ()  # forks that sample their first token from this request's row
+    num_beam_candidates: int = 0  # a beam: report this many best next tokens instead of sampling one
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+@dataclass(frozen=True)
+class GrammarBitmask:
+    """Structured output: which tokens each constrained row may sample next, 32 tokens a word (bit set:
+    allowed). Computed on the scheduler's side, where the grammars live; the runner only applies it."""
+
+    request_ids: tuple[str, ...]  # row i of `bits` belongs to request_ids[i]
+    bits: torch.Tensor  # [rows, ceil(vocab / 32)] int32
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    new_requests: tuple[NewRequestData, ...] = ()
+    scheduled: tuple[ScheduledChunk, ...] = ()
+    preempted_ids: tuple[str, ...] = ()
+    finished_request_ids: frozenset[str] = frozenset()  # ended since the last step: the runner forgets them
+    block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy-on-write, before the forward
+    grammar_bitmask: GrammarBitmask | None = None
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(chunk.num_tokens for chunk in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled

@@ -1,0 +1,65 @@
+"""The runner's persistent per-request state, kept across steps and keyed by request id.
+
+The scheduler sends a request's data once (`NewRequestData`) and then per-step changes; this is where
+the runner keeps them: the tokens it has seen, its block table, its sampling parameters and its seeded
+generator. A preempted request keeps its state (its generator draws on where it left off); a finished
+one is dropped when its id arrives in `finished_request_ids`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from folio.sampling_params import SamplingParams
+from folio.step.scheduler_output import NewRequestData, SchedulerOutput
+
+
+@dataclass
+class RequestState:
+    request_id: str
+    num_prompt_tokens: int
+    token_ids: list[int]  # prompt + output, as far as the scheduler has sent them
+    sampling_params: SamplingParams
+    generator: torch.Generator | None
+    block_ids: list[int]
+
+    @classmethod
+    def from_new(cls, data: NewRequestData) -> RequestState:
+        seed = data.sampling_params.seed
+        generator = None if seed is None else torch.Generator().manual_seed(seed)
+        tokens = [*data.prompt_token_ids, *data.output_token_ids]
+        return cls(data.request_id, len(data.prompt_token_ids), tokens, data.sampling_params, generator, [])
+
+    @property
+    def prompt_token_ids(self) -> list[int]:
+        return self.token_ids[: self.num_prompt_tokens]
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+
+class RequestStates:
+    def __init__(self) -> None:
+        self.states: dict[str, RequestState] = {}
+
+    def __getitem__(self, request_id: str) -> RequestState:
+        return self.states[request_id]
+
+    def __len__(self) -> int:
+        return len(self.states)
+
+    def update(self, out: SchedulerOutput) -> None:
+        """Apply one step's changes: forget finished requests, meet new ones, take each chunk's tokens
+        and block table changes."""
+        for request_id in out.finished_request_ids:
+            self.states.pop(request_id, None)
+        for data in out.new_requests:
+            self.states[data.request_id] = RequestState.from_new(data)
+        for chunk in out.scheduled:
+            state = self.states[chunk.request_id]
+            # A prompt's later chunks are already known from NewRequestData: replace this chunk's span only.
+            state.token_ids[chunk.start_position : chunk.start_position + chunk.num_tokens] = chunk.token_ids
+            state.block_ids[chunk.first_new_block :] = chunk.new_block_ids
