@@ -18,7 +18,7 @@ import torch
 
 from folio.cpp_extension import load_extension
 
-_SOURCE = Path(__file__).parent / "csrc" / "fused_ops.cpp"
+_SOURCE = Path(__file__).parents[1] / "csrc" / "fused_ops.cpp"
 
 
 @cache

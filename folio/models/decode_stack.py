@@ -27,7 +27,7 @@ from folio.layers.linear import Linear
 from folio.quant.int4 import DOT_MAX_ROWS, PackedInt4
 from folio.quant.int8_dot import load_int8_dot_kernel
 
-_SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_stack.cpp"
+_SOURCE = Path(__file__).parents[1] / "csrc" / "decode_stack.cpp"
 
 
 @cache

@@ -23,7 +23,7 @@ from folio.cpp_extension import load_extension
 from folio.quant.gguf_dequant import GroupQuant
 from folio.quant.int8_dot import GROUP_SIZES, load_int8_dot_kernel
 
-_SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cpp"
+_SOURCE = Path(__file__).parents[1] / "csrc" / "q8_linear.cpp"
 # Rows up to which the kernel beats dequantize-then-GEMM. Measured on the project's machine for the
 # 49152x576 LM head of smollm2 (2 threads): kernel 3.5 / 54 / 104 ms at 1 / 64 / 128 rows, against
 # 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB). Only embeddings and LM

@@ -18,7 +18,7 @@ import torch
 
 from folio.cpp_extension import load_extension
 
-_SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
+_SOURCE = Path(__file__).parents[1] / "csrc" / "int8_dot.cpp"
 ACTIVATION_BLOCK = 32
 TILE_ROWS = 16  # 4-bit weights are tiled by 16 rows: one vector lane per row
 GROUP_SIZES = (32, 64, 128, 256)  # weight groups the kernels take: 32, or a multiple of 64

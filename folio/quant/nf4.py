@@ -61,7 +61,7 @@ _MIDPOINTS = (NF4_CODEBOOK[1:] + NF4_CODEBOOK[:-1]) / 2
 _BYTE_PAIRS = torch.stack([NF4_CODEBOOK.repeat_interleave(16), NF4_CODEBOOK.repeat(16)], dim=1)  # [256, 2]
 _QUANTIZE_CHUNK = 1 << 22  # weights rounded at a time (bounds the int64 indices' memory)
 
-_SOURCE = Path(__file__).parent / "csrc" / "nf4_linear.cpp"
+_SOURCE = Path(__file__).parents[1] / "csrc" / "nf4_linear.cpp"
 # Rows up to which the kernel beats dequantize-then-GEMM. Measured on the project's machine (2 threads,
 # shared, so +-20%), kernel against dequantize + GEMM in ms for a 1536x576 / a 576x1536 weight:
 #   float32 x:   1 row 0.29 vs 1.1 / 0.22 vs 0.76,   16: 0.55 vs 1.4 / 0.43 vs 1.1,   64: 1.4 vs 2.1 / 1.0 vs 1.5,

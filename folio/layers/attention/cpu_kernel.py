@@ -14,7 +14,7 @@ from types import ModuleType
 
 from folio.cpp_extension import load_extension
 
-_SOURCE = Path(__file__).parent / "csrc" / "paged_decode.cpp"
+_SOURCE = Path(__file__).parents[2] / "csrc" / "paged_decode.cpp"
 
 
 @cache
