@@ -207,6 +207,7 @@ def test_without_a_compiler_built_kernels_load_and_others_name_the_missing_compi
     out, err = process.communicate(timeout=120)
     assert process.returncode == 0 and out.split()[0] == "42", (out, err)  # built: imported, nothing compiled
     unbuilt = _source(tmp_path / "unbuilt", TINY.replace("42", "43"))
+    caplog.clear()  # the first build's announcement
     with caplog.at_level(logging.WARNING, logger="folio"):
         assert load_extension("tiny_unbuilt", "folio_tiny_unbuilt", unbuilt, "test kernel", FALLBACK) is None
     reports = [r.getMessage() for r in caplog.records]
