@@ -7,7 +7,7 @@ attention kernels) exchange entry points through each module's `entries`, named 
 folio/csrc/folio_kernels.h. A kernel that is switched off or cannot be built is None, and its caller
 takes the PyTorch path it replaces (which is also its test oracle).
 
-Switches (read once per process, when a kernel is first asked for):
+Switches (read when a kernel is first loaded in a process):
     FOLIO_KERNELS=all|none         all (the default) builds kernels on demand; none takes every PyTorch path
     FOLIO_DISABLE_KERNELS=a,b,...  turns off the named kernels (names as in KERNELS, e.g. paged_decode)
 """

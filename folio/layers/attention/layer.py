@@ -1,8 +1,8 @@
 """The attention layer a model holds: writes new K/V into its slice of the paged cache, then attends.
 
-Decode groups go to the compiled CPU kernel (folio/csrc/paged_decode.cpp) when it is available; everything
-else, and every group when the kernel is off, takes the pure-PyTorch path. The cache may be 8-bit
-(kv_tensors.py); both paths read it.
+Decode groups go to the compiled CPU kernel (folio/csrc/paged_decode.cpp) when it is available;
+everything else, and every group when the kernel is off, takes the pure-PyTorch path. The cache may
+be 8-bit (kv_tensors.py); both paths read it.
 """
 
 from __future__ import annotations
