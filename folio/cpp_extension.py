@@ -38,6 +38,8 @@ from types import ModuleType
 
 import torch
 
+from folio.paths import folio_home
+
 logger = logging.getLogger("folio")
 
 # Tuples, passed to torch as copies: its loader appends to the lists it is given (-lc10, ...), which
@@ -68,6 +70,11 @@ def cpu_features() -> str:
     return "\n".join(wanted) or platform.processor()
 
 
+def compiler() -> str | None:
+    """The C++ compiler torch's loader would run ($CXX, else c++), or None if there is none."""
+    return shutil.which(os.environ.get("CXX", "c++"))
+
+
 def _inputs(source: Path) -> list[Path]:
     """The source and every header beside it (what it may include)."""
     return [source, *sorted(source.parent.glob("*.h"))]
@@ -87,8 +94,6 @@ def kernel_key(module_name: str, source: Path) -> str:
 
 def kernel_directory(name: str, module_name: str, source: Path) -> Path:
     """Where the finished build of `source` lives (it may not exist yet)."""
-    from folio.loaders.catalog import folio_home
-
     return folio_home() / "kernels" / LAYOUT / f"{name}-{kernel_key(module_name, source)[:16]}"
 
 
@@ -125,6 +130,8 @@ def _build_once(directory: Path, name: str, module_name: str, source: Path, what
         module = _import_built(directory)  # another process may have built it while this one waited
         if module is not None:
             return module
+        if compiler() is None:
+            raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'c++')} not found")
         _clear_leftovers(directory, name)
         logger.warning("compiling the %s (%s; about 30 s, once) in %s", what, _why(directory, name), directory.parent)
         return _compile(directory, module_name, source)

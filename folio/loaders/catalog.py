@@ -30,6 +30,7 @@ from pathlib import Path
 from folio.loaders import wheels
 from folio.loaders.gguf_file import GGUFFile, GGUFFormatError
 from folio.loaders.wheels import ModelSourceError, WheelFile
+from folio.paths import folio_home
 
 __all__ = [
     "CATALOG",
@@ -46,12 +47,6 @@ __all__ = [
 MANIFEST = "manifest.json"
 LOCK = ".pull.lock"
 TEMP_PREFIX = ".pull-"
-
-
-def folio_home() -> Path:
-    """Where folio keeps pulled models and caches: $FOLIO_HOME, else ~/.cache/folio."""
-    env = os.environ.get("FOLIO_HOME")
-    return Path(env).expanduser() if env else Path.home() / ".cache" / "folio"
 
 
 @dataclass(frozen=True)

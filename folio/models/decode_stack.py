@@ -1,41 +1,26 @@
-"""A Llama-family model's decode steps in one C++ call (layers/csrc/decode_stack.cpp).
+"""A Llama-family model's decode steps in one C++ call (folio/csrc/decode_stack.cpp).
 
 Built once the KV cache is bound, from the model's own tensors (nothing is copied), when every piece
 has a C++ kernel: projections dense or 4-bit (`PackedInt4`), a KV cache in the model's dtype, the
 decode attention, norm, rotary and activation kernels all built. A step takes it when every
 scheduled token is a decode and the batch is within the 4-bit kernel's rows; anything else runs the
-Python layers, which stay the oracle (FOLIO_DECODE_STACK=0 turns the stack off).
+Python layers, which stay the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack off).
 """
 
 from __future__ import annotations
 
-import os
-from functools import cache
-from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import torch
 from torch import nn
 
-from folio.cpp_extension import load_extension
+from folio import ops
 from folio.layers import fused_ops
 from folio.layers.activation import gelu_tanh_and_mul, silu_and_mul
-from folio.layers.attention.cpu_kernel import load_decode_kernel
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.linear import Linear
 from folio.quant.int4 import DOT_MAX_ROWS, PackedInt4
-from folio.quant.int8_dot import load_int8_dot_kernel
-
-_SOURCE = Path(__file__).parent.parent / "layers" / "csrc" / "decode_stack.cpp"
-
-
-@cache
-def _load() -> ModuleType | None:
-    if os.environ.get("FOLIO_DECODE_STACK", "1") == "0":
-        return None
-    fallback = "decode steps run the Python layers instead (slower at small batches)"
-    return load_extension("decode_stack", "folio_decode_stack", _SOURCE, "C++ decode-step kernel", fallback)
 
 
 def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> Any | None:
@@ -57,19 +42,15 @@ def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> Any | None:
     act = layers[0].mlp.act
     if act not in (silu_and_mul, gelu_tanh_and_mul) or dtype not in (torch.float32, torch.bfloat16):
         return None
-    module, int8_dot, attention_kernel = _load(), load_int8_dot_kernel(), load_decode_kernel()
+    module, int8_dot, attention_kernel = ops.load("decode_stack"), ops.load("int8_dot"), ops.load("paged_decode")
     probe = torch.empty(0, dtype=dtype, device=attention[0].cache.k.device)
-    ops = fused_ops.fused_ops_for(probe)
-    if module is None or int8_dot is None or attention_kernel is None or ops is None:
+    fused = fused_ops.fused_ops_for(probe)
+    if module is None or int8_dot is None or attention_kernel is None or fused is None:
         return None
-    kernels = {
-        **ops.entries,
-        "int4_linear": int8_dot.int4_linear_entry,
-        "attention": attention_kernel.paged_decode_attention_entry,
-    }
     first = layers[0]
+    entries = ops.entries(fused, int8_dot, attention_kernel)
     stack = module.DecodeStack(
-        kernels, first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
+        entries, first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
         attention[0].block_size, attention[0].scale, first.input_layernorm.eps, act is gelu_tanh_and_mul,
     )  # fmt: skip
     for layer, attn in zip(layers, attention, strict=True):

@@ -18,9 +18,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from folio import ops
 from folio.quant.gguf_dequant import GroupQuant
 from folio.quant.int8_dot import (
-    load_int8_dot_kernel,
     tile_codes,
     tile_groups,
     untile_codes,
@@ -118,7 +118,7 @@ class PackedInt4:
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor:
         rows, cols = self.shape
-        kernel = load_int8_dot_kernel()
+        kernel = ops.load("int8_dot")
         if kernel is not None and self.tiles.device.type == "cpu":
             return kernel.int4_dequantize(self.tiles, self.scales, self.mins, self.group_size, rows, cols, dtype)
         codes = self.codes().reshape(rows, cols // self.group_size, self.group_size).float()
@@ -128,11 +128,11 @@ class PackedInt4:
 
     def load_kernels(self) -> None:
         if self.tiles.device.type == "cpu":
-            load_int8_dot_kernel()
+            ops.load("int8_dot")
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> x @ W.T + bias in x's dtype."""
-        kernel = load_int8_dot_kernel()
+        kernel = ops.load("int8_dot")
         if kernel is None or x.shape[0] > DOT_MAX_ROWS or x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype), bias)
         out = kernel.int4_linear(x.contiguous(), self.tiles, self.scales, self.mins, self.group_size, self.shape[0])

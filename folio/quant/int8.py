@@ -12,18 +12,14 @@ dequantized and one GEMM runs. Embedding lookups dequantize only the rows asked 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from folio.cpp_extension import load_extension
+from folio import ops
 from folio.quant.gguf_dequant import GroupQuant
-from folio.quant.int8_dot import GROUP_SIZES, load_int8_dot_kernel
+from folio.quant.int8_dot import GROUP_SIZES
 
-_SOURCE = Path(__file__).parent / "csrc" / "q8_linear.cpp"
 # Rows up to which the kernel beats dequantize-then-GEMM. Measured on the project's machine for the
 # 49152x576 LM head of smollm2 (2 threads): kernel 3.5 / 54 / 104 ms at 1 / 64 / 128 rows, against
 # 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB). Only embeddings and LM
@@ -33,12 +29,6 @@ KERNEL_MAX_ROWS = 128
 # of 32 or a multiple of 64: on the same LM head 1.5 / 3.5 / 7.1 / 12.3 ms at 1 / 4 / 8 / 16 rows
 # against 3.5 / 5.6 / 7.1 / 10.5 (a development measurement).
 DOT_MAX_ROWS = 8
-
-
-@cache
-def load_q8_kernel() -> ModuleType | None:
-    fallback = "8-bit weights are widened for a PyTorch matmul instead (slower at small batches)"
-    return load_extension("q8_linear", "folio_q8_linear", _SOURCE, "int8 weight kernel", fallback)
 
 
 @dataclass
@@ -82,8 +72,8 @@ class Int8Groups:
     def load_kernels(self) -> None:
         if self.codes.device.type == "cpu":
             if self.group_size in GROUP_SIZES:
-                load_int8_dot_kernel()
-            load_q8_kernel()
+                ops.load("int8_dot")
+            ops.load("q8_linear")
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
@@ -91,8 +81,8 @@ class Int8Groups:
         rows, on_cpu = flat.shape[0], flat.device.type == "cpu"
         # Q6_K's groups of 16 are not the dot-product kernel's; they take the float one.
         dot = on_cpu and rows <= DOT_MAX_ROWS and self.group_size in GROUP_SIZES
-        dot_kernel = load_int8_dot_kernel() if dot else None
-        kernel = load_q8_kernel() if on_cpu and dot_kernel is None and rows <= KERNEL_MAX_ROWS else None
+        dot_kernel = ops.load("int8_dot") if dot else None
+        kernel = ops.load("q8_linear") if on_cpu and dot_kernel is None and rows <= KERNEL_MAX_ROWS else None
         if dot_kernel is not None:
             out = dot_kernel.int8_linear(flat.contiguous(), self.codes, self.scales, self.group_size)
         elif kernel is not None:

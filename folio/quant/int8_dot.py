@@ -1,4 +1,4 @@
-"""The integer dot-product kernels (csrc/int8_dot.cpp): activations quantized to int8 in blocks of 32,
+"""The integer dot-product kernels (folio/csrc/int8_dot.cpp): activations quantized to int8 in blocks of 32,
 multiplied with 4-bit or 8-bit weight codes by AVX-512 VNNI, as llama.cpp's CPU backend does; the
 4-bit kernel also multiplies each activation's rounding error, coded in 8 more bits.
 
@@ -10,24 +10,13 @@ is exact; what rounding costs is bounded in the tests.
 
 from __future__ import annotations
 
-from functools import cache
-from pathlib import Path
-from types import ModuleType
-
 import torch
 
-from folio.cpp_extension import load_extension
+from folio import ops
 
-_SOURCE = Path(__file__).parent / "csrc" / "int8_dot.cpp"
 ACTIVATION_BLOCK = 32
 TILE_ROWS = 16  # 4-bit weights are tiled by 16 rows: one vector lane per row
 GROUP_SIZES = (32, 64, 128, 256)  # weight groups the kernels take: 32, or a multiple of 64
-
-
-@cache
-def load_int8_dot_kernel() -> ModuleType | None:
-    fallback = "4-bit weights are widened for PyTorch matmuls, 8-bit ones take the float kernel (slower decode)"
-    return load_extension("int8_dot", "folio_int8_dot", _SOURCE, "int8 dot-product kernel", fallback)
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -68,7 +57,7 @@ def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, t
     """x [M, K] float32 -> (int8 codes [M, K], float32 scales [M, K / 32], int8 residual codes [M, K])
     exactly as the kernels round them: x ~ scale * code, and for the 4-bit kernel x ~ scale * (code +
     residual / 256). For tests: the integer part of a product is then checked exactly."""
-    kernel = load_int8_dot_kernel()
+    kernel = ops.load("int8_dot")
     if kernel is None:
         raise RuntimeError("the int8 dot-product kernel could not be built")
     codes, scales, residuals = kernel.quantize_activations(x.float().contiguous())

@@ -20,14 +20,11 @@ runs. `to_tensors`/`from_tensors` give a flat dict of tensors to save with safet
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cache
-from pathlib import Path
-from types import ModuleType
 
 import torch
 import torch.nn.functional as F
 
-from folio.cpp_extension import load_extension
+from folio import ops
 
 # bitsandbytes' `get_4bit_type("nf4")`: the normal quantiles of QLoRA (arXiv 2305.14314), scaled to [-1, 1].
 NF4_CODEBOOK = torch.tensor(
@@ -61,7 +58,6 @@ _MIDPOINTS = (NF4_CODEBOOK[1:] + NF4_CODEBOOK[:-1]) / 2
 _BYTE_PAIRS = torch.stack([NF4_CODEBOOK.repeat_interleave(16), NF4_CODEBOOK.repeat(16)], dim=1)  # [256, 2]
 _QUANTIZE_CHUNK = 1 << 22  # weights rounded at a time (bounds the int64 indices' memory)
 
-_SOURCE = Path(__file__).parent / "csrc" / "nf4_linear.cpp"
 # Rows up to which the kernel beats dequantize-then-GEMM. Measured on the project's machine (2 threads,
 # shared, so +-20%), kernel against dequantize + GEMM in ms for a 1536x576 / a 576x1536 weight:
 #   float32 x:   1 row 0.29 vs 1.1 / 0.22 vs 0.76,   16: 0.55 vs 1.4 / 0.43 vs 1.1,   64: 1.4 vs 2.1 / 1.0 vs 1.5,
@@ -70,12 +66,6 @@ _SOURCE = Path(__file__).parent / "csrc" / "nf4_linear.cpp"
 #              128: 2.3 vs 1.8 / 1.8 vs 1.5,  256: 3.2 vs 1.9 / 4.5 vs 2.0 (the bf16 GEMM is faster, the kernel not).
 KERNEL_MAX_ROWS = 128  # float32 x
 KERNEL_MAX_ROWS_16BIT = 64  # bfloat16 / float16 x
-
-
-@cache
-def load_nf4_kernel() -> ModuleType | None:
-    fallback = "NF4 weights are widened for a PyTorch matmul instead (3-4x slower matmuls at batch 1)"
-    return load_extension("nf4_linear", "folio_nf4_linear", _SOURCE, "NF4 weight kernel", fallback)
 
 
 def _double_quantize(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
@@ -152,12 +142,12 @@ class NF4Weight:
 
     def load_kernels(self) -> None:
         if self.codes.device.type == "cpu":
-            load_nf4_kernel()
+            ops.load("nf4_linear")
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
         flat = x.reshape(-1, self.shape[1])
-        kernel = load_nf4_kernel() if flat.device.type == "cpu" else None
+        kernel = ops.load("nf4_linear") if flat.device.type == "cpu" else None
         max_rows = KERNEL_MAX_ROWS if x.dtype == torch.float32 else KERNEL_MAX_ROWS_16BIT
         if kernel is None or flat.shape[0] > max_rows:
             out = F.linear(flat, self.dequantize(x.dtype))

@@ -27,18 +27,12 @@ import sys
 from pathlib import Path
 
 import folio
-from folio.layers import fused_ops
-from folio.layers.attention.cpu_kernel import load_decode_kernel
-from folio.models import decode_stack
-from folio.quant.int8 import load_q8_kernel
-from folio.quant.int8_dot import load_int8_dot_kernel
-from folio.quant.nf4 import load_nf4_kernel
+from folio import ops
 
-loaders = [load_decode_kernel, fused_ops._load, decode_stack._load, load_int8_dot_kernel, load_q8_kernel,
-           load_nf4_kernel]
+loaders = list(ops.KERNELS)
 sources = list(Path(folio.__file__).parent.rglob("csrc/*.cpp"))
 assert len(loaders) == len(sources), f"{len(sources)} kernel sources: add the new one's loader to this list"
-missing = [loader.__module__ for loader in loaders if loader() is None]
+missing = [name for name in loaders if ops.load(name) is None]
 assert not missing, f"kernels on the slow path: {missing}"
 print(Path(folio.__file__).resolve())
 """

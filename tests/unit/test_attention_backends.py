@@ -5,13 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
+from folio import ops
 from folio.kv_cache.quant import FORMATS
-from folio.layers.attention.cpu_kernel import load_decode_kernel
 from folio.layers.attention.kv_tensors import LayerKV, scale_zeros
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.layers.attention.torch_paged import attend_group
 
-kernel = load_decode_kernel()
+kernel = ops.load("paged_decode")
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the CPU kernel")
 
 

@@ -1,4 +1,4 @@
-"""The fused CPU ops (folio/layers/csrc/fused_ops.cpp) against their PyTorch definitions, which are the oracle:
+"""The fused CPU ops (folio/csrc/fused_ops.cpp) against their PyTorch definitions, which are the oracle:
 RMSNorm.reference, apply_rotary_reference and the *_and_mul_reference activations.
 
 float32 must agree to float rounding. In bfloat16 the fused ops compute in float32 and round where the PyTorch
@@ -12,6 +12,7 @@ from collections.abc import Callable
 import pytest
 import torch
 
+from folio import ops
 from folio.layers import fused_ops
 from folio.layers.activation import (
     gelu_tanh_and_mul,
@@ -49,8 +50,8 @@ def test_extension_builds() -> None:
 
 
 def test_env_var_switches_the_ops_off(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setenv("FOLIO_FUSED_OPS", "0")
-    assert fused_ops._load.__wrapped__() is None  # the uncached loader; the global cache is left alone
+    monkeypatch.setenv("FOLIO_DISABLE_KERNELS", "fused_ops")
+    assert ops.load.__wrapped__("fused_ops") is None  # the uncached loader; the global cache is left alone
 
 
 NORM_INPUTS: dict[str, Callable[[int, torch.dtype], torch.Tensor]] = {

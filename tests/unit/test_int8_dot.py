@@ -1,4 +1,4 @@
-"""The int8 dot-product kernels (folio/quant/csrc/int8_dot.cpp) against float64 oracles written here.
+"""The int8 dot-product kernels (folio/csrc/int8_dot.cpp) against float64 oracles written here.
 
 Activations are coded in blocks of 32 as int8 codes plus int8 residuals (their rounding error in 1/256ths of
 a step), so products are checked twice: against the same arithmetic on the kernel's own coded activations
@@ -16,8 +16,8 @@ from types import ModuleType
 import pytest
 import torch
 
+from folio import ops
 from folio.quant.int8_dot import (
-    load_int8_dot_kernel,
     quantize_activations,
     tile_codes,
     tile_groups,
@@ -32,7 +32,7 @@ ROWS = [1, 2, 3, 4, 5, 8]
 
 @pytest.fixture(scope="module")
 def kernel() -> ModuleType:
-    module = load_int8_dot_kernel()
+    module = ops.load("int8_dot")
     assert module is not None, "the int8 dot-product kernel must build: a C++ compiler is part of the setup"
     return module
 

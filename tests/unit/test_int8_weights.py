@@ -11,10 +11,11 @@ import torch.nn.functional as F
 from gguf import GGMLQuantizationType as Q
 from gguf import quants
 
+from folio import ops
 from folio.layers.embedding import LMHead, VocabEmbedding
 from folio.quant import int8
 from folio.quant.gguf_dequant import dequantize, unpack
-from folio.quant.int8 import int8_groups, load_q8_kernel
+from folio.quant.int8 import int8_groups
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +47,7 @@ def test_formats_with_a_bias_are_refused():
 
 
 def test_the_kernel_is_built():
-    assert load_q8_kernel() is not None  # a C++ compiler is part of the project's setup
+    assert ops.load("q8_linear") is not None  # a C++ compiler is part of the project's setup
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

@@ -1,5 +1,5 @@
-"""Kernel builds (folio/cpp_extension.py): built once per content key, shared between checkouts, safe
-against concurrent and killed builds, and a failure reported once.
+"""Kernel builds (folio/cpp_extension.py, which folio/ops.py calls): built once per content key, shared
+between checkouts, safe against concurrent and killed builds, and a failure reported once.
 
 The build machinery is exercised with a tiny extension (Python.h only, about a second to compile)
 instead of a real torch kernel (about 30 s). Builds go to a FOLIO_HOME under tmp_path; a slow compile
@@ -19,9 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from folio import LLM, cpp_extension
+from folio import LLM, cpp_extension, ops
 from folio.cpp_extension import kernel_directory, load_extension
-from folio.quant import nf4
 from tests.tiny_models import make_tiny_model
 
 TINY = """\
@@ -194,19 +193,32 @@ def test_a_kernel_that_cannot_be_built_is_none_and_reported_once(tmp_path, monke
         assert len(left) == 1 and left[0].endswith(".lock")  # no build folder, finished or temporary
 
 
-def test_every_real_kernel_builds_into_the_content_keyed_layout():
-    from folio.layers import fused_ops
-    from folio.layers.attention.cpu_kernel import load_decode_kernel
-    from folio.models import decode_stack
-    from folio.quant.int8 import load_q8_kernel
-    from folio.quant.int8_dot import load_int8_dot_kernel
-    from folio.quant.nf4 import load_nf4_kernel
+def test_without_a_compiler_built_kernels_load_and_others_name_the_missing_compiler(tmp_path, monkeypatch, caplog):
+    home, built = tmp_path / "home", _source(tmp_path / "built")
+    monkeypatch.setenv("FOLIO_HOME", str(home))
+    monkeypatch.setattr(cpp_extension, "_failed", set())
+    assert ops.compiler_available()  # a C++ compiler is part of the project's setup
+    assert load_extension("tiny_built", "folio_tiny_built", built, "test kernel", FALLBACK) is not None
 
-    loaders = [load_decode_kernel, fused_ops._load, decode_stack._load, load_int8_dot_kernel, load_q8_kernel,
-               load_nf4_kernel]  # fmt: skip
+    absent = str(tmp_path / "no-such-c++")
+    monkeypatch.setenv("CXX", absent)
+    assert not ops.compiler_available()
+    process = _start("tiny_built", built, _env(home) | {"CXX": absent}, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and out.split()[0] == "42", (out, err)  # built: imported, nothing compiled
+    unbuilt = _source(tmp_path / "unbuilt", TINY.replace("42", "43"))
+    caplog.clear()  # the first build's announcement
+    with caplog.at_level(logging.WARNING, logger="folio"):
+        assert load_extension("tiny_unbuilt", "folio_tiny_unbuilt", unbuilt, "test kernel", FALLBACK) is None
+    reports = [r.getMessage() for r in caplog.records]
+    assert reports == [f"could not build the test kernel (no C++ compiler: {absent} not found); {FALLBACK}"]
+
+
+def test_every_real_kernel_builds_into_the_content_keyed_layout():
+    loaders = list(ops.KERNELS)
     sources = list(Path(cpp_extension.__file__).parent.rglob("csrc/*.cpp"))
     assert len(loaders) == len(sources), "a new kernel source: add its loader here"
-    modules = {loader.__module__: loader() for loader in loaders}
+    modules = {name: ops.load(name) for name in loaders}
     assert None not in modules.values(), modules  # a C++ compiler is part of the project's setup
     for module in modules.values():  # (a loader may have run first under another test's FOLIO_HOME)
         assert Path(module.__file__).parts[-4:-2] == ("kernels", cpp_extension.LAYOUT), module.__file__
@@ -215,7 +227,13 @@ def test_every_real_kernel_builds_into_the_content_keyed_layout():
 def test_a_model_loads_the_kernels_of_its_weights_when_it_starts(tmp_path, monkeypatch):
     """Built (or reported) at start-up, not at the first request that multiplies by them."""
     calls: list[int] = []
-    real = nf4.load_nf4_kernel
-    monkeypatch.setattr(nf4, "load_nf4_kernel", lambda: calls.append(1) or real())
+    real = ops.load
+
+    def counting_load(name: ops.KernelName):
+        if name == "nf4_linear":
+            calls.append(1)
+        return real(name)
+
+    monkeypatch.setattr(ops, "load", counting_load)
     LLM(make_tiny_model("llama", tmp_path / "llama"), quantization="nf4", kv_cache_memory="8MiB")
     assert calls  # before any generation

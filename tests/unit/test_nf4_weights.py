@@ -10,9 +10,10 @@ import torch
 import torch.nn.functional as F
 from safetensors.torch import load_file, save_file
 
+from folio import ops
 from folio.layers.weight_storage import ConcatRows, RowStaging
 from folio.quant import nf4
-from folio.quant.nf4 import BLOCK_SIZE, NF4_CODEBOOK, SCALE_BLOCK_SIZE, NF4Weight, load_nf4_kernel
+from folio.quant.nf4 import BLOCK_SIZE, NF4_CODEBOOK, SCALE_BLOCK_SIZE, NF4Weight
 
 # bitsandbytes `functional.get_4bit_type("nf4")` (and csrc `nf4_data`), QLoRA arXiv 2305.14314.
 PUBLISHED_NF4 = [
@@ -108,13 +109,13 @@ def test_the_even_k_sits_in_the_high_nibble():
 
 
 def test_the_kernel_is_built():
-    assert load_nf4_kernel() is not None  # a C++ compiler is part of the project's setup
+    assert ops.load("nf4_linear") is not None  # a C++ compiler is part of the project's setup
 
 
 @pytest.mark.parametrize("rows", [1, 7, 200])
 def test_the_kernel_equals_dequantize_then_matmul(q, rows):
     x = torch.randn(rows, COLS, generator=torch.Generator().manual_seed(rows))
-    got = load_nf4_kernel().nf4_linear(x, q.codes, q.absmax_codes, q.absmax_scales, q.absmax_offset, NF4_CODEBOOK)
+    got = ops.load("nf4_linear").nf4_linear(x, q.codes, q.absmax_codes, q.absmax_scales, q.absmax_offset, NF4_CODEBOOK)
     expected = x.double() @ q.dequantize().double().t()
     assert (got.double() - expected).abs().max().item() <= 1e-5 * expected.abs().max().item()
 

@@ -1,8 +1,8 @@
 """The attention layer a model holds: writes new K/V into its slice of the paged cache, then attends.
 
-Decode groups go to the compiled CPU kernel when it is available (see cpu_kernel.py); everything
-else, and every group when the kernel is off, takes the pure-PyTorch path. The cache may be 8-bit
-(kv_tensors.py); both paths read it.
+Decode groups go to the compiled CPU kernel (folio/csrc/paged_decode.cpp) when it is available;
+everything else, and every group when the kernel is off, takes the pure-PyTorch path. The cache may
+be 8-bit (kv_tensors.py); both paths read it.
 """
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from folio.layers.attention.cpu_kernel import load_decode_kernel
+from folio import ops
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata
 from folio.layers.attention.torch_paged import attend_group
@@ -33,7 +33,7 @@ class PagedAttention(nn.Module):
 
     def bind_cache(self, cache: LayerKV, block_size: int) -> None:
         self.cache, self.block_size = cache, block_size
-        self.decode_kernel = load_decode_kernel() if cache.k.device.type == "cpu" else None
+        self.decode_kernel = ops.load("paged_decode") if cache.k.device.type == "cpu" else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""

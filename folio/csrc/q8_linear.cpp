@@ -11,6 +11,8 @@
 #include <algorithm>
 #include <vector>
 
+#include "folio_kernels.h"
+
 torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group) {
   TORCH_CHECK(x.dim() == 2 && x.scalar_type() == torch::kFloat32 && x.is_contiguous(), "x: contiguous float32 [M, K]");
   TORCH_CHECK(codes.dim() == 2 && codes.scalar_type() == torch::kInt8 && codes.is_contiguous(), "codes: int8 [N, K]");
@@ -75,4 +77,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("q8_linear", &q8_linear, "x @ W^T for int8 codes with per-group float scales");
+  py::dict entries;  // for C++ callers in other extensions, typed by folio_kernels.h
+  folio::add_entry<folio::Q8Linear>(entries, &q8_linear);
+  m.attr("entries") = entries;
 }

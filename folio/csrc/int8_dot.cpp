@@ -30,6 +30,7 @@
 #include <cstring>
 #include <vector>
 
+#include "folio_kernels.h"
 #include "int8_activations.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
@@ -341,6 +342,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear", &int8_linear, "x @ W^T, W 8-bit in groups, by int8 dot products");
   m.def("int4_dequantize", &int4_dequantize, "the tiled 4-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, "x as int8 blocks of 32 and their scales");
-  // For C++ callers in other extensions (layers/csrc/decode_stack.cpp).
-  m.attr("int4_linear_entry") = py::capsule(reinterpret_cast<void*>(&int4_linear), "folio.int4_linear");
+  // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
+  py::dict entries;
+  folio::add_entry<folio::Int4Linear>(entries, &int4_linear);
+  folio::add_entry<folio::Int8Linear>(entries, &int8_linear);
+  m.attr("entries") = entries;
 }

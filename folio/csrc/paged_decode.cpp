@@ -19,6 +19,8 @@
 #include <type_traits>
 #include <vector>
 
+#include "folio_kernels.h"
+
 template <typename T>
 static inline float to_float(T x) { return static_cast<float>(x); }
 
@@ -206,7 +208,8 @@ torch::Tensor paged_decode_attention(
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  // For C++ callers in other extensions (layers/csrc/decode_stack.cpp).
-  m.attr("paged_decode_attention_entry") =
-      py::capsule(reinterpret_cast<void*>(&paged_decode_attention), "folio.paged_decode_attention");
+  // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
+  py::dict entries;
+  folio::add_entry<folio::PagedDecodeAttention>(entries, &paged_decode_attention);
+  m.attr("entries") = entries;
 }

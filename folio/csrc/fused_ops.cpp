@@ -10,6 +10,8 @@
 
 #include <cmath>
 
+#include "folio_kernels.h"
+
 namespace {
 
 template <typename T>
@@ -138,10 +140,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
   m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place");
   m.def("gated_activation", &gated_activation, "act(gate) * up");
-  // For C++ callers in other extensions (decode_stack.cpp).
-  m.attr("entries") = py::dict(
-      py::arg("rms_norm") = py::capsule(reinterpret_cast<void*>(&rms_norm), "folio.rms_norm"),
-      py::arg("add_rms_norm") = py::capsule(reinterpret_cast<void*>(&add_rms_norm), "folio.add_rms_norm"),
-      py::arg("rotary") = py::capsule(reinterpret_cast<void*>(&rotary_), "folio.rotary"),
-      py::arg("activation") = py::capsule(reinterpret_cast<void*>(&gated_activation), "folio.activation"));
+  // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
+  py::dict entries;
+  folio::add_entry<folio::RmsNorm>(entries, &rms_norm);
+  folio::add_entry<folio::AddRmsNorm>(entries, &add_rms_norm);
+  folio::add_entry<folio::Rotary>(entries, &rotary_);
+  folio::add_entry<folio::GatedActivation>(entries, &gated_activation);
+  m.attr("entries") = entries;
 }

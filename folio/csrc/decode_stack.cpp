@@ -4,39 +4,27 @@
 // also pays for module calls, argument parsing and small tensor views, which together cost more than
 // the 4-bit matmuls. This runs the same kernels, in the same order, on the same tensors, from one call
 // per step: the norms, rotary and activation of fused_ops.cpp, the 4-bit dot products of
-// folio/quant/csrc/int8_dot.cpp (or a dense GEMM), and the paged decode attention of
-// attention/csrc/paged_decode.cpp. Those live in their own extensions and hand their entry points over
-// as capsules, so nothing is compiled twice. The Python layers (models/llama.py) stay the oracle, and
-// the path for everything this does not take (prefill, 8-bit KV caches, other weight formats).
+// int8_dot.cpp (or a dense GEMM), and the paged decode attention of paged_decode.cpp. Those live in
+// their own extensions and hand their entry points over as capsules, named and typed by
+// folio_kernels.h, so nothing is compiled twice. The Python layers (models/llama.py) stay the oracle,
+// and the path for everything this does not take (prefill, 8-bit KV caches, other weight formats).
 #include <torch/extension.h>
 
 #include <optional>
 #include <string>
 #include <vector>
 
+#include "folio_kernels.h"
+
 namespace {
 
-using Int4Linear = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t, int64_t);
-using Attention = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor, int64_t,
-                                    double, int64_t, std::optional<torch::Tensor>, std::optional<torch::Tensor>);
-using Norm = torch::Tensor (*)(torch::Tensor, torch::Tensor, double, double);
-using AddNorm = torch::Tensor (*)(torch::Tensor, torch::Tensor, torch::Tensor, double, double);
-using Rotary = void (*)(torch::Tensor, torch::Tensor, torch::Tensor, torch::Tensor);
-using Activation = torch::Tensor (*)(torch::Tensor, bool);
-
-template <typename F>
-F entry_point(const py::dict& kernels, const char* name) {
-  TORCH_CHECK(kernels.contains(name), "decode stack: no kernel ", name);
-  return reinterpret_cast<F>(kernels[name].cast<py::capsule>().get_pointer());
-}
-
 struct Kernels {
-  Int4Linear int4_linear;
-  Attention attention;
-  Norm rms_norm;
-  AddNorm add_rms_norm;
-  Rotary rotary;
-  Activation activation;
+  folio::Int4Linear::Fn int4_linear;
+  folio::PagedDecodeAttention::Fn attention;
+  folio::RmsNorm::Fn rms_norm;
+  folio::AddRmsNorm::Fn add_rms_norm;
+  folio::Rotary::Fn rotary;
+  folio::GatedActivation::Fn activation;
 };
 
 // A projection: a dense weight [N, K], or 4-bit tiles (int8_dot.cpp's layout) with N rows.
@@ -60,11 +48,12 @@ struct Layer {
 
 class DecodeStack {
  public:
-  DecodeStack(const py::dict& kernels, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
+  // entries: the merged `entries` of the fused_ops, int8_dot and paged_decode extensions.
+  DecodeStack(const py::dict& entries, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
               double scale, double eps, bool gelu)
-      : kernels_{entry_point<Int4Linear>(kernels, "int4_linear"), entry_point<Attention>(kernels, "attention"),
-                 entry_point<Norm>(kernels, "rms_norm"), entry_point<AddNorm>(kernels, "add_rms_norm"),
-                 entry_point<Rotary>(kernels, "rotary"), entry_point<Activation>(kernels, "activation")},
+      : kernels_{folio::entry<folio::Int4Linear>(entries), folio::entry<folio::PagedDecodeAttention>(entries),
+                 folio::entry<folio::RmsNorm>(entries), folio::entry<folio::AddRmsNorm>(entries),
+                 folio::entry<folio::Rotary>(entries), folio::entry<folio::GatedActivation>(entries)},
         heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size), scale_(scale),
         eps_(eps), gelu_(gelu) {}
 

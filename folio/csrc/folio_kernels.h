@@ -1,0 +1,104 @@
+// The entry points folio's extensions publish for C++ callers in other extensions, declared once.
+//
+// Each extension is its own shared library, built and loaded on its own (folio/ops.py), so a kernel
+// one of them calls in another is handed over as a PyCapsule: a named pointer. Every such entry is
+// declared here as a struct holding its capsule name and its exact C++ type, and every extension
+// includes this header:
+//   - the defining extension publishes it with add_entry<Entry>(entries, &function), which compiles
+//     only if the function has exactly Entry::Fn's type;
+//   - a caller gets it back with entry<Entry>(entries), which refuses a missing entry or a capsule of
+//     another name.
+// Both sides compile against this header and every build's key covers it (folio/cpp_extension.py),
+// so changing a signature breaks a build, never a call through a stale pointer.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstring>
+#include <optional>
+
+namespace folio {
+
+// fused_ops.cpp: RMSNorm of rows; x [T, D], weight [D]; offset 0 (Llama) or 1 (Gemma's 1 + w).
+struct RmsNorm {
+  static constexpr const char* name = "folio.fused_ops.rms_norm";
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor weight, double eps, double offset);
+};
+
+// fused_ops.cpp: residual += x, then RMSNorm(residual).
+struct AddRmsNorm {
+  static constexpr const char* name = "folio.fused_ops.add_rms_norm";
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor residual, torch::Tensor weight, double eps,
+                               double offset);
+};
+
+// fused_ops.cpp: rotate-half rotary embedding of q and k [T, H, D], in place; cos, sin [T, D].
+struct Rotary {
+  static constexpr const char* name = "folio.fused_ops.rotary";
+  using Fn = void (*)(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin);
+};
+
+// fused_ops.cpp: [T, 2I] = [gate | up] -> act(gate) * up; gelu (tanh) or silu.
+struct GatedActivation {
+  static constexpr const char* name = "folio.fused_ops.gated_activation";
+  using Fn = torch::Tensor (*)(torch::Tensor x, bool gelu);
+};
+
+// int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows; N output rows.
+struct Int4Linear {
+  static constexpr const char* name = "folio.int8_dot.int4_linear";
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
+                               int64_t group, int64_t rows);
+};
+
+// int8_dot.cpp: x [M, K] @ W^T for an 8-bit weight [N, K] in groups, scales float16 or float32.
+struct Int8Linear {
+  static constexpr const char* name = "folio.int8_dot.int8_linear";
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group);
+};
+
+// q8_linear.cpp: float32 x [M, K] @ W^T for int8 codes [N, K] with float32 scales per group.
+struct Q8Linear {
+  static constexpr const char* name = "folio.q8_linear.q8_linear";
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group);
+};
+
+// nf4_linear.cpp: float32 x [M, K] @ W^T for NF4 codes with double-quantized block absmax.
+struct Nf4Linear {
+  static constexpr const char* name = "folio.nf4_linear.nf4_linear";
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor codes, torch::Tensor absmax_codes,
+                               torch::Tensor absmax_scales, double offset, torch::Tensor codebook);
+};
+
+// paged_decode.cpp: attention of single-token queries [N, H, D] over paged K/V caches.
+struct PagedDecodeAttention {
+  static constexpr const char* name = "folio.paged_decode.paged_decode_attention";
+  using Fn = torch::Tensor (*)(torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache,
+                               torch::Tensor block_tables, torch::Tensor seq_lens, int64_t block_size, double scale,
+                               int64_t window, std::optional<torch::Tensor> k_scales,
+                               std::optional<torch::Tensor> v_scales);
+};
+
+// Publishes `fn` under Entry's name in `entries` (an extension's `entries` attribute).
+template <typename Entry>
+void add_entry(py::dict& entries, typename Entry::Fn fn) {
+  entries[Entry::name] = py::capsule(reinterpret_cast<void*>(fn), Entry::name);
+}
+
+// Entry's function from `entries` (the merged `entries` of the extensions that define them).
+template <typename Entry>
+typename Entry::Fn entry(const py::dict& entries) {
+  TORCH_CHECK(entries.contains(Entry::name), "no kernel entry point ", Entry::name,
+              " (the extension that defines it was not passed in)");
+  const py::object value = entries[Entry::name];
+  PyObject* capsule = value.ptr();
+  TORCH_CHECK(PyCapsule_CheckExact(capsule), "kernel entry point ", Entry::name, " is not a capsule");
+  const char* found = PyCapsule_GetName(capsule);
+  TORCH_CHECK(found != nullptr && std::strcmp(found, Entry::name) == 0, "kernel entry point ", Entry::name,
+              ": refused a capsule named ", found ? found : "(none)");
+  void* pointer = PyCapsule_GetPointer(capsule, Entry::name);
+  if (pointer == nullptr) throw py::error_already_set();
+  return reinterpret_cast<typename Entry::Fn>(pointer);
+}
+
+}  // namespace folio
