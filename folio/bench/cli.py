@@ -7,34 +7,42 @@ new `_add_<name>` call in `add_bench_parser` and nothing else.
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from pathlib import Path
 
+from folio.bench import decode, quant_table, structured
+from folio.bench import report as throughput_report
+from folio.bench.datasets import LengthRange
+from folio.bench.decode import DecodeConfig, run_decode
 from folio.bench.flags import command_line
+from folio.bench.quant_table import FORMATS, TableConfig, run_table
 from folio.bench.robustness_cli import add_robustness_parsers
+from folio.bench.serve import run_serve_command
+from folio.bench.serve_compare import run_serve_compare_command
+from folio.bench.structured import StructuredConfig, run_structured
+from folio.bench.throughput import ThroughputConfig, run_throughput
+from folio.engine_args import EngineArgs
 
 DEFAULT_OUTPUT_DIR = "benchmarks/results"
 
-AddEngineArgs = Callable[[argparse.ArgumentParser], None]
 
-
-def add_bench_parser(subparsers: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench` and its benchmarks to the `folio` parser's subcommands (cli.py calls this)."""
     bench = subparsers.add_parser("bench", help="measure folio's speed, side by side with a peer engine")
     benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
-    _add_throughput(benchmarks, add_engine_args)
+    _add_throughput(benchmarks)
     _add_serve(benchmarks)
-    _add_serve_compare(benchmarks, add_engine_args)
-    _add_structured(benchmarks, add_engine_args)
-    _add_decode(benchmarks, add_engine_args)
+    _add_serve_compare(benchmarks)
+    _add_structured(benchmarks)
+    _add_decode(benchmarks)
     _add_quantization(benchmarks)
-    add_robustness_parsers(benchmarks, add_engine_args)
+    add_robustness_parsers(benchmarks)
 
 
 def run_bench(args: argparse.Namespace) -> int:
     return args.bench_run(args)
 
 
-def _add_throughput(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+def _add_throughput(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "throughput",
         help="offline throughput: all requests at once, optionally vs transformers",
@@ -52,16 +60,11 @@ def _add_throughput(benchmarks: argparse._SubParsersAction, add_engine_args: Add
     parser.add_argument("--peer", default=None, help="also run the requests through a peer engine: hf")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf peer (default 16)")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=_run_throughput)
 
 
 def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
-    def run(args: argparse.Namespace) -> int:  # imported on use, so other commands start fast
-        from folio.bench.serve import run_serve_command
-
-        return run_serve_command(args)
-
     parser = benchmarks.add_parser(
         "serve",
         help="online serving: Poisson arrivals against any OpenAI-compatible server",
@@ -92,15 +95,10 @@ def _add_serve(benchmarks: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    parser.set_defaults(bench_run=run)
+    parser.set_defaults(bench_run=run_serve_command)
 
 
-def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
-    def run(args: argparse.Namespace) -> int:
-        from folio.bench.serve_compare import run_serve_compare_command
-
-        return run_serve_compare_command(args)
-
+def _add_serve_compare(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "serve-compare",
         help="online serving, folio serve vs a peer server (llama.cpp, or folio without prefix caching), same "
@@ -144,8 +142,8 @@ def _add_serve_compare(benchmarks: argparse._SubParsersAction, add_engine_args: 
         "--llama-version", default=None, help="llama-cpp-python version to build (default: the installed build)"
     )
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    add_engine_args(parser)
-    parser.set_defaults(bench_run=run)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_serve_compare_command)
 
 
 def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) -> None:
@@ -190,7 +188,7 @@ def _add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False)
     )
 
 
-def _add_structured(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+def _add_structured(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "structured",
         help="the cost of structured output: JSON-schema requests vs the same requests unconstrained",
@@ -206,26 +204,23 @@ def _add_structured(benchmarks: argparse._SubParsersAction, add_engine_args: Add
     parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (default 0)")
     parser.add_argument("--peer", default=None, help="also run the requests on llama.cpp's llama-server: llama.cpp")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=_run_structured)
 
 
 def _run_structured(args: argparse.Namespace) -> int:
-    from folio.bench.structured import StructuredConfig, format_table, run_structured, write_report
-    from folio.cli import engine_kwargs
-
     config = StructuredConfig(args.model, args.num_prompts, args.max_tokens, args.temperature, args.seed,
-                              args.peer, engine_kwargs(args))  # fmt: skip
+                              args.peer, EngineArgs.from_cli_args(args).llm_kwargs())  # fmt: skip
     report = run_structured(config, command_line(args))
     print(f"{report.model} ({report.dtype}), {config.num_prompts} JSON-schema requests, seed {config.seed}")
-    print(format_table(report))
-    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(structured.format_table(report))
+    json_path, png_path = structured.write_report(report, Path(args.output_dir))
     print(f"wrote {json_path}")
     print(f"wrote {png_path}")
     return 0
 
 
-def _add_decode(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+def _add_decode(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "decode",
         help="decode speed of a GGUF file's weights kept quantized vs dequantized, optionally vs llama-bench",
@@ -239,28 +234,25 @@ def _add_decode(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngi
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs, best kept (default 3)")
     parser.add_argument("--peer", default=None, help="also run llama-bench on the same file: llama.cpp")
     parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    add_engine_args(parser)
+    EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=_run_decode)
 
 
 def _run_decode(args: argparse.Namespace) -> int:
-    from folio.bench.decode import DecodeConfig, format_table, run_decode, write_report
-    from folio.cli import engine_kwargs
-
-    engine = {k: v for k, v in engine_kwargs(args).items() if k != "quantization"}  # both variants run
+    engine = {
+        k: v for k, v in EngineArgs.from_cli_args(args).llm_kwargs().items() if k != "quantization"
+    }  # both variants run
     config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine)
     report = run_decode(config, command_line(args))
     print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
-    print(format_table(report))
-    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(decode.format_table(report))
+    json_path, png_path = decode.write_report(report, Path(args.output_dir))
     print(f"wrote {json_path}")
     print(f"wrote {png_path}")
     return 0
 
 
 def _add_quantization(benchmarks: argparse._SubParsersAction) -> None:
-    from folio.bench.quant_table import FORMATS
-
     parser = benchmarks.add_parser(
         "quantization",
         help="quality, memory and speed of every weight and KV format of one model, in one run",
@@ -285,25 +277,18 @@ def _add_quantization(benchmarks: argparse._SubParsersAction) -> None:
 
 
 def _run_quantization(args: argparse.Namespace) -> int:
-    from folio.bench.quant_table import TableConfig, format_table, run_table, write_report
-
     config = TableConfig(args.model, args.formats.split(","), args.kv_cache_dtypes.split(","), args.dtype,
                          args.num_tokens, num_prompts=args.num_prompts, gen_tokens=args.gen_tokens,
                          batch=args.batch, group_size=args.group_size, checkpoint_dir=args.checkpoint_dir)  # fmt: skip
     report = run_table(config, command_line(args))
     print(f"{report.model}: perplexity over {config.num_tokens} held-out tokens; agreement over "
           f"{config.agreement_tokens} greedy tokens; decode over {config.gen_tokens} tokens")  # fmt: skip
-    print(format_table(report))
-    print(f"wrote {write_report(report, Path(args.output_dir))}")
+    print(quant_table.format_table(report))
+    print(f"wrote {quant_table.write_report(report, Path(args.output_dir))}")
     return 0
 
 
 def _run_throughput(args: argparse.Namespace) -> int:
-    from folio.bench.datasets import LengthRange
-    from folio.bench.report import format_table, write_report
-    from folio.bench.throughput import ThroughputConfig, run_throughput
-    from folio.cli import engine_kwargs
-
     config = ThroughputConfig(
         model=args.model,
         input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
@@ -313,12 +298,12 @@ def _run_throughput(args: argparse.Namespace) -> int:
         seed=args.seed,
         peer=args.peer,
         hf_batch_size=args.hf_batch_size,
-        engine_args=engine_kwargs(args),
+        engine_args=EngineArgs.from_cli_args(args).llm_kwargs(),
     )
     report = run_throughput(config, command_line(args))
     print(f"{report.model} ({report.dtype}), {report.dataset}, {report.num_prompts} requests, seed {report.seed}")
-    print(format_table(report))
-    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(throughput_report.format_table(report))
+    json_path, png_path = throughput_report.write_report(report, Path(args.output_dir))
     print(f"wrote {json_path}")
     print(f"wrote {png_path}")
     return 0

@@ -24,7 +24,10 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, save_figure, write_json
+from folio import LLM, SamplingParams
+from folio.bench.llama_cpp_build import build_llama_cpp
+from folio.loaders.catalog import resolve_model
+from folio.results import machine_info, result_paths, save_figure, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
 PROMPT = "Write a long story about a lighthouse keeper."
@@ -64,8 +67,6 @@ class DecodeReport:
 
 
 def measure_batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
-    from folio import SamplingParams
-
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     best = 0.0
     for _ in range(repeats):
@@ -76,8 +77,6 @@ def measure_batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
 
 
 def measure_batched(llm: Any, gen_tokens: int, batch: int) -> float:
-    from folio import SamplingParams
-
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     prompts = [f"{PROMPT} Chapter {i + 1}." for i in range(batch)]
     start = time.perf_counter()
@@ -87,8 +86,6 @@ def measure_batched(llm: Any, gen_tokens: int, batch: int) -> float:
 
 
 def _llama_bench(path: Path, gen_tokens: int, repeats: int, threads: int) -> tuple[float, dict[str, Any]]:
-    from folio.bench.llama_cpp_build import build_llama_cpp
-
     binaries = build_llama_cpp()
     cmd = [str(binaries.bench), "-m", str(path), "-p", "0", "-n", str(gen_tokens), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]  # fmt: skip
@@ -100,9 +97,6 @@ def _llama_bench(path: Path, gen_tokens: int, repeats: int, threads: int) -> tup
 
 
 def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
-    from folio import LLM
-    from folio.loaders.catalog import resolve_model
-
     if config.peer not in (None, "llama.cpp"):
         raise ValueError(f"unknown peer {config.peer!r}; choose llama.cpp")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")

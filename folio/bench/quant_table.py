@@ -25,7 +25,14 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, write_json
+from folio import LLM
+from folio.bench.decode import measure_batch1, measure_batched
+from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
+from folio.eval.corpus import held_out_windows
+from folio.eval.perplexity import score_windows
+from folio.loaders.catalog import resolve_model
+from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
+from folio.results import machine_info, result_paths, write_json
 
 DENSE_FORMATS = {"fp32": "float32", "bf16": "bfloat16"}
 QUANTIZED_METHODS = ("int8", "int4", "gptq", "awq", "nf4")
@@ -81,8 +88,6 @@ class TableReport:
 
 def checkpoint_for(config: TableConfig, source: Path, method: str) -> tuple[Path, float | None]:
     """The `folio quantize` checkpoint of `method`, made now if missing: (folder, seconds it took)."""
-    from folio.quant.quantize_model import QuantizeOptions, quantize_checkpoint
-
     folder = Path(config.checkpoint_dir).expanduser() / f"{source.stem}-{method}-g{config.group_size}"
     if (folder / "config.json").exists():
         return folder, None
@@ -91,12 +96,6 @@ def checkpoint_for(config: TableConfig, source: Path, method: str) -> tuple[Path
 
 
 def run_table(config: TableConfig, command: str) -> TableReport:
-    from folio import LLM
-    from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
-    from folio.eval.corpus import held_out_windows
-    from folio.eval.perplexity import score_windows
-    from folio.loaders.catalog import resolve_model
-
     unknown = [f for f in config.formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
@@ -140,8 +139,6 @@ def run_table(config: TableConfig, command: str) -> TableReport:
 
 
 def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
-    from folio.bench.decode import measure_batch1, measure_batched
-
     measure_batch1(llm, 8, 1)  # warm-up: kernels loaded, first-call allocations
     return measure_batch1(llm, config.gen_tokens, config.repeats), measure_batched(llm, config.gen_tokens, config.batch)
 

@@ -6,8 +6,8 @@ from pathlib import Path
 
 from folio.bench.fuzz import FuzzReport
 from folio.bench.overload import OverloadReport
-from folio.bench.report import save_figure, write_json
 from folio.bench.serve_report import _pyplot
+from folio.results import save_figure, write_json
 
 
 def _state_line(state: dict) -> str:

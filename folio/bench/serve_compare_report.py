@@ -11,12 +11,12 @@ from typing import Any
 
 import numpy as np
 
-from folio.bench.report import save_figure, write_text_atomic
-from folio.bench.serve import RateResult
-from folio.bench.serve_compare import CompareReport
+from folio.bench.serve_compare_types import CompareReport
 from folio.bench.serve_metrics import hit_rate
 from folio.bench.serve_report import _pyplot
 from folio.bench.serve_stats import dump_json, format_rate
+from folio.bench.serve_types import RateResult
+from folio.results import save_figure, write_text_atomic
 
 # (id in the JSON, label in the table, where in a rate's summary, which way is better)
 METRICS = (

@@ -9,9 +9,9 @@ from typing import Any
 
 import numpy as np
 
-from folio.bench.report import save_figure, write_text_atomic
-from folio.bench.serve import ServeReport
 from folio.bench.serve_stats import dump_json, format_rate
+from folio.bench.serve_types import ServeReport
+from folio.results import save_figure, write_text_atomic
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 TABLE_STATS = ("mean", "p50", "p90", "p99")

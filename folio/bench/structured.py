@@ -19,8 +19,12 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, save_figure, write_json
+from folio import LLM, SamplingParams
+from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
+from folio.loaders.catalog import resolve_model
+from folio.results import machine_info, result_paths, save_figure, write_json
+from folio.structured.params import StructuredOutputParams
 
 PEERS = ("llama.cpp",)
 Chat = list[dict[str, str]]
@@ -133,9 +137,6 @@ def is_valid(text: str, schema: dict[str, Any]) -> bool:
 def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     import gc
 
-    from folio import LLM
-    from folio.loaders.catalog import resolve_model
-
     if config.peer is not None and config.peer not in PEERS:
         raise ValueError(f"unknown peer {config.peer!r}; choose from {', '.join(PEERS)}")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -152,8 +153,6 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     gc.collect()
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
-        from folio.bench.structured_llama import count_valid, run_llama_structured
-
         longest = max(len(p) for p in prompts)
         bound, free, peer_info = run_llama_structured(path, chats, longest, config.max_tokens, config.temperature,
                                                       config.seed, threads=os.cpu_count() or 1)  # fmt: skip
@@ -171,9 +170,6 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
 def _run_folio(
     llm: Any, config: StructuredConfig, chats: list[tuple[str, Chat]], prompts: list[list[int]]
 ) -> EngineStructured:
-    from folio import SamplingParams
-    from folio.structured.params import StructuredOutputParams
-
     # Warm up both paths (first-call allocations, llguidance's tokenizer index) outside the timings.
     warm = StructuredOutputParams(json=SCHEMAS[chats[0][0]])
     llm.generate(prompts[:2], [SamplingParams(max_tokens=8, structured_output=warm), SamplingParams(max_tokens=8)],

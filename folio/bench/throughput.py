@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from folio import LLM
 from folio.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -21,7 +22,10 @@ from folio.bench.datasets import (
     prompt_vocabulary,
     random_requests,
 )
+from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
 from folio.bench.report import EngineResult, ThroughputReport
+from folio.loaders.catalog import resolve_model
+from folio.sampling_params import SamplingParams
 
 PEERS = ("hf",)
 
@@ -72,8 +76,6 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
 
 def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: bool = True) -> EngineResult:
     """Time one `generate` call over all requests: greedy, ignoring EOS, each to its own length."""
-    from folio.sampling_params import SamplingParams
-
     torch.set_num_threads(os.cpu_count() or 1)
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
@@ -97,10 +99,6 @@ def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: b
 
 
 def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
-    from folio import LLM
-    from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
-    from folio.loaders.catalog import resolve_model
-
     # Fail before the long part of the run on anything the user can fix.
     if config.peer == "hf":
         require_transformers()

@@ -16,8 +16,11 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info
+from folio import LLM
+from folio.engine.request import Request
 from folio.eval.corpus import held_out_windows
+from folio.results import machine_info
+from folio.sampling_params import SamplingParams
 
 
 @dataclass
@@ -69,9 +72,6 @@ def score_windows(llm: Any, windows: list[list[int]], chunk: int | None = None) 
 
 
 def _score(engine: Any, windows: list[list[int]]) -> tuple[float, int]:
-    from folio.engine.request import Request
-    from folio.sampling_params import SamplingParams
-
     if engine.kv.enable_prefix_caching:
         raise ValueError("scoring needs every position computed: make the LLM with enable_prefix_caching=False")
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
@@ -105,8 +105,6 @@ def _score(engine: Any, windows: list[list[int]]) -> tuple[float, int]:
 def run_perplexity(
     model: str, quantization: str | None, num_tokens: int, context: int, **engine: Any
 ) -> PerplexityResult:
-    from folio import LLM
-
     llm = LLM(model, quantization=quantization, enable_prefix_caching=False, **engine)  # engine: kv_cache_dtype too
     windows = held_out_windows(lambda text: llm.tokenizer.encode(text, add_special_tokens=False), num_tokens, context)
     start = time.perf_counter()
