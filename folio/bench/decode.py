@@ -26,8 +26,10 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.bench.llama_cpp_build import build_llama_cpp
+from folio.bench.plots import engine_bars, engine_colors, figure
+from folio.bench.table import row
 from folio.loaders.catalog import resolve_model
-from folio.results import machine_info, result_paths, save_figure, write_json
+from folio.results import machine_info, result_paths, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
 PROMPT = "Write a long story about a lighthouse keeper."
@@ -126,11 +128,10 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
 
 def format_table(report: DecodeReport) -> str:
     batch = report.config["batch"]
-    lines = [f"{'engine':20}{'weights MiB':>12}{'batch-1 tok/s':>15}{f'batch-{batch} tok/s':>17}"]
+    widths = [12, 15, 17]
+    lines = [row("engine", ["weights MiB", "batch-1 tok/s", f"batch-{batch} tok/s"], widths=widths)]
     for r in report.results:
-        weights = f"{r.weight_mib:.1f}" if r.weight_mib is not None else "-"
-        batched = f"{r.batch_tok_s:.1f}" if r.batch_tok_s is not None else "-"
-        lines.append(f"{r.engine:20}{weights:>12}{r.batch1_tok_s:>15.1f}{batched:>17}")
+        lines.append(row(r.engine, [r.weight_mib, r.batch1_tok_s, r.batch_tok_s], widths=widths, number=".1f"))
     if report.results[-1].engine == "llama.cpp":
         ratio = report.results[0].batch1_tok_s / report.results[-1].batch1_tok_s
         lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = {ratio:.2f}x")
@@ -145,26 +146,13 @@ def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
 
 
 def _plot(report: DecodeReport, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r.engine for r in report.results]
-    colors = ["#c9822b" if n == "llama.cpp" else "#3b6ea8" for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    colors = engine_colors(names, peer="llama.cpp")
     panels = [("batch1_tok_s", "batch-1 decode tok/s"), ("batch_tok_s", f"batch-{report.config['batch']} tok/s"),
               ("weight_mib", "resident weights MiB")]  # fmt: skip
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        shown = [(n, getattr(r, key), c) for n, r, c in zip(names, report.results, colors, strict=True)
-                 if getattr(r, key) is not None]  # fmt: skip
-        bars = ax.bar([n for n, _, _ in shown], [v for _, v, _ in shown], color=[c for _, _, c in shown])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-        ax.set_title(label, fontsize=9)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.margins(y=0.15)
-    fig.suptitle(f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
-                 f"({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    title = (f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
+             f"({report.machine['cores']} cores)")  # fmt: skip
+    with figure(path, 3, (12, 3.8), title) as (_, axes):
+        for ax, (key, label) in zip(axes, panels, strict=True):
+            engine_bars(ax, names, [getattr(r, key) for r in report.results], colors, label, label_size=8)
+            ax.tick_params(axis="x", labelsize=7)

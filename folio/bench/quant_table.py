@@ -27,6 +27,7 @@ import torch
 
 from folio import LLM
 from folio.bench.decode import measure_batch1, measure_batched
+from folio.bench.table import row as table_row
 from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
 from folio.eval.corpus import held_out_windows
 from folio.eval.perplexity import score_windows
@@ -143,14 +144,16 @@ def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
     return measure_batch1(llm, config.gen_tokens, config.repeats), measure_batched(llm, config.gen_tokens, config.batch)
 
 
-HEADER = (f"{'weights':8}{'KV':6}{'dtype':10}{'MiB':>8}{'KV B/tok':>10}{'ppl':>9}{'agree':>8}{'b1 tok/s':>10}"
-          f"{'bN tok/s':>10}")  # fmt: skip
+WIDTHS = [8, 10, 9, 8, 10, 10]  # after the three left-aligned columns: weights (8), KV (6), dtype (10)
+HEADER = table_row(
+    f"{'weights':8}{'KV':6}{'dtype':10}", ["MiB", "KV B/tok", "ppl", "agree", "b1 tok/s", "bN tok/s"], 24, WIDTHS
+)
 
 
 def format_row(row: Row, num_prompts: int) -> str:
-    return (f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}{row.weight_mib:>8.1f}"
-            f"{row.kv_bytes_per_token:>10}{row.perplexity:>9.3f}{f'{row.identical}/{num_prompts}':>8}"
-            f"{row.batch1_tok_s:>10.1f}{row.batch_tok_s:>10.1f}")  # fmt: skip
+    values = [f"{row.weight_mib:.1f}", str(row.kv_bytes_per_token), f"{row.perplexity:.3f}",
+              f"{row.identical}/{num_prompts}", f"{row.batch1_tok_s:.1f}", f"{row.batch_tok_s:.1f}"]  # fmt: skip
+    return table_row(f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}", values, 24, WIDTHS)
 
 
 def format_table(report: TableReport) -> str:

@@ -7,7 +7,9 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from folio.results import machine_info, save_figure, write_json
+from folio.bench.plots import engine_bars, engine_colors, figure
+from folio.bench.table import row
+from folio.results import machine_info, write_json
 
 METRICS = (  # (key, label) of what is compared across engines
     ("requests_per_s", "requests/s"),
@@ -104,12 +106,10 @@ def format_table(report: ThroughputReport) -> str:
     engines = [r.engine for r in report.results]
     ratios = report.ratios
     ratio_head = f"folio/{report.peer_name}" if ratios else ""
-    lines = [f"{'':<14}" + "".join(f"{e:>12}" for e in engines) + (f"{ratio_head:>12}" if ratios else "")]
+    lines = [row("", engines + ([ratio_head] if ratios else []), label_width=14)]
     for key, label in METRICS:
-        row = f"{label:<14}" + "".join(f"{getattr(r, key):>12.2f}" for r in report.results)
-        if key in ratios:
-            row += f"{ratios[key]:>12.2f}"
-        lines.append(row)
+        values = [getattr(r, key) for r in report.results] + ([ratios[key]] if key in ratios else [])
+        lines.append(row(label, values, label_width=14))
     counts = ", ".join(f"{r.engine} {r.output_tokens} useful / {r.generated_tokens} decoded" for r in report.results)
     lines.append(f"output tokens: {counts}")
     return "\n".join(lines)
@@ -133,30 +133,13 @@ def write_report(report: ThroughputReport, output_dir: Path) -> tuple[Path, Path
 
 
 def plot_report(report: ThroughputReport, path: Path) -> None:
-    try:  # imported here: plotting is the only user of matplotlib, an optional dependency
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("plotting needs matplotlib: pip install 'folio[bench]'") from None
     panels = [("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")]
     engines = [r.engine for r in report.results]
-    colors = ["#3b6ea8" if e == "folio" else "#c9822b" for e in engines]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        values = [getattr(r, key) for r in report.results]
-        bars = ax.bar(engines, values, color=colors)
-        ax.bar_label(bars, fmt="%.1f")
-        ax.set_ylabel(label)
-        ratio = report.ratios.get(key)
-        ax.set_title(label + (f"  (folio/{report.peer_name} = {ratio:.2f}x)" if ratio else ""), fontsize=9)
-        ax.margins(y=0.15)
-    fig.suptitle(
-        f"{Path(report.model).name} {report.dtype}, {report.dataset}, {report.num_prompts} requests\n"
-        f"{report.machine['cpu']} ({report.machine['cores']} cores)",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    title = (f"{Path(report.model).name} {report.dtype}, {report.dataset}, {report.num_prompts} requests\n"
+             f"{report.machine['cpu']} ({report.machine['cores']} cores)")  # fmt: skip
+    with figure(path, len(panels), (4.2 * len(panels), 3.8), title) as (_, axes):
+        for ax, (key, label) in zip(axes, panels, strict=True):
+            ratio = report.ratios.get(key)
+            panel = label + (f"  (folio/{report.peer_name} = {ratio:.2f}x)" if ratio else "")
+            engine_bars(ax, engines, [getattr(r, key) for r in report.results], engine_colors(engines), panel)
+            ax.set_ylabel(label)

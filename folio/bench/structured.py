@@ -20,10 +20,12 @@ from typing import Any
 import torch
 
 from folio import LLM, SamplingParams
+from folio.bench.plots import FOLIO_COLOR, PEER_COLOR, figure
 from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
+from folio.bench.table import row
 from folio.loaders.catalog import resolve_model
-from folio.results import machine_info, result_paths, save_figure, write_json
+from folio.results import machine_info, result_paths, write_json
 from folio.structured.params import StructuredOutputParams
 
 PEERS = ("llama.cpp",)
@@ -204,17 +206,14 @@ def _run_folio(
 
 
 def format_table(report: StructuredReport) -> str:
-    header = (
-        f"{'engine':10}{'json tok/s':>12}{'free tok/s':>12}{'ratio':>8}{'mask ms/step':>14}{'valid':>8}{'ended':>8}"
-    )
-    lines = [header]
+    widths = [12, 12, 8, 14, 8, 8]
+    lines = [row("engine", ["json tok/s", "free tok/s", "ratio", "mask ms/step", "valid", "ended"], 10, widths)]
     total = report.config["num_prompts"]
     for r in report.results:
-        mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else "-"
-        lines.append(
-            f"{r.engine:10}{r.constrained.output_tokens_per_s:>12.1f}{r.unconstrained.output_tokens_per_s:>12.1f}"
-            f"{r.throughput_ratio:>7.3f}x{mask:>14}{f'{r.num_valid}/{total}':>8}{f'{r.num_finished}/{total}':>8}"
-        )
+        mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else None
+        values = [r.constrained.output_tokens_per_s, r.unconstrained.output_tokens_per_s, f"{r.throughput_ratio:.3f}x",
+                  mask, f"{r.num_valid}/{total}", f"{r.num_finished}/{total}"]  # fmt: skip
+        lines.append(row(r.engine, values, 10, widths, number=".1f"))
     folio = report.results[0]
     lines.append(
         f"ratio = constrained/unconstrained throughput on the same token counts; folio's masks took "
@@ -231,17 +230,18 @@ def write_report(report: StructuredReport, output_dir: Path) -> tuple[Path, Path
 
 
 def _plot(report: StructuredReport, path: Path) -> None:
-    import matplotlib
+    title = (f"{Path(report.model).name} {report.dtype}, {report.config['num_prompts']} JSON-schema requests\n"
+             f"{report.machine['cpu']} ({report.machine['cores']} cores)")  # fmt: skip
+    with figure(path, 2, (9, 3.8), title) as (_, (left, right)):
+        _plot_panels(report, left, right)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+def _plot_panels(report: StructuredReport, left: Any, right: Any) -> None:
     engines = [r.engine for r in report.results]
     x = range(len(engines))
     width = 0.38
     bound = left.bar([i - width / 2 for i in x], [r.constrained.output_tokens_per_s for r in report.results], width,
-                     label="json_schema", color="#3b6ea8")  # fmt: skip
+                     label="json_schema", color=FOLIO_COLOR)  # fmt: skip
     free = left.bar([i + width / 2 for i in x], [r.unconstrained.output_tokens_per_s for r in report.results], width,
                     label="unconstrained", color="#8aa9cf")  # fmt: skip
     left.bar_label(bound, fmt="%.1f", fontsize=8)
@@ -254,13 +254,8 @@ def _plot(report: StructuredReport, path: Path) -> None:
     c = report.results[0].constrained
     step_ms = 1000 * c.elapsed_s / max(c.num_steps_masked, 1)
     right.bar(["folio step"], [step_ms - c.mask_ms_per_step], color="#8aa9cf", label="model + sampling")
-    right.bar(["folio step"], [c.mask_ms_per_step], bottom=[step_ms - c.mask_ms_per_step], color="#c9822b",
+    right.bar(["folio step"], [c.mask_ms_per_step], bottom=[step_ms - c.mask_ms_per_step], color=PEER_COLOR,
               label="token masks")  # fmt: skip
     right.set_ylabel("ms per constrained step")
     right.set_title(f"masks: {c.mask_ms_per_step:.2f} ms/step, {c.mask_ms_per_row:.3f} ms/row", fontsize=9)
     right.legend(fontsize=8)
-    fig.suptitle(f"{Path(report.model).name} {report.dtype}, {report.config['num_prompts']} JSON-schema requests\n"
-                 f"{report.machine['cpu']} ({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)

@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from folio.engine.llm import LLM
-from folio.eval.corpus import calibration_windows
+from folio.eval import corpus
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.weight_storage import ConcatRows
 from folio.quant.nf4 import BLOCK_SIZE, NF4Weight
@@ -81,7 +81,9 @@ def quantize_checkpoint(source: str | Path, output: Path, options: QuantizeOptio
                          f"this model has {', '.join(map(str, uneven))} (try --group-size 32)")  # fmt: skip
     stats: dict[str, InputStatistics] = {}
     if options.method in CALIBRATED:
-        windows = calibration_windows(llm.tokenizer.encode, options.num_samples, options.sample_length, options.seed)
+        windows = corpus.calibration_windows(
+            llm.tokenizer.encode, options.num_samples, options.sample_length, options.seed
+        )
         stats = collect_input_statistics(llm, windows, linears, show_progress)
     if options.method == "awq":
         fold_awq_scales(model, stats, options.group_size, show_progress)
