@@ -20,8 +20,6 @@ from folio.bench.cli import add_bench_parser, run_bench
 from folio.engine_args import DEFAULT_MODEL, EngineArgs
 from folio.server.limits import RequestLimits
 
-_add_engine_args = EngineArgs.add_cli_args
-
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
     parser.add_argument("--max-tokens", type=int, default=max_tokens)
@@ -71,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _add_sampling_args(run)
-    _add_engine_args(run)
+    EngineArgs.add_cli_args(run)
 
     chat = sub.add_parser("chat", help="interactive chat using the model's chat template")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat)
-    _add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -92,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
                        "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
     _add_limit_args(serve)
-    _add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
 
     kv_calc = sub.add_parser("kv-calc", help="KV cache and weight memory of a model, and how many sequences fit")
     kv_calc.add_argument("model", help="catalog name, .gguf file, Hugging Face folder or config.json")
@@ -109,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--input", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
     generate.add_argument("--output", required=True)
     _add_sampling_args(generate)
-    _add_engine_args(generate)
+    EngineArgs.add_cli_args(generate)
 
     quantize = sub.add_parser(
         "quantize", help="write a quantized checkpoint (int8, int4, GPTQ, AWQ, NF4) of a 16/32-bit model",
@@ -140,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--num-tokens", type=int, default=16384, help="tokens of text to score (default 16384)")
     perplexity.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
     perplexity.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
-    _add_engine_args(perplexity)
+    EngineArgs.add_cli_args(perplexity)
     agreement = evals.add_parser(
         "agreement",
         help="greedy-token agreement with the same model dequantized to float32 (full-precision KV)",
@@ -155,7 +153,7 @@ def build_parser() -> argparse.ArgumentParser:
     agreement.add_argument("--reference", default=None, metavar="MODEL",
                            help="the full-precision model to agree with (default: MODEL itself, dequantized), e.g. "
                            "the source of a `folio quantize` checkpoint")  # fmt: skip
-    _add_engine_args(agreement)
+    EngineArgs.add_cli_args(agreement)
 
     add_bench_parser(sub)
     return parser

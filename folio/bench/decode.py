@@ -12,6 +12,7 @@ the same file, after folio has released its memory.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -25,9 +26,11 @@ from typing import Any
 import torch
 
 from folio import LLM, SamplingParams
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.plots import engine_bars, engine_colors, figure
 from folio.bench.table import row
+from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.results import machine_info, result_paths, write_json
 
@@ -156,3 +159,34 @@ def _plot(report: DecodeReport, path: Path) -> None:
         for ax, (key, label) in zip(axes, panels, strict=True):
             engine_bars(ax, names, [getattr(r, key) for r in report.results], colors, label, label_size=8)
             ax.tick_params(axis="x", labelsize=7)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "decode",
+        help="decode speed of a GGUF file's weights kept quantized vs dequantized, optionally vs llama-bench",
+        description="Load a GGUF model twice (its weights kept quantized, then dequantized to --dtype) and measure "
+        "batch-1 decode tok/s (prefill excluded, best of --repeats), batch-N output tok/s and resident weight "
+        "memory; with --peer llama.cpp also llama-bench's tg on the same file with the same threads.",
+    )
+    parser.add_argument("model", help="catalog name or .gguf file")
+    parser.add_argument("--gen-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
+    parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs, best kept (default 3)")
+    parser.add_argument("--peer", default=None, help="also run llama-bench on the same file: llama.cpp")
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_decode_command)
+
+
+def run_decode_command(args: argparse.Namespace) -> int:
+    engine = EngineArgs.from_cli_args(args).llm_kwargs()
+    del engine["quantization"]  # both variants run, each with its own
+    config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine)
+    report = run_decode(config, command_line(args))
+    print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0

@@ -8,6 +8,11 @@ import argparse
 import shlex
 
 _NOT_OPTIONS = ("command", "bench_command", "bench_run")
+DEFAULT_OUTPUT_DIR = "benchmarks/results"
+
+
+def add_output_dir(parser: argparse.ArgumentParser, what: str = "JSON + PNG go") -> None:
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"{what} here ({DEFAULT_OUTPUT_DIR})")
 
 
 def option_words(key: str, value: object) -> list[str]:

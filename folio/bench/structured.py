@@ -9,6 +9,7 @@ Every constrained output is checked to parse and validate against its schema.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -20,10 +21,12 @@ from typing import Any
 import torch
 
 from folio import LLM, SamplingParams
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.plots import FOLIO_COLOR, PEER_COLOR, figure
 from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
 from folio.bench.table import row
+from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.results import machine_info, result_paths, write_json
 from folio.structured.params import StructuredOutputParams
@@ -259,3 +262,35 @@ def _plot_panels(report: StructuredReport, left: Any, right: Any) -> None:
     right.set_ylabel("ms per constrained step")
     right.set_title(f"masks: {c.mask_ms_per_step:.2f} ms/step, {c.mask_ms_per_row:.3f} ms/row", fontsize=9)
     right.legend(fontsize=8)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "structured",
+        help="the cost of structured output: JSON-schema requests vs the same requests unconstrained",
+        description="Run chat requests asking for JSON under a JSON schema (llguidance token masks), then the "
+        "same requests unconstrained with EOS ignored, each decoding exactly as many tokens as its constrained "
+        "run, and report both throughputs, their ratio, the time spent computing masks per step, and how many "
+        "outputs validate against their schema.",
+    )
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
+    parser.add_argument("--num-prompts", type=int, default=32, help="number of requests (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output limit per request (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (default 0)")
+    parser.add_argument("--peer", default=None, help="also run the requests on llama.cpp's llama-server: llama.cpp")
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_structured_command)
+
+
+def run_structured_command(args: argparse.Namespace) -> int:
+    config = StructuredConfig(args.model, args.num_prompts, args.max_tokens, args.temperature, args.seed,
+                              args.peer, EngineArgs.from_cli_args(args).llm_kwargs())  # fmt: skip
+    report = run_structured(config, command_line(args))
+    print(f"{report.model} ({report.dtype}), {config.num_prompts} JSON-schema requests, seed {config.seed}")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0
