@@ -8,6 +8,8 @@ import argparse
 from dataclasses import asdict, dataclass, fields
 from typing import Any
 
+import torch
+
 from folio.config import CacheConfig, SchedulerConfig, parse_memory
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -19,7 +21,7 @@ KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
 @dataclass
 class EngineArgs:
     model: str = DEFAULT_MODEL  # catalog name, .gguf file or Hugging Face folder (a positional argument)
-    dtype: str = "float32"
+    dtype: str | torch.dtype = "float32"  # a name on the command line; LLM(...) also takes a torch.dtype
     device: str | None = None  # None: the platform's default
     kv_cache_memory: str | int | None = None  # "2GiB" or bytes; None: a share of available RAM
     num_kv_blocks: int | None = None  # overrides kv_cache_memory
@@ -85,7 +87,8 @@ class EngineArgs:
             if key == "enable_prefix_caching":
                 words += [] if value else ["--no-prefix-caching"]
             elif value is not None:
-                words += [f"--{key.replace('_', '-')}", str(value)]
+                text = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else str(value)
+                words += [f"--{key.replace('_', '-')}", text]
         return words
 
     # -- the engine --------------------------------------------------------------------------------

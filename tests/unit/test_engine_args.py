@@ -7,6 +7,7 @@ import inspect
 from dataclasses import fields
 
 import pytest
+import torch
 
 from folio import LLM
 from folio.engine_args import EngineArgs
@@ -60,6 +61,10 @@ def test_flags_round_trip(args: EngineArgs) -> None:
     flags = args.to_cli_flags()
     assert _parse([args.model, *flags]) == args
     assert ("--no-prefix-caching" in flags) is not args.enable_prefix_caching
+
+
+def test_a_torch_dtype_is_written_by_name() -> None:
+    assert _parse(["m", *EngineArgs("m", dtype=torch.bfloat16).to_cli_flags()]).dtype == "bfloat16"
 
 
 def test_the_configs_it_builds() -> None:
