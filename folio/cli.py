@@ -1,4 +1,7 @@
-"""`folio` command line: pull, models, run, chat, generate, bench.
+"""`folio` command line: pull, models, run, chat, serve, generate, kv-calc, quantize, eval, bench.
+
+The top layer: it builds the parser (engine flags from `EngineArgs`, `folio bench`'s subcommands from
+folio/bench/cli.py) and dispatches to folio/commands.py and the tools. Nothing imports it.
 
 Every failure a user can cause ends in one line on stderr and a non-zero exit; set FOLIO_DEBUG=1 to
 see the traceback instead.
@@ -12,59 +15,10 @@ import os
 import sys
 from collections.abc import Callable
 
-from folio import __version__
+from folio import __version__, commands
+from folio.bench.cli import add_bench_parser, run_bench
+from folio.engine_args import DEFAULT_MODEL, EngineArgs
 from folio.server.limits import RequestLimits
-
-DEFAULT_MODEL = "smollm2-135m"
-
-
-def _add_engine_args(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--dtype", default="float32", help="weights/activations dtype: float32, bfloat16")
-    parser.add_argument(
-        "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1/4 of free RAM, max 4GiB)"
-    )
-    parser.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
-    parser.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
-    parser.add_argument("--max-model-len", type=int, default=None, help="context length served")
-    parser.add_argument(
-        "--batching", default="continuous", choices=("continuous", "static", "dynamic"),
-        help="continuous (default; requests join at any step), static (wait for a full batch, run it to the "
-        "end) or dynamic (a full batch or --batch-timeout-ms, whichever first)",
-    )  # fmt: skip
-    parser.add_argument("--batch-size", type=int, default=None, help="static/dynamic batch size (--max-num-seqs)")
-    parser.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait (default 50)")
-    parser.add_argument(
-        "--quantization", default=None, choices=("none", "int8", "int4", "nf4"),
-        help="none: dequantize every quantized weight to --dtype at load; int8 / int4 / nf4: quantize every "
-        "projection at load (per-channel int8; 4-bit round-to-nearest in groups of 32; NormalFloat-4 in blocks "
-        "of 64) (default: the checkpoint's own formats - GGUF 4-bit and Q8_0, GPTQ, AWQ, NF4 - stay as they are)",
-    )  # fmt: skip
-    parser.add_argument(
-        "--kv-cache-dtype", default="auto", choices=("auto", "int8", "fp8"),
-        help="auto (the model's dtype), or 8-bit K/V with a float16 scale per token and head: about twice "
-        "the tokens in the same memory",
-    )  # fmt: skip
-    parser.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
-        help="recompute every prompt instead of reusing the KV of prefixes seen before",
-    )  # fmt: skip
-
-
-def engine_kwargs(args: argparse.Namespace) -> dict[str, object]:
-    """The LLM(...) keyword arguments that _add_engine_args' flags set."""
-    return dict(
-        dtype=args.dtype,
-        kv_cache_memory=args.kv_cache_memory,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        max_model_len=args.max_model_len,
-        enable_prefix_caching=args.enable_prefix_caching,
-        quantization=args.quantization,
-        kv_cache_dtype=args.kv_cache_dtype,
-        batching=args.batching,
-        batch_size=args.batch_size,
-        batch_timeout_ms=args.batch_timeout_ms,
-    )
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -100,17 +54,6 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                         f"(default {defaults.max_logprobs})")  # fmt: skip
 
 
-def request_limits(args: argparse.Namespace) -> RequestLimits:
-    return RequestLimits(
-        max_body_bytes=args.max_request_bytes,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_length,
-        max_logit_bias=args.max_logit_bias,
-        max_grammar_bytes=args.max_grammar_bytes,
-        max_logprobs=args.max_logprobs_per_request,
-    )
-
-
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Run open language models locally.")
     parser.add_argument("--version", action="version", version=f"folio {__version__}")
@@ -126,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("prompt")
     run.add_argument("--raw", action="store_true", help="send the prompt as is, without the chat template")
     _add_sampling_args(run)
-    _add_engine_args(run)
+    EngineArgs.add_cli_args(run)
 
     chat = sub.add_parser("chat", help="interactive chat using the model's chat template")
     chat.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     chat.add_argument("--system", default=None, help="system prompt")
     _add_sampling_args(chat)
-    _add_engine_args(chat)
+    EngineArgs.add_cli_args(chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
     serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
@@ -147,7 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
                        "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
     _add_limit_args(serve)
-    _add_engine_args(serve)
+    EngineArgs.add_cli_args(serve)
 
     kv_calc = sub.add_parser("kv-calc", help="KV cache and weight memory of a model, and how many sequences fit")
     kv_calc.add_argument("model", help="catalog name, .gguf file, Hugging Face folder or config.json")
@@ -164,7 +107,7 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--input", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
     generate.add_argument("--output", required=True)
     _add_sampling_args(generate)
-    _add_engine_args(generate)
+    EngineArgs.add_cli_args(generate)
 
     quantize = sub.add_parser(
         "quantize", help="write a quantized checkpoint (int8, int4, GPTQ, AWQ, NF4) of a 16/32-bit model",
@@ -195,7 +138,7 @@ def build_parser() -> argparse.ArgumentParser:
     perplexity.add_argument("--num-tokens", type=int, default=16384, help="tokens of text to score (default 16384)")
     perplexity.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
     perplexity.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
-    _add_engine_args(perplexity)
+    EngineArgs.add_cli_args(perplexity)
     agreement = evals.add_parser(
         "agreement",
         help="greedy-token agreement with the same model dequantized to float32 (full-precision KV)",
@@ -210,29 +153,24 @@ def build_parser() -> argparse.ArgumentParser:
     agreement.add_argument("--reference", default=None, metavar="MODEL",
                            help="the full-precision model to agree with (default: MODEL itself, dequantized), e.g. "
                            "the source of a `folio quantize` checkpoint")  # fmt: skip
-    _add_engine_args(agreement)
+    EngineArgs.add_cli_args(agreement)
 
-    from folio.bench.cli import add_bench_parser
-
-    add_bench_parser(sub, _add_engine_args)
+    add_bench_parser(sub)
     return parser
 
 
-def _handlers() -> dict[str, Callable[[argparse.Namespace], int]]:
-    from folio import commands
-
-    return {
-        "pull": commands.cmd_pull,
-        "models": commands.cmd_models,
-        "run": commands.cmd_run,
-        "chat": commands.cmd_chat,
-        "generate": commands.cmd_generate,
-        "serve": commands.cmd_serve,
-        "kv-calc": commands.cmd_kv_calc,
-        "bench": commands.cmd_bench,
-        "eval": commands.cmd_eval,
-        "quantize": commands.cmd_quantize,
-    }
+HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
+    "pull": commands.cmd_pull,
+    "models": commands.cmd_models,
+    "run": commands.cmd_run,
+    "chat": commands.cmd_chat,
+    "generate": commands.cmd_generate,
+    "serve": commands.cmd_serve,
+    "kv-calc": commands.cmd_kv_calc,
+    "bench": run_bench,
+    "eval": commands.cmd_eval,
+    "quantize": commands.cmd_quantize,
+}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -241,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
     logging.getLogger("folio").setLevel(logging.INFO)
     try:
-        return _handlers()[args.command](args)
+        return HANDLERS[args.command](args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

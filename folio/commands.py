@@ -1,22 +1,31 @@
-"""What each `folio` subcommand does (argument parsing lives in cli.py)."""
+"""What each `folio` subcommand does (argument parsing lives in cli.py, which imports this module)."""
 
 from __future__ import annotations
 
 import argparse
 import json
+import socket
 import sys
 from pathlib import Path
 from typing import Any
 
+from folio import LLM
+from folio.config import parse_memory
+from folio.engine_args import EngineArgs
+from folio.eval.agreement import run_agreement
+from folio.eval.perplexity import run_perplexity
+from folio.kv_calc import KV_DTYPES, WEIGHT_FORMATS, load_shape, report
+from folio.loaders.catalog import CATALOG, list_pulled, pull, resolve_model
+from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
+from folio.results import result_paths, write_json
 from folio.sampling_params import SamplingParams
+from folio.server.limits import RequestLimits
+from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
 from folio.structured.params import StructuredOutputParams
 
 
-def _llm(args: argparse.Namespace):
-    from folio import LLM
-    from folio.cli import engine_kwargs
-
-    return LLM(args.model, **engine_kwargs(args))
+def _llm(args: argparse.Namespace) -> LLM:
+    return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
 def _sampling(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
@@ -56,16 +65,12 @@ def _human_size(num_bytes: int) -> str:
 
 
 def cmd_pull(args: argparse.Namespace) -> int:
-    from folio.loaders.catalog import pull
-
     path = pull(args.model)
     print(f"{args.model}: {path}")
     return 0
 
 
 def cmd_models(args: argparse.Namespace) -> int:
-    from folio.loaders.catalog import CATALOG, list_pulled
-
     pulled = {m.name: m for m in list_pulled()}
     print(f"{'NAME':<16} {'SIZE':>9}  {'ARCH':<8} {'QUANT':<8} STATUS")
     for name in sorted(set(CATALOG) | set(pulled)):
@@ -189,9 +194,6 @@ def _read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from folio.cli import request_limits
-    from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
-
     if args.max_queue < 0:
         raise ValueError("--max-queue must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
@@ -200,15 +202,25 @@ def cmd_serve(args: argparse.Namespace) -> int:
     _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
     try:
         with sigterm_stops_startup():
-            serve(_llm(args), args.model, args.host, args.port, options)
+            serve(EngineArgs.from_cli_args(args), args.host, args.port, options)
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0
 
 
-def _check_port_free(host: str, port: int) -> None:
-    import socket
+def request_limits(args: argparse.Namespace) -> RequestLimits:
+    """The limits cli.py's `request limits` flags set."""
+    return RequestLimits(
+        max_body_bytes=args.max_request_bytes,
+        max_stop_strings=args.max_stop_strings,
+        max_stop_chars=args.max_stop_length,
+        max_logit_bias=args.max_logit_bias,
+        max_grammar_bytes=args.max_grammar_bytes,
+        max_logprobs=args.max_logprobs_per_request,
+    )
 
+
+def _check_port_free(host: str, port: int) -> None:
     try:
         with socket.create_server((host, port), reuse_port=False) as probe:
             probe.close()
@@ -217,10 +229,6 @@ def _check_port_free(host: str, port: int) -> None:
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:
-    from folio.config import parse_memory
-    from folio.kv_calc import KV_DTYPES, WEIGHT_FORMATS, load_shape, report
-    from folio.loaders.catalog import resolve_model
-
     if args.kv_dtype not in KV_DTYPES:
         raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}")
     if args.weights not in WEIGHT_FORMATS:
@@ -236,29 +244,16 @@ def cmd_kv_calc(args: argparse.Namespace) -> int:
     return 0
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from folio.bench.cli import run_bench
-
-    return run_bench(args)
-
-
 def cmd_eval(args: argparse.Namespace) -> int:
-    from folio.bench.report import result_paths, write_json
-    from folio.cli import engine_kwargs
-
     skip = ("quantization", "enable_prefix_caching", "kv_cache_dtype")
-    engine = {k: v for k, v in engine_kwargs(args).items() if k not in skip}
+    engine = {k: v for k, v in EngineArgs.from_cli_args(args).llm_kwargs().items() if k not in skip}
     if args.eval_command == "perplexity":
-        from folio.eval.perplexity import run_perplexity
-
         result: Any = run_perplexity(args.model, args.quantization, args.num_tokens, args.context,
                                      kv_cache_dtype=args.kv_cache_dtype, **engine)  # fmt: skip
         print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}): "
               f"perplexity {result.perplexity:.3f} over {result.num_predicted} tokens in {result.num_windows} "
               f"windows of {result.context} ({result.elapsed_s:.1f} s)")  # fmt: skip
     else:
-        from folio.eval.agreement import run_agreement
-
         result = run_agreement(args.model, args.quantization, args.kv_cache_dtype, args.num_prompts, args.max_tokens,
                                args.reference, **engine)  # fmt: skip
         share = 100 * result.mean_prefix_share
@@ -275,8 +270,6 @@ def cmd_eval(args: argparse.Namespace) -> int:
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:
-    from folio.quant.quantize_model import QuantizeOptions, quantize_checkpoint
-
     options = QuantizeOptions(args.method, args.group_size, args.calibration_samples, args.calibration_length,
                               args.seed)  # fmt: skip
     output = Path(args.output)

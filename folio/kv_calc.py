@@ -14,6 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from folio.config import ModelConfig
+from folio.loaders.gguf_file import GGUFFile
+from folio.loaders.gguf_model import gguf_model_config
+from folio.loaders.hf_folder import read_hf_config
 
 # Bits per weight of storage formats, scales included (GGUF block layouts; int8/int4 with one fp16
 # scale per row / per group of 128).
@@ -54,15 +57,10 @@ def params_from_config(config: ModelConfig) -> int:
 def load_shape(path: Path) -> ModelShape:
     """A .gguf file, a Hugging Face folder, or a config.json file."""
     if path.suffix == ".gguf":
-        from folio.loaders.gguf_file import GGUFFile
-        from folio.loaders.gguf_model import gguf_model_config
-
         gguf = GGUFFile(path)
         count = sum(t.num_elements for t in gguf.tensors.values())
         return ModelShape(gguf_model_config(gguf), count, "tensors")
     folder = path.parent if path.is_file() else path
-    from folio.loaders.hf_folder import read_hf_config
-
     config = read_hf_config(folder)
     files = sorted(folder.glob("*.safetensors"))
     if files:

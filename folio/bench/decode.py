@@ -12,6 +12,7 @@ the same file, after folio has released its memory.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import json
 import os
@@ -24,7 +25,14 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, save_figure, write_json
+from folio import LLM, SamplingParams
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.llama_cpp_build import build_llama_cpp
+from folio.bench.plots import engine_bars, engine_colors, figure
+from folio.bench.table import row
+from folio.engine_args import EngineArgs
+from folio.loaders.catalog import resolve_model
+from folio.results import machine_info, result_paths, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
 PROMPT = "Write a long story about a lighthouse keeper."
@@ -64,8 +72,6 @@ class DecodeReport:
 
 
 def measure_batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
-    from folio import SamplingParams
-
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     best = 0.0
     for _ in range(repeats):
@@ -76,8 +82,6 @@ def measure_batch1(llm: Any, gen_tokens: int, repeats: int) -> float:
 
 
 def measure_batched(llm: Any, gen_tokens: int, batch: int) -> float:
-    from folio import SamplingParams
-
     params = SamplingParams(max_tokens=gen_tokens, temperature=0, ignore_eos=True)
     prompts = [f"{PROMPT} Chapter {i + 1}." for i in range(batch)]
     start = time.perf_counter()
@@ -87,8 +91,6 @@ def measure_batched(llm: Any, gen_tokens: int, batch: int) -> float:
 
 
 def _llama_bench(path: Path, gen_tokens: int, repeats: int, threads: int) -> tuple[float, dict[str, Any]]:
-    from folio.bench.llama_cpp_build import build_llama_cpp
-
     binaries = build_llama_cpp()
     cmd = [str(binaries.bench), "-m", str(path), "-p", "0", "-n", str(gen_tokens), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]  # fmt: skip
@@ -100,9 +102,6 @@ def _llama_bench(path: Path, gen_tokens: int, repeats: int, threads: int) -> tup
 
 
 def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
-    from folio import LLM
-    from folio.loaders.catalog import resolve_model
-
     if config.peer not in (None, "llama.cpp"):
         raise ValueError(f"unknown peer {config.peer!r}; choose llama.cpp")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -132,11 +131,10 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
 
 def format_table(report: DecodeReport) -> str:
     batch = report.config["batch"]
-    lines = [f"{'engine':20}{'weights MiB':>12}{'batch-1 tok/s':>15}{f'batch-{batch} tok/s':>17}"]
+    widths = [12, 15, 17]
+    lines = [row("engine", ["weights MiB", "batch-1 tok/s", f"batch-{batch} tok/s"], widths=widths)]
     for r in report.results:
-        weights = f"{r.weight_mib:.1f}" if r.weight_mib is not None else "-"
-        batched = f"{r.batch_tok_s:.1f}" if r.batch_tok_s is not None else "-"
-        lines.append(f"{r.engine:20}{weights:>12}{r.batch1_tok_s:>15.1f}{batched:>17}")
+        lines.append(row(r.engine, [r.weight_mib, r.batch1_tok_s, r.batch_tok_s], widths=widths, number=".1f"))
     if report.results[-1].engine == "llama.cpp":
         ratio = report.results[0].batch1_tok_s / report.results[-1].batch1_tok_s
         lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = {ratio:.2f}x")
@@ -151,26 +149,44 @@ def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
 
 
 def _plot(report: DecodeReport, path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
     names = [r.engine for r in report.results]
-    colors = ["#c9822b" if n == "llama.cpp" else "#3b6ea8" for n in names]
-    fig, axes = plt.subplots(1, 3, figsize=(12, 3.8))
+    colors = engine_colors(names, peer="llama.cpp")
     panels = [("batch1_tok_s", "batch-1 decode tok/s"), ("batch_tok_s", f"batch-{report.config['batch']} tok/s"),
               ("weight_mib", "resident weights MiB")]  # fmt: skip
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        shown = [(n, getattr(r, key), c) for n, r, c in zip(names, report.results, colors, strict=True)
-                 if getattr(r, key) is not None]  # fmt: skip
-        bars = ax.bar([n for n, _, _ in shown], [v for _, v, _ in shown], color=[c for _, _, c in shown])
-        ax.bar_label(bars, fmt="%.1f", fontsize=8)
-        ax.set_title(label, fontsize=9)
-        ax.tick_params(axis="x", labelsize=7)
-        ax.margins(y=0.15)
-    fig.suptitle(f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
-                 f"({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    title = (f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
+             f"({report.machine['cores']} cores)")  # fmt: skip
+    with figure(path, 3, (12, 3.8), title) as (_, axes):
+        for ax, (key, label) in zip(axes, panels, strict=True):
+            engine_bars(ax, names, [getattr(r, key) for r in report.results], colors, label, label_size=8)
+            ax.tick_params(axis="x", labelsize=7)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "decode",
+        help="decode speed of a GGUF file's weights kept quantized vs dequantized, optionally vs llama-bench",
+        description="Load a GGUF model twice (its weights kept quantized, then dequantized to --dtype) and measure "
+        "batch-1 decode tok/s (prefill excluded, best of --repeats), batch-N output tok/s and resident weight "
+        "memory; with --peer llama.cpp also llama-bench's tg on the same file with the same threads.",
+    )
+    parser.add_argument("model", help="catalog name or .gguf file")
+    parser.add_argument("--gen-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
+    parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs, best kept (default 3)")
+    parser.add_argument("--peer", default=None, help="also run llama-bench on the same file: llama.cpp")
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_decode_command)
+
+
+def run_decode_command(args: argparse.Namespace) -> int:
+    engine = EngineArgs.from_cli_args(args).llm_kwargs()
+    del engine["quantization"]  # both variants run, each with its own
+    config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine)
+    report = run_decode(config, command_line(args))
+    print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0

@@ -1,5 +1,6 @@
 """Benchmark runs as command lines: every option spelled out, defaults included, so a result file says
-exactly how to run it again; and the `folio serve` flags that match LLM keyword arguments."""
+exactly how to run it again. (A `folio serve` started by a benchmark gets its engine flags from
+`EngineArgs.to_cli_flags`.)"""
 
 from __future__ import annotations
 
@@ -7,6 +8,11 @@ import argparse
 import shlex
 
 _NOT_OPTIONS = ("command", "bench_command", "bench_run")
+DEFAULT_OUTPUT_DIR = "benchmarks/results"
+
+
+def add_output_dir(parser: argparse.ArgumentParser, what: str = "JSON + PNG go") -> None:
+    parser.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"{what} here ({DEFAULT_OUTPUT_DIR})")
 
 
 def option_words(key: str, value: object) -> list[str]:
@@ -16,11 +22,6 @@ def option_words(key: str, value: object) -> list[str]:
         return [] if value else [f"--no-{key.removeprefix('enable_').replace('_', '-')}"]
     option = f"--{key.replace('_', '-')}"
     return [option, *map(str, value)] if isinstance(value, list) else [option, str(value)]
-
-
-def engine_flags(engine_args: dict[str, object]) -> list[str]:
-    """`folio serve` flags for LLM keyword arguments (as folio.cli.engine_kwargs builds them)."""
-    return [word for key, value in engine_args.items() if value is not None for word in option_words(key, value)]
 
 
 def command_line(args: argparse.Namespace, positionals: tuple[str, ...] = ("model",)) -> str:

@@ -12,16 +12,15 @@ import contextlib
 import json
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import hypothesis
-import requests
-import schemathesis
-from hypothesis import HealthCheck, Phase, given, settings
-from schemathesis import GenerationMode
 from tqdm import tqdm
 
 from folio.bench.robustness_run import RobustnessRun, stream_error
+
+if TYPE_CHECKING:
+    import requests
+    from schemathesis import GenerationMode
 
 POST_WEIGHT = 10  # generation endpoints take most cases: their bodies are where the parameters are
 
@@ -61,6 +60,8 @@ def _problem(response: requests.Response) -> str | None:
 def _runs(operations: list[Any]) -> list[tuple[Any, GenerationMode, int]]:
     """(operation, mode, weight), lightest first: POST operations weigh POST_WEIGHT times a GET's, and the
     cases a light run could not use (a GET without inputs has one case) go to the runs after it."""
+    from schemathesis import GenerationMode  # an optional dependency (folio[bench]), as are the others here
+
     runs = [
         (op, mode, POST_WEIGHT if op.method.upper() == "POST" else 1) for op in operations for mode in GenerationMode
     ]
@@ -70,6 +71,8 @@ def _runs(operations: list[Any]) -> list[tuple[Any, GenerationMode, int]]:
 def _served_schema(base_url: str) -> dict[str, Any]:
     """The server's OpenAPI schema with `model` pinned to the model it serves: any other name is a 404
     before the parameters are even read, and the point is to reach them."""
+    import requests
+
     schema = requests.get(f"{base_url}/openapi.json", timeout=30).json()
     served = requests.get(f"{base_url}/v1/models", timeout=30).json()["data"][0]["id"]
     for component in schema.get("components", {}).get("schemas", {}).values():
@@ -80,6 +83,9 @@ def _served_schema(base_url: str) -> dict[str, Any]:
 
 def run_fuzz(base_url: str, num_cases: int, seed: int = 0, request_timeout: float = 300.0) -> FuzzReport:
     """About `num_cases` requests (the last operation may find fewer distinct ones than it was given)."""
+    import requests
+    import schemathesis
+
     started = time.monotonic()
     report = FuzzReport(base_url=base_url)
     schema = schemathesis.openapi.from_dict(_served_schema(base_url))
@@ -102,6 +108,10 @@ def _fuzz_operation(
     operation: Any, mode: GenerationMode, count: int, seed: int, report: FuzzReport, session: requests.Session,
     timeout: float, bar: tqdm,
 ) -> None:  # fmt: skip
+    import hypothesis
+    import requests
+    from hypothesis import HealthCheck, Phase, given, settings
+
     name = f"{operation.method.upper()} {operation.path}"
 
     @hypothesis.seed(seed)

@@ -14,11 +14,12 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
-
-import httpx
+from typing import TYPE_CHECKING, Any
 
 from folio.bench.robustness_run import RobustnessRun, stream_error
+
+if TYPE_CHECKING:
+    import httpx
 
 RETRY_PAUSE_S = (0.5, 1.5)  # after a 429: the server's Retry-After (1 s), jittered as clients do
 
@@ -66,6 +67,8 @@ def _request(config: OverloadConfig, rng: random.Random) -> tuple[str, dict[str,
 
 async def _send(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tuple[str, str | None]:
     """(status, problem or None)."""
+    import httpx  # an optional dependency (folio[bench])
+
     try:
         if body["stream"]:
             async with http.stream("POST", path, json=body) as response:
@@ -84,6 +87,8 @@ async def _send(http: httpx.AsyncClient, path: str, body: dict[str, Any]) -> tup
 
 
 async def _client(config: OverloadConfig, base_url: str, index: int, deadline: float, report: OverloadReport) -> None:
+    import httpx
+
     rng = random.Random(config.seed * 100_003 + index)
     async with httpx.AsyncClient(base_url=base_url, timeout=300) as http:
         while time.monotonic() < deadline:

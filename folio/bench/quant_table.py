@@ -16,6 +16,7 @@ and prompts.
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 from dataclasses import asdict, dataclass, field
@@ -25,7 +26,16 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, write_json
+from folio import LLM
+from folio.bench.decode import measure_batch1, measure_batched
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.table import row as table_row
+from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
+from folio.eval.corpus import held_out_windows
+from folio.eval.perplexity import score_windows
+from folio.loaders.catalog import resolve_model
+from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
+from folio.results import machine_info, result_paths, write_json
 
 DENSE_FORMATS = {"fp32": "float32", "bf16": "bfloat16"}
 QUANTIZED_METHODS = ("int8", "int4", "gptq", "awq", "nf4")
@@ -81,8 +91,6 @@ class TableReport:
 
 def checkpoint_for(config: TableConfig, source: Path, method: str) -> tuple[Path, float | None]:
     """The `folio quantize` checkpoint of `method`, made now if missing: (folder, seconds it took)."""
-    from folio.quant.quantize_model import QuantizeOptions, quantize_checkpoint
-
     folder = Path(config.checkpoint_dir).expanduser() / f"{source.stem}-{method}-g{config.group_size}"
     if (folder / "config.json").exists():
         return folder, None
@@ -91,12 +99,6 @@ def checkpoint_for(config: TableConfig, source: Path, method: str) -> tuple[Path
 
 
 def run_table(config: TableConfig, command: str) -> TableReport:
-    from folio import LLM
-    from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
-    from folio.eval.corpus import held_out_windows
-    from folio.eval.perplexity import score_windows
-    from folio.loaders.catalog import resolve_model
-
     unknown = [f for f in config.formats if f not in FORMATS]
     if unknown:
         raise ValueError(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
@@ -140,20 +142,20 @@ def run_table(config: TableConfig, command: str) -> TableReport:
 
 
 def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
-    from folio.bench.decode import measure_batch1, measure_batched
-
     measure_batch1(llm, 8, 1)  # warm-up: kernels loaded, first-call allocations
     return measure_batch1(llm, config.gen_tokens, config.repeats), measure_batched(llm, config.gen_tokens, config.batch)
 
 
-HEADER = (f"{'weights':8}{'KV':6}{'dtype':10}{'MiB':>8}{'KV B/tok':>10}{'ppl':>9}{'agree':>8}{'b1 tok/s':>10}"
-          f"{'bN tok/s':>10}")  # fmt: skip
+WIDTHS = [8, 10, 9, 8, 10, 10]  # after the three left-aligned columns: weights (8), KV (6), dtype (10)
+HEADER = table_row(
+    f"{'weights':8}{'KV':6}{'dtype':10}", ["MiB", "KV B/tok", "ppl", "agree", "b1 tok/s", "bN tok/s"], 24, WIDTHS
+)
 
 
 def format_row(row: Row, num_prompts: int) -> str:
-    return (f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}{row.weight_mib:>8.1f}"
-            f"{row.kv_bytes_per_token:>10}{row.perplexity:>9.3f}{f'{row.identical}/{num_prompts}':>8}"
-            f"{row.batch1_tok_s:>10.1f}{row.batch_tok_s:>10.1f}")  # fmt: skip
+    values = [f"{row.weight_mib:.1f}", str(row.kv_bytes_per_token), f"{row.perplexity:.3f}",
+              f"{row.identical}/{num_prompts}", f"{row.batch1_tok_s:.1f}", f"{row.batch_tok_s:.1f}"]  # fmt: skip
+    return table_row(f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}", values, 24, WIDTHS)
 
 
 def format_table(report: TableReport) -> str:
@@ -170,3 +172,39 @@ def write_report(report: TableReport, output_dir: Path) -> Path:
     path, _ = result_paths(output_dir, "quantization", report.model, report.date_utc)
     write_json(path, report.to_dict())
     return path
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "quantization",
+        help="quality, memory and speed of every weight and KV format of one model, in one run",
+        description="For each weight format (fp32/bf16 dequantized, the GGUF file's own, and int8/int4/gptq/awq/nf4 "
+        "checkpoints made by `folio quantize` from the fp32 model) with each KV cache format: resident weight MiB, "
+        "KV bytes per token, held-out perplexity, greedy agreement with the fp32 model, batch-1 decode tok/s "
+        "and batch-N output tok/s.",
+    )  # fmt: skip
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face folder")
+    parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated ({','.join(FORMATS)})")
+    parser.add_argument("--kv-cache-dtypes", default="auto,int8,fp8", help="comma-separated (auto,int8,fp8)")
+    parser.add_argument("--dtype", default="bfloat16", help="compute dtype of every row but fp32 (bfloat16)")
+    parser.add_argument("--num-tokens", type=int, default=8192, help="held-out tokens scored (default 8192)")
+    parser.add_argument("--num-prompts", type=int, default=32, help="agreement prompts (default 32)")
+    parser.add_argument("--gen-tokens", type=int, default=64, help="tokens per decode run (default 64)")
+    parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
+    parser.add_argument("--group-size", type=int, default=32, help="4-bit checkpoints' group size (default 32)")
+    parser.add_argument("--checkpoint-dir", default="~/.cache/folio/quantized",
+                        help="where `folio quantize` checkpoints are made and reused")  # fmt: skip
+    add_output_dir(parser, "the JSON goes")
+    parser.set_defaults(bench_run=run_quantization_command)
+
+
+def run_quantization_command(args: argparse.Namespace) -> int:
+    config = TableConfig(args.model, args.formats.split(","), args.kv_cache_dtypes.split(","), args.dtype,
+                         args.num_tokens, num_prompts=args.num_prompts, gen_tokens=args.gen_tokens,
+                         batch=args.batch, group_size=args.group_size, checkpoint_dir=args.checkpoint_dir)  # fmt: skip
+    report = run_table(config, command_line(args))
+    print(f"{report.model}: perplexity over {config.num_tokens} held-out tokens; agreement over "
+          f"{config.agreement_tokens} greedy tokens; decode over {config.gen_tokens} tokens")  # fmt: skip
+    print(format_table(report))
+    print(f"wrote {write_report(report, Path(args.output_dir))}")
+    return 0

@@ -1,23 +1,15 @@
-"""Benchmark results: per-engine metrics, the side-by-side table, and the JSON + PNG written to disk.
-
-Results are written to a temporary `*.tmp` file beside the final one and renamed over it, so a killed
-or failed benchmark never leaves a half-written JSON or PNG under a result's name.
-"""
+"""`folio bench throughput` results: per-engine metrics, the side-by-side table, and the JSON + PNG."""
 
 from __future__ import annotations
 
-import json
-import os
-import platform
 import re
-import tempfile
-from collections.abc import Iterator
-from contextlib import contextmanager
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import IO, Any
+from typing import Any
 
-import torch
+from folio.bench.plots import engine_bars, engine_colors, figure
+from folio.bench.table import row
+from folio.results import machine_info, write_json
 
 METRICS = (  # (key, label) of what is compared across engines
     ("requests_per_s", "requests/s"),
@@ -26,16 +18,6 @@ METRICS = (  # (key, label) of what is compared across engines
     ("elapsed_s", "elapsed s"),
     ("load_s", "load s"),
 )
-
-
-def machine_info() -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8") as f:
-            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
-    except OSError:
-        pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
 
 
 @dataclass
@@ -124,12 +106,10 @@ def format_table(report: ThroughputReport) -> str:
     engines = [r.engine for r in report.results]
     ratios = report.ratios
     ratio_head = f"folio/{report.peer_name}" if ratios else ""
-    lines = [f"{'':<14}" + "".join(f"{e:>12}" for e in engines) + (f"{ratio_head:>12}" if ratios else "")]
+    lines = [row("", engines + ([ratio_head] if ratios else []), label_width=14)]
     for key, label in METRICS:
-        row = f"{label:<14}" + "".join(f"{getattr(r, key):>12.2f}" for r in report.results)
-        if key in ratios:
-            row += f"{ratios[key]:>12.2f}"
-        lines.append(row)
+        values = [getattr(r, key) for r in report.results] + ([ratios[key]] if key in ratios else [])
+        lines.append(row(label, values, label_width=14))
     counts = ", ".join(f"{r.engine} {r.output_tokens} useful / {r.generated_tokens} decoded" for r in report.results)
     lines.append(f"output tokens: {counts}")
     return "\n".join(lines)
@@ -153,73 +133,13 @@ def write_report(report: ThroughputReport, output_dir: Path) -> tuple[Path, Path
 
 
 def plot_report(report: ThroughputReport, path: Path) -> None:
-    try:  # imported here: plotting is the only user of matplotlib, an optional dependency
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("plotting needs matplotlib: pip install 'folio[bench]'") from None
     panels = [("output_tokens_per_s", "output tokens/s"), ("total_tokens_per_s", "total tokens/s")]
     engines = [r.engine for r in report.results]
-    colors = ["#3b6ea8" if e == "folio" else "#c9822b" for e in engines]
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for ax, (key, label) in zip(axes, panels, strict=True):
-        values = [getattr(r, key) for r in report.results]
-        bars = ax.bar(engines, values, color=colors)
-        ax.bar_label(bars, fmt="%.1f")
-        ax.set_ylabel(label)
-        ratio = report.ratios.get(key)
-        ax.set_title(label + (f"  (folio/{report.peer_name} = {ratio:.2f}x)" if ratio else ""), fontsize=9)
-        ax.margins(y=0.15)
-    fig.suptitle(
-        f"{Path(report.model).name} {report.dtype}, {report.dataset}, {report.num_prompts} requests\n"
-        f"{report.machine['cpu']} ({report.machine['cores']} cores)",
-        fontsize=9,
-    )
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
-
-
-def result_paths(output_dir: Path, kind: str, model: str, date_utc: str, *tags: str) -> tuple[Path, Path]:
-    """`<output_dir>/<kind>_<model>_<tags...>_<stamp>` + `.json` and `.png`, with the directory made.
-    Suffixes are appended, never substituted: model file names have dots (SmolLM2-135M-Instruct.Q4_1)."""
-    output_dir.mkdir(parents=True, exist_ok=True)
-    name = re.sub(r"[^A-Za-z0-9_.-]+", "_", Path(model).name.removesuffix(".gguf")).strip("_") or "model"
-    stamp = date_utc.replace("-", "").replace(":", "")
-    stem = "_".join([kind, name, *tags, stamp])
-    return output_dir / f"{stem}.json", output_dir / f"{stem}.png"
-
-
-@contextmanager
-def atomic_open(path: Path, mode: str = "w") -> Iterator[IO[Any]]:
-    """A file (text or "wb") that appears at `path` whole when the block ends, or not at all."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes files private; results are for everyone to read
-        with os.fdopen(fd, mode, encoding=None if "b" in mode else "utf-8") as f:
-            yield f
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def write_json(path: Path, data: dict[str, Any]) -> None:
-    with atomic_open(path) as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-
-
-def write_text_atomic(path: Path, text: str) -> None:
-    with atomic_open(path) as f:
-        f.write(text)
-
-
-def save_figure(fig: Any, path: Path, dpi: int = 110) -> None:
-    """`fig.savefig(path)`, atomically; the format comes from the final name, not the temporary one."""
-    with atomic_open(path, "wb") as f:
-        fig.savefig(f, format=path.suffix.lstrip(".") or "png", dpi=dpi)
+    title = (f"{Path(report.model).name} {report.dtype}, {report.dataset}, {report.num_prompts} requests\n"
+             f"{report.machine['cpu']} ({report.machine['cores']} cores)")  # fmt: skip
+    with figure(path, len(panels), (4.2 * len(panels), 3.8), title) as (_, axes):
+        for ax, (key, label) in zip(axes, panels, strict=True):
+            ratio = report.ratios.get(key)
+            panel = label + (f"  (folio/{report.peer_name} = {ratio:.2f}x)" if ratio else "")
+            engine_bars(ax, engines, [getattr(r, key) for r in report.results], engine_colors(engines), panel)
+            ax.set_ylabel(label)

@@ -9,13 +9,18 @@ from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 
-from folio.bench.flags import command_line, engine_flags
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.folio_server import folio_server, resident_mib
+from folio.bench.fuzz import run_fuzz
+from folio.bench.overload import OverloadConfig, run_overload
+from folio.bench.robustness_report import format_fuzz, format_overload, write_fuzz, write_overload
+from folio.engine_args import EngineArgs
+from folio.results import result_paths
 
 AddEngineArgs = Callable[[argparse.ArgumentParser], None]
-DEFAULT_OUTPUT_DIR = "benchmarks/results"
 
 
-def add_robustness_parsers(benchmarks: argparse._SubParsersAction, add_engine_args: AddEngineArgs) -> None:
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     fuzz = benchmarks.add_parser(
         "fuzz",
         help="schemathesis against folio serve: only 2xx/4xx, the server alive and empty at the end",
@@ -28,8 +33,8 @@ def add_robustness_parsers(benchmarks: argparse._SubParsersAction, add_engine_ar
     fuzz.add_argument("--cases", type=int, default=10_000, help="requests to generate (default 10000)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
     fuzz.add_argument("--base-url", default=None, help="fuzz this running folio server instead of starting one")
-    fuzz.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    add_engine_args(fuzz)
+    add_output_dir(fuzz)
+    EngineArgs.add_cli_args(fuzz)
     fuzz.set_defaults(bench_run=_run_fuzz, max_model_len=96)  # short answers: more cases per minute
 
     overload = benchmarks.add_parser(
@@ -46,25 +51,18 @@ def add_robustness_parsers(benchmarks: argparse._SubParsersAction, add_engine_ar
     overload.add_argument("--max-queue", type=int, default=4, help="the server's --max-queue (default 4)")
     overload.add_argument("--max-tokens-range", default="4:48", help="tokens per request, LOW:HIGH (default 4:48)")
     overload.add_argument("--seed", type=int, default=0)
-    overload.add_argument("--output-dir", default=DEFAULT_OUTPUT_DIR, help=f"JSON + PNG go here ({DEFAULT_OUTPUT_DIR})")
-    add_engine_args(overload)
+    add_output_dir(overload)
+    EngineArgs.add_cli_args(overload)
     # A KV pool small enough that the run touches all of it: its pages are mapped lazily, so with a
     # large pool the resident memory would grow for the whole run as new blocks are first written.
     overload.set_defaults(bench_run=_run_overload, max_num_seqs=4, max_model_len=512, kv_cache_memory="128MiB")
 
 
 def _server_flags(args: argparse.Namespace, *extra: str) -> list[str]:
-    from folio.cli import engine_kwargs
-
-    return [*engine_flags(engine_kwargs(args)), *extra]
+    return [*EngineArgs.from_cli_args(args).to_cli_flags(), *extra]
 
 
 def _run_fuzz(args: argparse.Namespace) -> int:
-    from folio.bench.folio_server import folio_server
-    from folio.bench.fuzz import run_fuzz
-    from folio.bench.report import result_paths
-    from folio.bench.robustness_report import format_fuzz, write_fuzz
-
     if args.cases < 1:
         raise ValueError("--cases must be at least 1")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -85,11 +83,6 @@ def _run_fuzz(args: argparse.Namespace) -> int:
 
 
 def _run_overload(args: argparse.Namespace) -> int:
-    from folio.bench.folio_server import folio_server, resident_mib
-    from folio.bench.overload import OverloadConfig, run_overload
-    from folio.bench.report import result_paths
-    from folio.bench.robustness_report import format_overload, write_overload
-
     low, _, high = args.max_tokens_range.partition(":")
     capacity = args.max_num_seqs + args.max_queue
     clients = args.concurrency or 10 * capacity

@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 from folio.bench.fuzz import FuzzReport
 from folio.bench.overload import OverloadReport
-from folio.bench.report import save_figure, write_json
-from folio.bench.serve_report import _pyplot
+from folio.bench.plots import figure
+from folio.results import write_json
 
 
 def _state_line(state: dict) -> str:
@@ -43,10 +44,13 @@ def format_overload(report: OverloadReport) -> str:
 
 def write_fuzz(report: FuzzReport, json_path: Path, png_path: Path) -> None:
     write_json(json_path, report.to_dict())
-    plt = _pyplot()
     operations = sorted(report.by_operation)
     statuses = sorted({s for counts in report.by_operation.values() for s in counts})
-    fig, ax = plt.subplots(figsize=(8, 3.8))
+    with figure(png_path, figsize=(8, 3.8)) as (_, ax):
+        _stacked_statuses(ax, report, operations, statuses)
+
+
+def _stacked_statuses(ax: Any, report: FuzzReport, operations: list[str], statuses: list[str]) -> None:
     left = [0] * len(operations)
     for status in statuses:
         widths = [report.by_operation[op].get(status, 0) for op in operations]
@@ -55,21 +59,14 @@ def write_fuzz(report: FuzzReport, json_path: Path, png_path: Path) -> None:
     ax.set_xlabel("cases")
     ax.legend(title="status", fontsize=8)
     ax.set_title(f"schemathesis: {report.requests} cases, {report.failures} failures", fontsize=10)
-    fig.tight_layout()
-    save_figure(fig, png_path)
-    plt.close(fig)
 
 
 def write_overload(report: OverloadReport, json_path: Path, png_path: Path) -> None:
     write_json(json_path, report.to_dict())
-    plt = _pyplot()
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    if report.memory_mib:
-        ax.plot([t for t, _ in report.memory_mib], [m for _, m in report.memory_mib])
-    ax.set_xlabel("seconds")
-    ax.set_ylabel("server RSS (MiB)")
-    statuses = ", ".join(f"{s}: {n}" for s, n in report.by_status.items())
-    ax.set_title(f"{report.config.concurrency} clients: {statuses}; {report.failures} failures", fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, png_path)
-    plt.close(fig)
+    with figure(png_path, figsize=(7, 3.6)) as (_, ax):
+        if report.memory_mib:
+            ax.plot([t for t, _ in report.memory_mib], [m for _, m in report.memory_mib])
+        ax.set_xlabel("seconds")
+        ax.set_ylabel("server RSS (MiB)")
+        statuses = ", ".join(f"{s}: {n}" for s, n in report.by_status.items())
+        ax.set_title(f"{report.config.concurrency} clients: {statuses}; {report.failures} failures", fontsize=9)

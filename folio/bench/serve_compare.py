@@ -36,10 +36,18 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from folio.bench.flags import command_line, engine_flags
-from folio.bench.llama_cpp_server import free_port, poll_health, stop_process
-from folio.bench.serve import ServeConfig, ServeReport, run_serve, workload_config
+from folio import __version__
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.llama_cpp_build import build_llama_cpp
+from folio.bench.llama_cpp_server import _help_text, free_port, poll_health, server_command, stop_process
+from folio.bench.serve import ServeConfig, add_workload_args, run_serve, workload_config
 from folio.bench.serve_client import check_extra_body, parse_extra_body
+from folio.bench.serve_compare_report import format_table, write_report
+from folio.bench.serve_compare_types import CompareReport, ServerRun
+from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
+from folio.engine_args import EngineArgs
+from folio.loaders.catalog import resolve_model
+from folio.results import machine_info
 
 STARTUP_TIMEOUT_S = 600.0  # a first start may build kernels or load a large model
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL after this long
@@ -69,7 +77,7 @@ class CompareConfig:
     model: str  # catalog name or path, as typed; also the model name sent in every request
     workload: ServeConfig  # its base_url and extra_body are replaced by each server's
     peer: str = "llama.cpp"
-    engine_args: dict[str, Any] = field(default_factory=dict)  # folio serve's engine flags
+    engine_args: EngineArgs = field(default_factory=EngineArgs)  # folio serve's engine flags
     llama: LlamaOptions = field(default_factory=LlamaOptions)
     startup_timeout_s: float = STARTUP_TIMEOUT_S
 
@@ -87,23 +95,6 @@ class ServerSpec:
     probe_request: bool = True  # False for a static-batching server, which would hold the lone probe
 
 
-@dataclass
-class ServerRun:
-    name: str
-    command: str  # the exact command line the server was started with
-    info: dict[str, Any]
-    report: ServeReport
-
-
-@dataclass
-class CompareReport:
-    command: str
-    date_utc: str
-    config: CompareConfig
-    machine: dict[str, Any]
-    runs: list[ServerRun]  # folio first, then the peer
-
-
 class ServerError(RuntimeError):
     """A server failed to start or died during its run; the message names its log, which is kept."""
 
@@ -112,9 +103,7 @@ PeerLauncher = Callable[[CompareConfig], ServerSpec]
 
 
 def folio_spec(config: CompareConfig) -> ServerSpec:
-    from folio import __version__
-
-    engine = engine_flags(config.engine_args)
+    engine = config.engine_args.to_cli_flags()
     # Room in the queue for every request of a rate, so folio queues them as llama-server does instead of a 429.
     queue = ["--max-queue", str(config.workload.num_prompts)]
 
@@ -122,12 +111,12 @@ def folio_spec(config: CompareConfig) -> ServerSpec:
         host = ["--host", "127.0.0.1", "--port", str(port)]
         return [sys.executable, "-m", "folio.cli", "serve", config.model, *host, *queue, *engine]
 
-    return ServerSpec("folio", argv, info={"version": __version__, **config.engine_args})
+    return ServerSpec("folio", argv, info={"version": __version__, **config.engine_args.llm_kwargs()})
 
 
 def folio_no_prefix_cache_spec(config: CompareConfig) -> ServerSpec:
     """folio serve as folio_spec starts it, with its prefix cache turned off."""
-    engine_args = {**config.engine_args, "enable_prefix_caching": False}
+    engine_args = replace(config.engine_args, enable_prefix_caching=False)
     return replace(folio_spec(replace(config, engine_args=engine_args)), name="folio-no-prefix-cache")
 
 
@@ -135,7 +124,7 @@ def folio_batching_spec(policy: str) -> PeerLauncher:
     """folio serve as folio_spec starts it, with request-level batching (`--batching static|dynamic`)."""
 
     def spec(config: CompareConfig) -> ServerSpec:
-        engine_args = {**config.engine_args, "batching": policy}
+        engine_args = replace(config.engine_args, batching=policy)
         spec = folio_spec(replace(config, engine_args=engine_args))
         return replace(spec, name=f"folio-{policy}", probe_request=policy != "static")
 
@@ -154,7 +143,6 @@ def longest_prompt(workload: ServeConfig) -> int:
     the chat template's tokens around each of its messages."""
     if workload.dataset in ("random", "chat"):
         return workload.input_len_range.high
-    from folio.bench.serve_workload import build_serve_requests, load_tokenizer
 
     tokenizer = load_tokenizer(workload.tokenizer or workload.model, explicit=workload.tokenizer is not None)
     requests = build_serve_requests(
@@ -165,10 +153,6 @@ def longest_prompt(workload: ServeConfig) -> int:
 
 
 def llama_cpp_spec(config: CompareConfig) -> ServerSpec:
-    from folio.bench.llama_cpp_build import build_llama_cpp
-    from folio.bench.llama_cpp_server import _help_text, server_command
-    from folio.loaders.catalog import resolve_model
-
     path = resolve_model(config.model)
     if path.suffix.lower() != ".gguf":
         raise ValueError(f"--peer llama.cpp needs a GGUF model, and {config.model} is {path}")
@@ -273,9 +257,6 @@ def _sigterm_as_interrupt() -> Iterator[None]:
 
 def run_compare(config: CompareConfig, command: str) -> CompareReport:
     """folio, then the peer, one at a time, each through the same `run_serve` workload."""
-    from folio.bench.report import machine_info
-    from folio.bench.serve_workload import check_dataset
-
     check_dataset(config.workload.dataset, config.workload.dataset_path)
     specs = [folio_spec(config), PEERS[config.peer](config)]  # both before any server starts: fail fast
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -302,9 +283,6 @@ def run_compare(config: CompareConfig, command: str) -> CompareReport:
 
 def run_serve_compare_command(args: argparse.Namespace) -> int:
     """The runner `folio bench serve-compare` stores in `args.bench_run`."""
-    from folio.bench.serve_compare_report import format_table, write_report
-    from folio.cli import engine_kwargs
-
     try:
         llama_extra_body = parse_extra_body(args.llama_extra_body)
     except ValueError as exc:
@@ -312,7 +290,7 @@ def run_serve_compare_command(args: argparse.Namespace) -> int:
     workload = workload_config(args, "http://127.0.0.1")  # each server's own URL, once it runs
     llama = LlamaOptions(args.llama_parallel, args.llama_ctx_size, args.llama_threads, llama_extra_body,
                          args.llama_version)  # fmt: skip
-    config = CompareConfig(args.model, workload, args.peer, engine_kwargs(args), llama)
+    config = CompareConfig(args.model, workload, args.peer, EngineArgs.from_cli_args(args), llama)
     output_dir = Path(args.output_dir)
     output_dir.mkdir(parents=True, exist_ok=True)  # now, not after a long run
     report = run_compare(config, command_line(args))
@@ -324,3 +302,51 @@ def run_serve_compare_command(args: argparse.Namespace) -> int:
         name, first = next((n, r.error) for n, result in results for r in result.records if not r.success)
         print(f"folio: {failed} request(s) failed; first error ({name}): {first}", file=sys.stderr)
     return 1 if any(result.summary["completed"] == 0 for _, result in results) else 0
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "serve-compare",
+        help="online serving, folio serve vs a peer server (llama.cpp, or folio without prefix caching), same "
+        "workload in one run",
+        description="Start `folio serve MODEL`, run the `bench serve` workload against it, stop it; then start "
+        "the peer (llama.cpp's llama-server on the same GGUF file) and run the same seeded workload against "
+        "it. The servers run one at a time, never together. Prints both side by side per rate with the "
+        "ratio folio/peer, and writes one JSON (both results, ratios, both servers' command lines) and PNG "
+        "plots. Engine options (--dtype, --max-num-seqs, ...) go to folio serve. --peer folio-no-prefix-cache "
+        "runs folio serve again with the same engine options plus --no-prefix-caching: with --dataset document "
+        "or multi-turn it shows TTFT with and without the prefix cache side by side (the folio side keeps the "
+        "engine options as given, so do not pass --no-prefix-caching there).",
+    )
+    parser.add_argument("model", help="catalog name or .gguf file (llama.cpp needs a GGUF)")
+    parser.add_argument(
+        "--peer",
+        default="llama.cpp",
+        help="the server to compare with: llama.cpp (default); or folio serve with the same engine options "
+        "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static) or --batching "
+        "dynamic (folio-dynamic)",
+    )
+    add_workload_args(parser)
+    parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")
+    parser.add_argument(
+        "--llama-ctx-size",
+        type=int,
+        default=None,
+        help="llama-server's total KV tokens, split evenly over the slots (default: parallel * (longest prompt "
+        "+ longest output + 64), each slot rounded up to a multiple of 256)",
+    )
+    parser.add_argument("--llama-threads", type=int, default=2, help="llama-server threads (default 2)")
+    parser.add_argument(
+        "--llama-extra-body",
+        default='{"cache_prompt": false}',
+        metavar="JSON",
+        help="JSON merged into every request to llama-server (default '{\"cache_prompt\": false}': no reuse "
+        "of an earlier prompt's KV cache; give '{}' to compare with folio's prefix cache, which is on unless "
+        "--no-prefix-caching)",
+    )
+    parser.add_argument(
+        "--llama-version", default=None, help="llama-cpp-python version to build (default: the installed build)"
+    )
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_serve_compare_command)

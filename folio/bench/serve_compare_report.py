@@ -11,12 +11,14 @@ from typing import Any
 
 import numpy as np
 
-from folio.bench.report import save_figure, write_text_atomic
-from folio.bench.serve import RateResult
-from folio.bench.serve_compare import CompareReport
+from folio.bench.plots import SERVER_COLORS, cdf_axes, figure, latency_cdf
+from folio.bench.serve_compare_types import CompareReport
 from folio.bench.serve_metrics import hit_rate
-from folio.bench.serve_report import _pyplot
+from folio.bench.serve_report import LATENCY_PANELS
 from folio.bench.serve_stats import dump_json, format_rate
+from folio.bench.serve_types import RateResult
+from folio.bench.table import row as table_row
+from folio.results import write_text_atomic
 
 # (id in the JSON, label in the table, where in a rate's summary, which way is better)
 METRICS = (
@@ -33,7 +35,6 @@ METRICS = (
     ("p99_e2e_ms", "p99 E2E ms", ("e2e_ms", "p99"), "lower"),
     ("prefix_cache_hit_rate", "prefix hit rate", ("prefix_cache", "hit_rate"), "higher"),
 )
-SERVER_COLORS = ("#3b6ea8", "#c9822b", "#4f9a55")
 
 
 def metric_value(result: RateResult, where: tuple[str, ...]) -> float | None:
@@ -94,14 +95,6 @@ def to_dict(report: CompareReport) -> dict[str, Any]:
     }
 
 
-def _cell(value: Any, width: int = 12) -> str:
-    if value is None:
-        return f"{'-':>{width}}"
-    if isinstance(value, str):
-        return f"{value:>{width}}"
-    return f"{value:>{width}.2f}"
-
-
 def format_table(report: CompareReport) -> str:
     ours, theirs = report.runs
     w = report.config.workload
@@ -113,17 +106,17 @@ def format_table(report: CompareReport) -> str:
         f"max concurrency {w.max_concurrency or 'none'}",
         *(f"{run.name}: {run.command}" for run in report.runs),
     ]
-    for row, mine, peer in zip(ratios(report), ours.report.results, theirs.report.results, strict=True):
+    for rate, mine, peer in zip(ratios(report), ours.report.results, theirs.report.results, strict=True):
         lines.append("")
-        lines.append(f"{'rate ' + row['request_rate'] + ' req/s':<20}{_cell(ours.name, column)}"
-                     f"{_cell(theirs.name, column)}{_cell(ratio_name, width)}  better")  # fmt: skip
+        widths = [column, column, width]
+        heads = [ours.name, theirs.name, ratio_name]
+        lines.append(table_row(f"rate {rate['request_rate']} req/s", heads, widths=widths) + "  better")
         done = [f"{r.summary['completed']}/{r.summary['num_requests']}" for r in (mine, peer)]
-        lines.append(f"{'completed':<20}{_cell(done[0], column)}{_cell(done[1], column)}")
+        lines.append(table_row("completed", done, widths=column))
         for key, label, _, better in _shown(report):
-            m = row["metrics"][key]
+            m = rate["metrics"][key]
             shown = None if m["ratio"] is None else f"{m['ratio']:.2f}x"
-            values = _cell(m[ours.name], column) + _cell(m[theirs.name], column)
-            lines.append(f"{label:<20}{values}{_cell(shown, width)}  {better}")
+            lines.append(table_row(label, [m[ours.name], m[theirs.name], shown], widths=widths) + f"  {better}")
     if w.slo:
         slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in w.slo.items())
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
@@ -168,38 +161,29 @@ def _title(report: CompareReport, what: str) -> str:
 
 
 def plot_latency_cdfs(report: CompareReport, path: Path) -> None:
-    plt = _pyplot()
     index = plotted_rate_index(report.config.workload.request_rates)
-    panels = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end latency"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.9))
-    for ax, (key, name) in zip(axes, panels, strict=True):
-        for run, color in zip(report.runs, SERVER_COLORS, strict=False):
-            records = run.report.results[index].records
-            values = [getattr(r, key) for r in records if r.success and getattr(r, key) is not None]
-            if values:
-                ms = np.sort(np.asarray(values) * 1000)
-                ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", color=color, label=run.name)
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_xlim(left=0)
-        ax.set_ylim(0, 1.02)
-        ax.set_title(f"{name} CDF (left is better)", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7)
-    rate = format_rate(report.config.workload.request_rates[index])
-    fig.suptitle(_title(report, f"rate {rate} req/s"), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    title = _title(report, f"rate {format_rate(report.config.workload.request_rates[index])} req/s")
+    with figure(path, len(LATENCY_PANELS), (4.2 * len(LATENCY_PANELS), 3.9), title) as (_, axes):
+        for ax, (key, name) in zip(axes, LATENCY_PANELS, strict=True):
+            for run, color in zip(report.runs, SERVER_COLORS, strict=False):
+                records = run.report.results[index].records
+                values = [getattr(r, key) for r in records if r.success and getattr(r, key) is not None]
+                latency_cdf(ax, values, color=color, label=run.name)
+            cdf_axes(ax, name, f"{name} CDF (left is better)")
+            ax.set_xlim(left=0)
+            ax.legend(fontsize=7)
 
 
 def plot_rates(report: CompareReport, path: Path) -> None:
     """Output tok/s and p99 TTFT per rate, one line per server; rates sit at evenly spaced ticks so inf fits."""
-    plt = _pyplot()
+    with figure(path, 2, (9, 3.9), _title(report, "each rate in turn")) as (_, (left, right)):
+        _plot_rate_panels(report, left, right)
+
+
+def _plot_rate_panels(report: CompareReport, left: Any, right: Any) -> None:
     rates = report.config.workload.request_rates
     order = sorted(range(len(rates)), key=lambda i: rates[i])
     x = np.arange(len(order))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.9))
     for run, color in zip(report.runs, SERVER_COLORS, strict=False):
         results = [run.report.results[i] for i in order]
         left.plot(x, [r.summary["output_tokens_per_s"] for r in results], "o-", color=color, label=run.name)
@@ -217,7 +201,3 @@ def plot_rates(report: CompareReport, path: Path) -> None:
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(_title(report, "each rate in turn"), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)

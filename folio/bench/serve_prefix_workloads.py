@@ -20,15 +20,9 @@ from typing import Any
 
 import numpy as np
 
-from folio.bench.datasets import (
-    ASSISTANT_ROLES,
-    USER_ROLES,
-    LengthRange,
-    output_lens,
-    sharegpt_conversations,
-    sharegpt_path,
-)
+from folio.bench.datasets import LengthRange, output_lens
 from folio.bench.serve_client import ServeRequest
+from folio.eval.sharegpt import ASSISTANT_ROLES, USER_ROLES, sharegpt_conversations, sharegpt_path
 
 Encode = Callable[[str], list[int]]
 Decode = Callable[[list[int]], str]

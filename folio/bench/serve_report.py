@@ -9,20 +9,15 @@ from typing import Any
 
 import numpy as np
 
-from folio.bench.report import save_figure, write_text_atomic
-from folio.bench.serve import ServeReport
+from folio.bench.plots import FOLIO_COLOR, PEER_COLOR, cdf_axes, figure, latency_cdf
 from folio.bench.serve_stats import dump_json, format_rate
+from folio.bench.serve_types import ServeReport
+from folio.bench.table import row
+from folio.results import write_text_atomic
 
 LATENCIES = (("ttft_ms", "TTFT"), ("tpot_ms", "TPOT"), ("itl_ms", "ITL"), ("e2e_ms", "E2E"))
 TABLE_STATS = ("mean", "p50", "p90", "p99")
-
-
-def _cell(value: Any) -> str:
-    if value is None:
-        return f"{'-':>12}"
-    if isinstance(value, str):
-        return f"{value:>12}"
-    return f"{value:>12.2f}"
+LATENCY_PANELS = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end latency"))
 
 
 def format_table(report: ServeReport) -> str:
@@ -33,28 +28,24 @@ def format_table(report: ServeReport) -> str:
         f"{report.label}: {c.dataset}{_dataset_detail(report)}, {c.size_text()}, seed {c.seed}, "
         f"max concurrency {c.max_concurrency or 'none'}, output tokens from {sources}"
     )
-    lines = [head, f"{'request rate':<20}" + "".join(_cell(format_rate(r.request_rate)) for r in results)]
-
-    def row(label: str, values: list[Any]) -> None:
-        lines.append(f"{label:<20}" + "".join(_cell(v) for v in values))
-
-    row("completed", [f"{r.summary['completed']}/{r.summary['num_requests']}" for r in results])
-    row("duration s", [r.summary["duration_s"] for r in results])
-    row("requests/s", [r.summary["requests_per_s"] for r in results])
+    lines = [head, row("request rate", [format_rate(r.request_rate) for r in results])]
+    lines.append(row("completed", [f"{r.summary['completed']}/{r.summary['num_requests']}" for r in results]))
+    lines.append(row("duration s", [r.summary["duration_s"] for r in results]))
+    lines.append(row("requests/s", [r.summary["requests_per_s"] for r in results]))
     if report.config.slo:
-        row("goodput req/s", [r.summary["goodput_requests_per_s"] for r in results])
-    row("output tok/s", [r.summary["output_tokens_per_s"] for r in results])
-    row("total tok/s", [r.summary["total_tokens_per_s"] for r in results])
+        lines.append(row("goodput req/s", [r.summary["goodput_requests_per_s"] for r in results]))
+    lines.append(row("output tok/s", [r.summary["output_tokens_per_s"] for r in results]))
+    lines.append(row("total tok/s", [r.summary["total_tokens_per_s"] for r in results]))
     if report.config.price_per_hour is not None:
-        row("$/1M output tok", [r.summary["cost_per_1m_output_tokens"] for r in results])
+        lines.append(row("$/1M output tok", [r.summary["cost_per_1m_output_tokens"] for r in results]))
     caches = [r.summary.get("prefix_cache") for r in results]
     if any(isinstance(cache, dict) for cache in caches):
-        row("prefix query tok", [_count(cache, "queried_tokens") for cache in caches])
-        row("prefix hit tok", [_count(cache, "hit_tokens") for cache in caches])
-        row("prefix hit rate", [_percent(cache) for cache in caches])
+        lines.append(row("prefix query tok", [_count(cache, "queried_tokens") for cache in caches]))
+        lines.append(row("prefix hit tok", [_count(cache, "hit_tokens") for cache in caches]))
+        lines.append(row("prefix hit rate", [_percent(cache) for cache in caches]))
     for key, name in LATENCIES:
         for stat in TABLE_STATS:
-            row(f"{stat} {name} ms", [(r.summary[key] or {}).get(stat) for r in results])
+            lines.append(row(f"{stat} {name} ms", [(r.summary[key] or {}).get(stat) for r in results]))
     if report.config.slo:
         slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in report.config.slo.items())
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
@@ -99,17 +90,6 @@ def write_report(report: ServeReport, output_dir: Path) -> list[Path]:
     return paths
 
 
-def _pyplot():
-    try:  # imported here: plotting is the only user of matplotlib, an optional dependency
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-    except ImportError:
-        raise RuntimeError("plotting needs matplotlib: pip install 'folio[bench]'") from None
-    return plt
-
-
 def _title(report: ServeReport) -> str:
     c = report.config
     cap = f", at most {c.max_concurrency} in flight" if c.max_concurrency else ""
@@ -120,41 +100,31 @@ def _title(report: ServeReport) -> str:
 
 
 def plot_latency_cdfs(report: ServeReport, path: Path) -> None:
-    plt = _pyplot()
-    panels = (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("e2e_s", "end-to-end latency"))
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.2 * len(panels), 3.8))
-    for ax, (key, name) in zip(axes, panels, strict=True):
-        for result in report.results:
-            values = [getattr(r, key) for r in result.records if r.success and getattr(r, key) is not None]
-            if not values:
-                continue
-            ms = np.sort(np.asarray(values) * 1000)
-            ax.step(ms, np.arange(1, len(ms) + 1) / len(ms), where="post", label=f"{format_rate(result.request_rate)}")
-        ax.set_xlabel(f"{name} (ms)")
-        ax.set_ylabel("fraction of requests")
-        ax.set_ylim(0, 1.02)
-        ax.set_title(f"{name} CDF", fontsize=9)
-        ax.grid(alpha=0.3)
-        ax.legend(title="req/s", fontsize=7, title_fontsize=7)
-    fig.suptitle(_title(report), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+    with figure(path, len(LATENCY_PANELS), (4.2 * len(LATENCY_PANELS), 3.8), _title(report)) as (_, axes):
+        for ax, (key, name) in zip(axes, LATENCY_PANELS, strict=True):
+            for result in report.results:
+                values = [getattr(r, key) for r in result.records if r.success and getattr(r, key) is not None]
+                latency_cdf(ax, values, label=format_rate(result.request_rate))
+            cdf_axes(ax, name, f"{name} CDF")
+            ax.legend(title="req/s", fontsize=7, title_fontsize=7)
 
 
 def plot_rates(report: ServeReport, path: Path) -> None:
     """Throughput and p99 TTFT per request rate; rates sit at evenly spaced ticks so that inf fits."""
-    plt = _pyplot()
+    with figure(path, 2, (9, 3.8), _title(report)) as (_, (left, right)):
+        _plot_rate_panels(report, left, right)
+
+
+def _plot_rate_panels(report: ServeReport, left: Any, right: Any) -> None:
     results = sorted(report.results, key=lambda r: r.request_rate)
     labels = [format_rate(r.request_rate) for r in results]
     x = np.arange(len(labels))
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
     output = [r.summary["output_tokens_per_s"] for r in results]
     requests = [r.summary["requests_per_s"] for r in results]
-    left.plot(x, output, "o-", color="#3b6ea8", label="output tok/s")
+    left.plot(x, output, "o-", color=FOLIO_COLOR, label="output tok/s")
     left.set_ylabel("output tokens/s")
     twin = left.twinx()
-    twin.plot(x, requests, "s--", color="#c9822b", label="requests/s")
+    twin.plot(x, requests, "s--", color=PEER_COLOR, label="requests/s")
     if report.config.slo:
         goodput = [r.summary["goodput_requests_per_s"] for r in results]
         twin.plot(x, goodput, "^:", color="#4f9a55", label="goodput req/s")
@@ -175,7 +145,3 @@ def plot_rates(report: ServeReport, path: Path) -> None:
         ax.set_xticks(x, labels)
         ax.set_xlabel("request rate (req/s)")
         ax.grid(alpha=0.3)
-    fig.suptitle(_title(report), fontsize=9)
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)

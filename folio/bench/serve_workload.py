@@ -16,14 +16,25 @@ from folio.bench.datasets import (
     LengthRange,
     chat_prompts,
     chat_requests,
+    humaneval_path,
     humaneval_prompts,
     humaneval_requests,
     prompt_vocabulary,
     random_requests,
-    sharegpt_path,
 )
 from folio.bench.serve_client import ServeRequest
+from folio.bench.serve_prefix_workloads import (
+    document_requests,
+    multi_turn_requests,
+    sharegpt_answers,
+    sharegpt_dialogues,
+)
 from folio.config import ModelConfig
+from folio.eval.sharegpt import sharegpt_path
+from folio.loaders.catalog import ModelSourceError, resolve_model
+from folio.loaders.gguf_file import GGUFFile
+from folio.loaders.gguf_model import gguf_model_config
+from folio.loaders.hf_folder import read_hf_config
 from folio.loaders.tokenizer import Tokenizer
 
 SERVE_DATASETS = ("random", "humaneval", "chat", "multi-turn", "document")
@@ -47,8 +58,6 @@ class BenchTokenizer:
 
 def load_tokenizer(name: str, explicit: bool) -> BenchTokenizer:
     """The tokenizer (and vocabulary facts) of a catalog name, .gguf file or Hugging Face folder."""
-    from folio.loaders.catalog import ModelSourceError, resolve_model
-
     try:
         path = resolve_model(name)
     except ModelSourceError as exc:
@@ -59,14 +68,9 @@ def load_tokenizer(name: str, explicit: bool) -> BenchTokenizer:
             "give --tokenizer (a catalog name, .gguf file or Hugging Face model folder)"
         ) from None
     if path.is_file():
-        from folio.loaders.gguf_file import GGUFFile
-        from folio.loaders.gguf_model import gguf_model_config
-
         gguf = GGUFFile(path)
         config, tokenizer = gguf_model_config(gguf), Tokenizer.from_gguf(gguf)
     else:
-        from folio.loaders.hf_folder import read_hf_config
-
         config = read_hf_config(path)
         tokenizer = Tokenizer.from_hf_folder(path, extra_eos=config.eos_token_ids)
     return BenchTokenizer(name, path, tokenizer, config)
@@ -86,8 +90,6 @@ def check_dataset(dataset: str, dataset_path: str | None) -> None:
     elif dataset in SHAREGPT_DATASETS:
         sharegpt_path(dataset)
     elif dataset == "humaneval":
-        from folio.bench.datasets import humaneval_path
-
         humaneval_path()
 
 
@@ -106,15 +108,11 @@ def build_serve_requests(
     path = Path(dataset_path) if dataset_path else None
     alone = lambda text: tokenizer.encode(text, add_special_tokens=False)  # noqa: E731 - a piece of text, no BOS
     if dataset == "document":
-        from folio.bench.serve_prefix_workloads import document_requests, sharegpt_answers
-
         requests, document_tokens = document_requests(
             sharegpt_answers(path), alone, tokenizer.decode, tokenizer.encode, num, document_len, output_range, seed
         )
         return ServeWorkload(requests, {"document_tokens": document_tokens})
     if dataset == "multi-turn":
-        from folio.bench.serve_prefix_workloads import multi_turn_requests, sharegpt_dialogues
-
         dialogues = sharegpt_dialogues(path, turns)
         requests = multi_turn_requests(dialogues, alone, num, turns, input_range, output_range, seed)
         return ServeWorkload(requests, {"conversations": num, "turns": turns})

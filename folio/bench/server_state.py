@@ -7,7 +7,6 @@ from __future__ import annotations
 import time
 from dataclasses import asdict, dataclass
 
-import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 _GAUGES = {
@@ -37,6 +36,8 @@ class ServerState:
 
 
 def read_server_state(base_url: str, timeout: float = 10.0) -> ServerState:
+    import httpx  # an optional dependency (folio[bench])
+
     try:
         healthy = httpx.get(f"{base_url}/health", timeout=timeout).status_code == 200
         text = httpx.get(f"{base_url}/metrics", timeout=timeout).text

@@ -9,6 +9,7 @@ Every constrained output is checked to parse and validate against its schema.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import time
@@ -19,8 +20,16 @@ from typing import Any
 
 import torch
 
-from folio.bench.report import machine_info, result_paths, save_figure, write_json
+from folio import LLM, SamplingParams
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.plots import FOLIO_COLOR, PEER_COLOR, figure
+from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
+from folio.bench.table import row
+from folio.engine_args import EngineArgs
+from folio.loaders.catalog import resolve_model
+from folio.results import machine_info, result_paths, write_json
+from folio.structured.params import StructuredOutputParams
 
 PEERS = ("llama.cpp",)
 Chat = list[dict[str, str]]
@@ -133,9 +142,6 @@ def is_valid(text: str, schema: dict[str, Any]) -> bool:
 def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     import gc
 
-    from folio import LLM
-    from folio.loaders.catalog import resolve_model
-
     if config.peer is not None and config.peer not in PEERS:
         raise ValueError(f"unknown peer {config.peer!r}; choose from {', '.join(PEERS)}")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
@@ -152,8 +158,6 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     gc.collect()
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
-        from folio.bench.structured_llama import count_valid, run_llama_structured
-
         longest = max(len(p) for p in prompts)
         bound, free, peer_info = run_llama_structured(path, chats, longest, config.max_tokens, config.temperature,
                                                       config.seed, threads=os.cpu_count() or 1)  # fmt: skip
@@ -171,9 +175,6 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
 def _run_folio(
     llm: Any, config: StructuredConfig, chats: list[tuple[str, Chat]], prompts: list[list[int]]
 ) -> EngineStructured:
-    from folio import SamplingParams
-    from folio.structured.params import StructuredOutputParams
-
     # Warm up both paths (first-call allocations, llguidance's tokenizer index) outside the timings.
     warm = StructuredOutputParams(json=SCHEMAS[chats[0][0]])
     llm.generate(prompts[:2], [SamplingParams(max_tokens=8, structured_output=warm), SamplingParams(max_tokens=8)],
@@ -208,17 +209,14 @@ def _run_folio(
 
 
 def format_table(report: StructuredReport) -> str:
-    header = (
-        f"{'engine':10}{'json tok/s':>12}{'free tok/s':>12}{'ratio':>8}{'mask ms/step':>14}{'valid':>8}{'ended':>8}"
-    )
-    lines = [header]
+    widths = [12, 12, 8, 14, 8, 8]
+    lines = [row("engine", ["json tok/s", "free tok/s", "ratio", "mask ms/step", "valid", "ended"], 10, widths)]
     total = report.config["num_prompts"]
     for r in report.results:
-        mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else "-"
-        lines.append(
-            f"{r.engine:10}{r.constrained.output_tokens_per_s:>12.1f}{r.unconstrained.output_tokens_per_s:>12.1f}"
-            f"{r.throughput_ratio:>7.3f}x{mask:>14}{f'{r.num_valid}/{total}':>8}{f'{r.num_finished}/{total}':>8}"
-        )
+        mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else None
+        values = [r.constrained.output_tokens_per_s, r.unconstrained.output_tokens_per_s, f"{r.throughput_ratio:.3f}x",
+                  mask, f"{r.num_valid}/{total}", f"{r.num_finished}/{total}"]  # fmt: skip
+        lines.append(row(r.engine, values, 10, widths, number=".1f"))
     folio = report.results[0]
     lines.append(
         f"ratio = constrained/unconstrained throughput on the same token counts; folio's masks took "
@@ -235,17 +233,18 @@ def write_report(report: StructuredReport, output_dir: Path) -> tuple[Path, Path
 
 
 def _plot(report: StructuredReport, path: Path) -> None:
-    import matplotlib
+    title = (f"{Path(report.model).name} {report.dtype}, {report.config['num_prompts']} JSON-schema requests\n"
+             f"{report.machine['cpu']} ({report.machine['cores']} cores)")  # fmt: skip
+    with figure(path, 2, (9, 3.8), title) as (_, (left, right)):
+        _plot_panels(report, left, right)
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(9, 3.8))
+def _plot_panels(report: StructuredReport, left: Any, right: Any) -> None:
     engines = [r.engine for r in report.results]
     x = range(len(engines))
     width = 0.38
     bound = left.bar([i - width / 2 for i in x], [r.constrained.output_tokens_per_s for r in report.results], width,
-                     label="json_schema", color="#3b6ea8")  # fmt: skip
+                     label="json_schema", color=FOLIO_COLOR)  # fmt: skip
     free = left.bar([i + width / 2 for i in x], [r.unconstrained.output_tokens_per_s for r in report.results], width,
                     label="unconstrained", color="#8aa9cf")  # fmt: skip
     left.bar_label(bound, fmt="%.1f", fontsize=8)
@@ -258,13 +257,40 @@ def _plot(report: StructuredReport, path: Path) -> None:
     c = report.results[0].constrained
     step_ms = 1000 * c.elapsed_s / max(c.num_steps_masked, 1)
     right.bar(["folio step"], [step_ms - c.mask_ms_per_step], color="#8aa9cf", label="model + sampling")
-    right.bar(["folio step"], [c.mask_ms_per_step], bottom=[step_ms - c.mask_ms_per_step], color="#c9822b",
+    right.bar(["folio step"], [c.mask_ms_per_step], bottom=[step_ms - c.mask_ms_per_step], color=PEER_COLOR,
               label="token masks")  # fmt: skip
     right.set_ylabel("ms per constrained step")
     right.set_title(f"masks: {c.mask_ms_per_step:.2f} ms/step, {c.mask_ms_per_row:.3f} ms/row", fontsize=9)
     right.legend(fontsize=8)
-    fig.suptitle(f"{Path(report.model).name} {report.dtype}, {report.config['num_prompts']} JSON-schema requests\n"
-                 f"{report.machine['cpu']} ({report.machine['cores']} cores)", fontsize=9)  # fmt: skip
-    fig.tight_layout()
-    save_figure(fig, path)
-    plt.close(fig)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "structured",
+        help="the cost of structured output: JSON-schema requests vs the same requests unconstrained",
+        description="Run chat requests asking for JSON under a JSON schema (llguidance token masks), then the "
+        "same requests unconstrained with EOS ignored, each decoding exactly as many tokens as its constrained "
+        "run, and report both throughputs, their ratio, the time spent computing masks per step, and how many "
+        "outputs validate against their schema.",
+    )
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
+    parser.add_argument("--num-prompts", type=int, default=32, help="number of requests (default 32)")
+    parser.add_argument("--max-tokens", type=int, default=256, help="output limit per request (default 256)")
+    parser.add_argument("--temperature", type=float, default=0.7, help="sampling temperature (default 0.7)")
+    parser.add_argument("--seed", type=int, default=0, help="request i samples with seed + i (default 0)")
+    parser.add_argument("--peer", default=None, help="also run the requests on llama.cpp's llama-server: llama.cpp")
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_structured_command)
+
+
+def run_structured_command(args: argparse.Namespace) -> int:
+    config = StructuredConfig(args.model, args.num_prompts, args.max_tokens, args.temperature, args.seed,
+                              args.peer, EngineArgs.from_cli_args(args).llm_kwargs())  # fmt: skip
+    report = run_structured(config, command_line(args))
+    print(f"{report.model} ({report.dtype}), {config.num_prompts} JSON-schema requests, seed {config.seed}")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from folio.bench.llama_cpp_build import build_llama_cpp
+from folio.bench.llama_cpp_server import running_llama_server
 from folio.bench.structured_schemas import SCHEMAS
 
 Chat = list[dict[str, str]]
@@ -61,9 +63,6 @@ def run_llama_structured(
     threads: int,
 ) -> tuple[PeerRun, PeerRun, dict[str, Any]]:
     """(constrained run, unconstrained run, build info) on a fresh llama-server."""
-    from folio.bench.llama_cpp_build import build_llama_cpp
-    from folio.bench.llama_cpp_server import running_llama_server
-
     binaries = build_llama_cpp()
     parallel = len(chats)
     ctx_size = parallel * (longest_prompt + max_tokens + SLOT_TOKENS)

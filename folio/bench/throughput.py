@@ -3,15 +3,18 @@ through a peer engine in the same run, reported side by side."""
 
 from __future__ import annotations
 
+import argparse
 import gc
 import os
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any
 
 import torch
 
+from folio import LLM
 from folio.bench.datasets import (
     DATASETS,
     BenchRequest,
@@ -21,7 +24,12 @@ from folio.bench.datasets import (
     prompt_vocabulary,
     random_requests,
 )
-from folio.bench.report import EngineResult, ThroughputReport
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
+from folio.bench.report import EngineResult, ThroughputReport, format_table, write_report
+from folio.engine_args import EngineArgs
+from folio.loaders.catalog import resolve_model
+from folio.sampling_params import SamplingParams
 
 PEERS = ("hf",)
 
@@ -72,8 +80,6 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
 
 def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: bool = True) -> EngineResult:
     """Time one `generate` call over all requests: greedy, ignoring EOS, each to its own length."""
-    from folio.sampling_params import SamplingParams
-
     torch.set_num_threads(os.cpu_count() or 1)
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
@@ -97,10 +103,6 @@ def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: b
 
 
 def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
-    from folio import LLM
-    from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
-    from folio.loaders.catalog import resolve_model
-
     # Fail before the long part of the run on anything the user can fix.
     if config.peer == "hf":
         require_transformers()
@@ -145,3 +147,46 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
         },
         results=results,
     )
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser(
+        "throughput",
+        help="offline throughput: all requests at once, optionally vs transformers",
+        description="Submit a fixed, seeded set of requests at once and measure requests/s and tokens/s "
+        "(greedy, EOS ignored, so every request decodes exactly its output length).",
+    )
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
+    parser.add_argument("--dataset", default="random", help="random (default) or humaneval")
+    parser.add_argument("--num-prompts", type=int, default=256, help="number of requests (default 256)")
+    parser.add_argument(
+        "--input-len-range", default="32:512", help="random dataset: prompt tokens, uniform LOW:HIGH (default 32:512)"
+    )
+    parser.add_argument("--output-len-range", default="16:256", help="output tokens, uniform LOW:HIGH (default 16:256)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
+    parser.add_argument("--peer", default=None, help="also run the requests through a peer engine: hf")
+    parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf peer (default 16)")
+    add_output_dir(parser)
+    EngineArgs.add_cli_args(parser)
+    parser.set_defaults(bench_run=run_throughput_command)
+
+
+def run_throughput_command(args: argparse.Namespace) -> int:
+    config = ThroughputConfig(
+        model=args.model,
+        input_len_range=LengthRange.parse(args.input_len_range, "--input-len-range"),
+        output_len_range=LengthRange.parse(args.output_len_range, "--output-len-range"),
+        dataset=args.dataset,
+        num_prompts=args.num_prompts,
+        seed=args.seed,
+        peer=args.peer,
+        hf_batch_size=args.hf_batch_size,
+        engine_args=EngineArgs.from_cli_args(args).llm_kwargs(),
+    )
+    report = run_throughput(config, command_line(args))
+    print(f"{report.model} ({report.dtype}), {report.dataset}, {report.num_prompts} requests, seed {report.seed}")
+    print(format_table(report))
+    json_path, png_path = write_report(report, Path(args.output_dir))
+    print(f"wrote {json_path}")
+    print(f"wrote {png_path}")
+    return 0

@@ -11,11 +11,13 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from folio.config import CacheConfig, SchedulerConfig, parse_dtype, parse_memory
+from folio.config import parse_dtype
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import LoadedModel, load_model
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
+from folio.engine_args import EngineArgs
+from folio.loaders.catalog import resolve_model
 from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
@@ -47,13 +49,18 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
     ) -> None:
-        from folio.loaders.catalog import resolve_model
-
+        args = EngineArgs(
+            str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
+            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, batching=batching,
+            batch_size=batch_size, batch_timeout_ms=batch_timeout_ms, quantization=quantization,
+            kv_cache_dtype=kv_cache_dtype,
+        )  # fmt: skip
         configure_threads()
         self.device = torch.device(device) if device else default_device()
         self.dtype = parse_dtype(dtype)
         # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
-        path = resolve_model(str(model))
+        path = resolve_model(args.model)
         logger.info("loading %s", path)
         self.loaded: LoadedModel = load_model(path, self.dtype, self.device, quantization)
         logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
@@ -62,21 +69,8 @@ class LLM:
         self.engine = EngineCore(
             self.loaded.model,
             self.model_config,
-            CacheConfig(
-                block_size=block_size,
-                kv_cache_memory=parse_memory(kv_cache_memory),
-                num_blocks=num_kv_blocks,
-                enable_prefix_caching=enable_prefix_caching,
-                kv_cache_dtype=kv_cache_dtype,
-            ),
-            SchedulerConfig(
-                max_num_batched_tokens=max_num_batched_tokens,
-                max_num_seqs=max_num_seqs,
-                max_model_len=max_model_len or self.model_config.max_position_embeddings,
-                batching=batching,
-                batch_size=batch_size,
-                batch_timeout=batch_timeout_ms / 1000,
-            ),
+            args.cache_config(),
+            args.scheduler_config(self.model_config.max_position_embeddings),
             self.dtype,
             self.device,
         )
@@ -84,6 +78,10 @@ class LLM:
         self._ids = itertools.count()
         # Offline, every request is submitted before the engine steps: a partial batch never waits.
         self.engine.scheduler.gate.flush = True
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> LLM:
+        return cls(args.model, **args.llm_kwargs())
 
     # -- requests ----------------------------------------------------------------------------------
     def _make_request(self, prompt: Prompt, params: SamplingParams) -> Request:

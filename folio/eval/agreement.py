@@ -16,9 +16,11 @@ from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from typing import Any
 
-from folio.bench.report import machine_info
+from folio import LLM, SamplingParams
 from folio.eval.corpus import EVAL_CONVERSATIONS
 from folio.eval.perplexity import weight_format_label
+from folio.eval.sharegpt import ASSISTANT_ROLES, USER_ROLES, sharegpt_conversations
+from folio.results import machine_info
 
 MAX_PROMPT_CHARS = 2000
 
@@ -42,8 +44,6 @@ class AgreementResult:
 
 
 def eval_prompts(num_prompts: int) -> list[list[dict[str, str]]]:
-    from folio.bench.datasets import ASSISTANT_ROLES, USER_ROLES, sharegpt_conversations
-
     chats = []
     for index, turns in enumerate(sharegpt_conversations()):
         if index >= EVAL_CONVERSATIONS or len(chats) >= num_prompts:
@@ -58,8 +58,6 @@ def eval_prompts(num_prompts: int) -> list[list[dict[str, str]]]:
 
 
 def greedy_token_ids(llm: Any, chats: list[list[dict[str, str]]], max_tokens: int) -> list[list[int]]:
-    from folio import SamplingParams
-
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     if llm.tokenizer.chat_template:
         outputs = llm.chat(chats, params, use_tqdm=False)
@@ -84,8 +82,6 @@ def run_agreement(
 ) -> AgreementResult:
     """`reference_model`: the full-precision model to agree with (default: `model` itself, dequantized
     to float32); e.g. the GGUF file a quantized checkpoint was made from."""
-    from folio import LLM
-
     chats = eval_prompts(num_prompts)
     reference_engine = {k: v for k, v in engine.items() if k != "dtype"}
     reference = LLM(reference_model or model, quantization="none", dtype="float32", **reference_engine)

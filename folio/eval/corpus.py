@@ -11,6 +11,8 @@ from __future__ import annotations
 import random
 from collections.abc import Callable
 
+from folio.eval.sharegpt import ASSISTANT_ROLES, sharegpt_conversations
+
 EVAL_CONVERSATIONS = 4000  # conversations [0, 4000) are the evaluation text; later ones are for calibration
 MIN_REPLY_CHARS = 200  # short replies ("Sure!") say little about a model
 
@@ -18,8 +20,6 @@ MIN_REPLY_CHARS = 200  # short replies ("Sure!") say little about a model
 def held_out_windows(encode: Callable[[str], list[int]], num_tokens: int, context: int) -> list[list[int]]:
     """Windows of `context` tokens, together `num_tokens` long, cut from consecutive assistant replies
     (each reply tokenized on its own, replies joined end to end)."""
-    from folio.bench.datasets import ASSISTANT_ROLES, sharegpt_conversations
-
     if context < 2 or num_tokens < context:
         raise ValueError(f"need context >= 2 and num_tokens >= context, got {context=} {num_tokens=}")
     stream: list[int] = []
@@ -41,8 +41,6 @@ def calibration_windows(
     """`num_samples` windows of `length` tokens for quantization calibration: each from one conversation
     drawn (seeded) from those after EVAL_CONVERSATIONS, its turns (human and assistant) joined with
     blank lines and cut at a seeded offset. Conversations shorter than `length` tokens are skipped."""
-    from folio.bench.datasets import sharegpt_conversations
-
     if num_samples < 1 or length < 2:
         raise ValueError(f"need num_samples >= 1 and length >= 2, got {num_samples=} {length=}")
     pool = list(sharegpt_conversations())[EVAL_CONVERSATIONS:]

@@ -14,8 +14,10 @@ from dataclasses import asdict, dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
-from folio.bench.report import machine_info
+from folio import LLM
 from folio.eval.corpus import held_out_windows
+from folio.results import machine_info
+from folio.sampling_params import SamplingParams
 
 
 @dataclass
@@ -66,8 +68,6 @@ def score_windows(llm: Any, windows: list[list[int]], chunk: int | None = None) 
 
 
 def _score(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
-    from folio.sampling_params import SamplingParams
-
     # Each window is a prompt scored token by token (prompt_logprobs); one arbitrary token ends it.
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True, prompt_logprobs=0)
     total, count = 0.0, 0
@@ -81,8 +81,6 @@ def _score(llm: Any, windows: list[list[int]]) -> tuple[float, int]:
 def run_perplexity(
     model: str, quantization: str | None, num_tokens: int, context: int, **engine: Any
 ) -> PerplexityResult:
-    from folio import LLM
-
     llm = LLM(model, quantization=quantization, enable_prefix_caching=False, **engine)  # engine: kv_cache_dtype too
     windows = held_out_windows(lambda text: llm.tokenizer.encode(text, add_special_tokens=False), num_tokens, context)
     start = time.perf_counter()

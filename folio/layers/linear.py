@@ -15,6 +15,8 @@ from torch import nn
 from folio.layers.weight_storage import QuantizedKernel, RowQuantized, RowStaging, can_keep, can_pack
 from folio.quant.int4 import GROUP_SIZE, PackedInt4, rtn_groups
 from folio.quant.int8 import ChannelInt8
+from folio.quant.nf4 import BLOCK_SIZE as NF4_BLOCK
+from folio.quant.nf4 import NF4Weight
 
 ON_THE_FLY_METHODS = ("int8", "int4", "nf4")
 
@@ -89,9 +91,6 @@ class Linear(nn.Module):
         """Quantize a loaded dense weight on the fly ("int8": per channel; "int4": round-to-nearest in
         groups along K, where the int4 kernel takes the shape; "nf4": NormalFloat-4 in blocks of 64).
         False if the layer stays as it is."""
-        from folio.quant.nf4 import BLOCK_SIZE as NF4_BLOCK
-        from folio.quant.nf4 import NF4Weight
-
         weight = self.weight
         if self.packed is not None or weight.device.type != "cpu":
             return False

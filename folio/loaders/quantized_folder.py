@@ -19,6 +19,7 @@ import torch
 from safetensors import safe_open
 
 from folio.quant.checkpoint_layouts import to_kernel_form, unpack_awq, unpack_gptq
+from folio.quant.nf4 import NF4Weight
 
 METHODS = ("gptq", "awq", "folio_nf4")
 _MARKERS = {"gptq": "qweight", "awq": "qweight", "folio_nf4": "weight_nf4"}
@@ -86,8 +87,6 @@ def iter_quantized_safetensors(
 def _quantized_weight(tensors: dict[str, torch.Tensor], config: QuantizationConfig, prefix: str,
                       dequantize: bool) -> Any:  # fmt: skip
     if config.method == "folio_nf4":
-        from folio.quant.nf4 import NF4Weight
-
         weight = NF4Weight.from_tensors(tensors)
         return weight.dequantize() if dequantize else weight
     missing = [p for p in ("qweight", "qzeros", "scales") if p not in tensors]

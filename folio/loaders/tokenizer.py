@@ -12,6 +12,7 @@ from tokenizers import Tokenizer as HFTokenizer
 from tokenizers.decoders import DecodeStream
 
 from folio.loaders.gguf_file import GGUFFile
+from folio.loaders.gguf_tokenizer import load_gguf_tokenizer
 
 
 class ChatTemplateError(ValueError):
@@ -40,8 +41,6 @@ class Tokenizer:
 
     @classmethod
     def from_gguf(cls, gguf: GGUFFile) -> Tokenizer:
-        from folio.loaders.gguf_tokenizer import load_gguf_tokenizer
-
         backend = load_gguf_tokenizer(gguf.path)
         tokens = gguf.get("tokenizer.ggml.tokens") or []
         bos_id, eos_id = gguf.get("tokenizer.ggml.bos_token_id"), gguf.get("tokenizer.ggml.eos_token_id")

@@ -20,14 +20,17 @@ import math
 import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from folio.loaders.gguf_file import GGUFTensor
 from folio.quant import gguf_kquants
 from folio.quant.gguf_kquants import Unpacked, bit_planes, f16_field
+
+if TYPE_CHECKING:  # an annotation only: the loaders sit above the weight formats
+    from folio.loaders.gguf_file import GGUFTensor
 
 Q = GGMLQuantizationType
 

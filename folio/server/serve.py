@@ -22,6 +22,7 @@ from fastapi import FastAPI
 
 from folio.engine.async_engine import AsyncEngine
 from folio.engine.llm import LLM
+from folio.engine_args import EngineArgs
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.context import ServerContext
@@ -96,7 +97,6 @@ def build_server(
     on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> Server:
     options = options or ServerOptions()
-    llm.engine.scheduler.gate.flush = False  # requests keep arriving: a static batch waits to be full
     metrics = ServerMetrics(llm.engine, model_name)
     eos = frozenset(llm.model_config.eos_token_ids)
     engine = AsyncEngine(llm.engine, llm.tokenizer, eos, observer=metrics, on_death=on_engine_death)
@@ -121,7 +121,8 @@ def is_loopback(host: str) -> bool:
     return all(a.startswith("127.") or a == "::1" for a in addresses)
 
 
-def serve(llm: LLM, model_name: str, host: str, port: int, options: ServerOptions | None = None) -> None:
+def serve(args: EngineArgs, host: str, port: int, options: ServerOptions | None = None) -> None:
+    """Load the model `args` describe and serve it under its own name until SIGINT/SIGTERM."""
     options = options or ServerOptions()
     if options.api_key is None and not is_loopback(host):
         logger.warning(
@@ -130,6 +131,7 @@ def serve(llm: LLM, model_name: str, host: str, port: int, options: ServerOption
             host,
             port,
         )
+    llm, model_name = LLM.from_engine_args(args), args.model
     http: list[uvicorn.Server] = []  # filled below; the engine may die before uvicorn exists
 
     def stop_on_engine_death(_: BaseException) -> None:

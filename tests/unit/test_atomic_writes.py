@@ -12,10 +12,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from folio.bench import report
-from folio.bench.report import save_figure, write_json
-from folio.quant import export
-from folio.quant.export import write_checkpoint
+from folio import results
+from folio.quantize import export
+from folio.quantize.export import write_checkpoint
+from folio.results import save_figure, write_json
 
 RESULT = {"benchmark": "throughput", "results": {"folio": {"output_tokens_per_s": 12.5}}}
 
@@ -47,7 +47,7 @@ def test_failed_json_write_keeps_the_previous_result(tmp_path: Path, monkeypatch
         f.write('{"benchmark": "thr')
         raise KeyboardInterrupt  # the benchmark killed mid-write
 
-    monkeypatch.setattr(report.json, "dump", dump_half)
+    monkeypatch.setattr(results.json, "dump", dump_half)
     with pytest.raises(KeyboardInterrupt):
         write_json(path, {"benchmark": "other"})
     assert json.loads(path.read_text()) == RESULT

@@ -7,11 +7,11 @@ import torch
 
 from folio import LLM
 from folio.layers.linear import Linear
-from folio.quant.awq import output_error, search_scales
-from folio.quant.calibration import InputStatistics
-from folio.quant.gptq import gptq_quantize
-from folio.quant.group_quantizer import group_params, rtn_int_groups
-from folio.quant.quantize_model import fold_awq_scales
+from folio.quantize.awq import output_error, search_scales
+from folio.quantize.calibration import InputStatistics
+from folio.quantize.gptq import gptq_quantize
+from folio.quantize.group_quantizer import group_params, rtn_int_groups
+from folio.quantize.quantize_model import fold_awq_scales
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.tiny_models import make_tiny_model
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from folio.quant.checkpoint_layouts import IntGroups, contiguous_group_index
-from folio.quant.group_quantizer import group_params, quantize_column, resolve_group_size
+from folio.quantize.group_quantizer import group_params, quantize_column, resolve_group_size
 
 BLOCK = 128
 DAMPING = 0.01  # fraction of the mean Hessian diagonal added to it, as in the reference implementation

