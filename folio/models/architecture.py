@@ -13,10 +13,8 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
-import torch
-
 from folio.config import ModelConfig
-from folio.models.base import CausalLM
+from folio.models.base import CausalLM, CheckpointRename
 from folio.models.weights import StackedMapping
 
 HFConfig = dict[str, Any]  # a parsed config.json
@@ -77,7 +75,7 @@ class Architecture:
         return self.model_class.stacked_params
 
     @property
-    def hf_rename(self) -> Callable[[str, torch.Tensor], tuple[str, torch.Tensor]]:
+    def hf_rename(self) -> CheckpointRename:
         """Hugging Face checkpoint name (and layout) -> the model's own; applied by load_weights, after a
         GGUF file's names became Hugging Face ones (`checkpoint_rename` on the model class)."""
         return self.model_class.checkpoint_rename

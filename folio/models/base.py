@@ -44,14 +44,17 @@ QKV_GATE_UP: StackedMapping = [
 ]
 
 
-def keep_checkpoint_name(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor]:
+CheckpointRename = Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None]  # None: not a weight, skip it
+
+
+def keep_checkpoint_name(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
     return name, tensor
 
 
 class CausalLM(nn.Module):
     stacked_params: StackedMapping = QKV_GATE_UP
     # Hugging Face checkpoint name and layout -> this model's parameter name and layout.
-    checkpoint_rename: Callable[[str, torch.Tensor], tuple[str, torch.Tensor]] = staticmethod(keep_checkpoint_name)
+    checkpoint_rename: CheckpointRename = staticmethod(keep_checkpoint_name)
     model: nn.Module
 
     def _finish_init(self, config: ModelConfig) -> None:
@@ -78,6 +81,6 @@ class CausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
         rename = self.checkpoint_rename
-        renamed = (rename(name, tensor) for name, tensor in weights)
+        renamed = (pair for pair in (rename(name, tensor) for name, tensor in weights) if pair is not None)
         loaded = load_named_weights(self, renamed, self.stacked_params, skip_prefixes=skip)
         check_all_loaded(self, loaded)

@@ -82,6 +82,8 @@ def _shards(name: str, layer: Linear, stacked: list[tuple[str, str, object]]) ->
         return [(name, (0, layer.out_features))]
     fused = name.rsplit(".", 1)[-1]
     parts = {shard_id: part for f, part, shard_id in stacked if f == fused}
+    if not parts:  # the checkpoint holds the fused layer itself (Phi-3's qkv_proj)
+        return [(name, (0, layer.out_features))]
     return [(name[: -len(fused)] + parts[shard_id], rows) for shard_id, rows in layer.shard_offsets.items()]
 
 

@@ -1,0 +1,34 @@
+"""Phi-3: the Llama layout, with q/k/v and gate/up already fused in the checkpoint (`qkv_proj`,
+`gate_up_proj`), so its tensors load whole into folio's fused layers; a sliding window, when the
+config sets one, applies to every layer. The C++ decode step serves it like any Llama."""
+
+from __future__ import annotations
+
+from folio.config import ModelConfig
+from folio.models.architecture import Architecture, HFConfig
+from folio.models.config_readers import hf_common_config, hf_common_fields
+from folio.models.llama import LlamaForCausalLM
+from folio.models.weights import StackedMapping
+
+
+class Phi3ForCausalLM(LlamaForCausalLM):
+    stacked_params: StackedMapping = []  # nothing to stack: the checkpoint's names are the fused layers'
+
+
+def _config_from_hf(raw: HFConfig) -> ModelConfig:
+    rope = raw.get("rope_parameters") or raw.get("rope_scaling") or {}
+    if rope.get("partial_rotary_factor", raw.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise ValueError("Phi-3 checkpoints with partial rotary embeddings (Phi-4-mini) are not supported")
+    fields = hf_common_fields(raw)
+    if raw.get("sliding_window"):
+        fields.update(sliding_window=raw["sliding_window"], layer_types=["sliding_attention"] * fields["num_layers"])
+    return ModelConfig(**fields)
+
+
+def _config_to_hf(config: ModelConfig) -> HFConfig:
+    return {**hf_common_config(config, "phi3"), "sliding_window": config.sliding_window}
+
+
+ARCHITECTURES = (
+    Architecture("phi3", ("Phi3ForCausalLM",), Phi3ForCausalLM, _config_from_hf, _config_to_hf, decode_stack=True),
+)
