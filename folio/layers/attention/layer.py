@@ -18,14 +18,24 @@ from folio.layers.attention.torch_paged import attend_group
 
 class PagedAttention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
+        """`alibi_slopes` [num_heads]: ALiBi biases on the scores (BLOOM); the C++ decode kernel has no
+        ALiBi, so such layers take the PyTorch path for every group."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         # Bound by the model runner once the pool is sized.
         self.cache: LayerKV | None = None
         self.block_size = 0
@@ -41,7 +51,11 @@ class PagedAttention(nn.Module):
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         cache.write(k, v, meta.slot_mapping)
-        kernel_ok = self.decode_kernel is not None and (cache.fmt is not None or q.dtype == cache.k.dtype)
+        kernel_ok = (
+            self.decode_kernel is not None
+            and self.alibi_slopes is None
+            and (cache.fmt is not None or q.dtype == cache.k.dtype)
+        )
         groups = meta.groups
         if len(groups) == 1 and groups[0].is_decode and kernel_ok:  # a pure decode step: no gather, no scatter
             return self._decode(q.contiguous(), groups[0], cache)
@@ -50,7 +64,9 @@ class PagedAttention(nn.Module):
             if group.is_decode and kernel_ok:
                 attended = self._decode(q[group.token_rows].contiguous(), group, cache)
             else:
-                attended = attend_group(group, q, k, v, cache, self.block_size, self.scale, self.sliding_window)
+                attended = attend_group(
+                    group, q, k, v, cache, self.block_size, self.scale, self.sliding_window, self.alibi_slopes
+                )
             out[group.token_rows] = attended
         return out
 
