@@ -26,8 +26,7 @@ class PagedAttention(nn.Module):
         sliding_window: int | None = None,
         alibi_slopes: torch.Tensor | None = None,
     ) -> None:
-        """`alibi_slopes` [num_heads]: ALiBi biases on the scores (BLOOM); the C++ decode kernel has no
-        ALiBi, so such layers take the PyTorch path for every group."""
+        """`alibi_slopes` [num_heads] float32: ALiBi biases on the scores (BLOOM), in both paths."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
@@ -51,11 +50,7 @@ class PagedAttention(nn.Module):
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         cache.write(k, v, meta.slot_mapping)
-        kernel_ok = (
-            self.decode_kernel is not None
-            and self.alibi_slopes is None
-            and (cache.fmt is not None or q.dtype == cache.k.dtype)
-        )
+        kernel_ok = self.decode_kernel is not None and (cache.fmt is not None or q.dtype == cache.k.dtype)
         groups = meta.groups
         if len(groups) == 1 and groups[0].is_decode and kernel_ok:  # a pure decode step: no gather, no scatter
             return self._decode(q.contiguous(), groups[0], cache)
@@ -73,7 +68,10 @@ class PagedAttention(nn.Module):
     def _decode(self, q: torch.Tensor, group: AttentionGroup, cache: LayerKV) -> torch.Tensor:
         """The compiled kernel on a group of single-token queries: [n, H, D] -> [n, H * D]."""
         k_cache, v_cache, k_scales, v_scales = cache.kernel_args()
-        return self.decode_kernel.paged_decode_attention(
-            q, k_cache, v_cache, group.block_tables, group.seq_lens, self.block_size, self.scale,
-            self.sliding_window or 0, k_scales, v_scales,
-        ).view(-1, self.num_heads * self.head_dim)  # fmt: skip
+        args = (q, k_cache, v_cache, group.block_tables, group.seq_lens, self.block_size, self.scale,
+                self.sliding_window or 0, k_scales, v_scales)  # fmt: skip
+        if self.alibi_slopes is None:
+            attended = self.decode_kernel.paged_decode_attention(*args)
+        else:
+            attended = self.decode_kernel.paged_decode_attention_alibi(*args, self.alibi_slopes)
+        return attended.view(-1, self.num_heads * self.head_dim)
