@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from folio.config import ModelConfig
+from folio.models.registry import architecture_of
 
 # Bits per weight of storage formats, scales included (GGUF block layouts; int8/int4 with one fp16
 # scale per row / per group of 128).
@@ -67,7 +68,8 @@ def load_shape(path: Path) -> ModelShape:
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return ModelShape(config, sum(_safetensors_params(f) for f in files), "tensors")
-    return ModelShape(config, params_from_config(config), "config")
+    estimate = architecture_of(config).estimate_params or params_from_config
+    return ModelShape(config, estimate(config), "config")
 
 
 def _safetensors_params(path: Path) -> int:

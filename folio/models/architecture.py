@@ -59,6 +59,9 @@ class Architecture:
     tokenizer_family: str = "llama"
     # The C++ decode step (decode_stack.py) serves it: the model class overrides bind_decode_stack.
     decode_stack: bool = False
+    # Parameter count from the config alone (`folio kv-calc` on a bare config.json); None: the
+    # Llama layout's estimate (kv_calc.params_from_config).
+    estimate_params: Callable[[ModelConfig], int] | None = None
     # config.json architecture names this module knows and refuses, with the reason shown to the user.
     hf_refused: Mapping[str, str] = field(default_factory=dict)
 

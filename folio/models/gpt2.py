@@ -169,4 +169,16 @@ def _config_to_hf(config: ModelConfig) -> HFConfig:
     }
 
 
-ARCHITECTURES = (Architecture("gpt2", ("GPT2LMHeadModel",), GPT2LMHeadModel, _config_from_hf, _config_to_hf),)
+def _estimate_params(config: ModelConfig) -> int:
+    """Embeddings, then per layer: two LayerNorms, q/k/v and output projections, the MLP, all with biases."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + h * config.max_position_embeddings
+    return embeddings + config.num_layers * layer + 2 * h
+
+
+ARCHITECTURES = (
+    Architecture(
+        "gpt2", ("GPT2LMHeadModel",), GPT2LMHeadModel, _config_from_hf, _config_to_hf, estimate_params=_estimate_params
+    ),
+)

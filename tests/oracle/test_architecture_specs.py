@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from folio.kv_calc import load_shape
 from folio.layers.attention.alibi import alibi_slopes
 from folio.loaders.hf_folder import read_hf_config
 from folio.models.registry import all_architectures, architecture_named, config_from_hf, gguf_architecture
@@ -46,3 +47,15 @@ def test_alibi_slopes_equal_transformers(num_heads):
 
     reference = build_alibi_tensor(torch.ones(1, 2), num_heads, torch.float32)[:, 0, 1]  # slope * position 1
     torch.testing.assert_close(alibi_slopes(num_heads), reference)
+
+
+@pytest.mark.parametrize("kind", ["gpt2", "bloom"])
+def test_kv_calc_estimate_from_a_bare_config_equals_the_tensor_count(kind, tmp_path):
+    folder = make_tiny_model(kind, tmp_path / kind)
+    counted = load_shape(folder)
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text((folder / "config.json").read_text())
+    estimated = load_shape(bare / "config.json")
+    assert (counted.params_source, estimated.params_source) == ("tensors", "config")
+    assert estimated.num_params == counted.num_params
