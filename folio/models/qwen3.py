@@ -9,9 +9,15 @@ from folio.config import ModelConfig
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import apply_rotary
-from folio.models.architecture import Architecture, HFConfig
+from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 from folio.models.base import CausalLM
-from folio.models.config_readers import hf_common_config, hf_common_fields
+from folio.models.config_readers import (
+    LLAMA_BLOCK_NAMES,
+    LLAMA_TOP_NAMES,
+    gguf_common_fields,
+    hf_common_config,
+    hf_common_fields,
+)
 from folio.models.llama import LlamaAttention, LlamaModel
 
 
@@ -59,4 +65,13 @@ def _config_to_hf(config: ModelConfig) -> HFConfig:
     return raw
 
 
-ARCHITECTURES = (Architecture("qwen3", ("Qwen3ForCausalLM",), Qwen3ForCausalLM, _config_from_hf, _config_to_hf),)
+def _config_from_gguf(gguf: GGUFMetadata) -> ModelConfig:
+    return ModelConfig(**gguf_common_fields(gguf, "Qwen3ForCausalLM"))
+
+
+# llama.cpp's Qwen3 converter keeps q/k rows as they are (no RoPE permutation, unlike its Llama one).
+_GGUF = GGUFLayout(("qwen3",), _config_from_gguf, LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES)
+
+ARCHITECTURES = (
+    Architecture("qwen3", ("Qwen3ForCausalLM",), Qwen3ForCausalLM, _config_from_hf, _config_to_hf, gguf=_GGUF),
+)
