@@ -9,12 +9,14 @@ import torch
 
 from folio.kv_cache.quant import kv_format
 
+POSITION_EMBEDDINGS = ("rope", "learned", "alibi")
+
 
 @dataclass
 class ModelConfig:
     """Architecture hyper-parameters, filled from config.json or GGUF metadata."""
 
-    architecture: str  # registry key, e.g. "LlamaForCausalLM", "Gemma3ForCausalLM"
+    architecture: str  # config.json's architecture name, e.g. "LlamaForCausalLM"; picks the model's module
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -23,11 +25,12 @@ class ModelConfig:
     num_kv_heads: int
     head_dim: int
     max_position_embeddings: int
-    rms_norm_eps: float = 1e-6
+    rms_norm_eps: float = 1e-6  # the epsilon of every norm (RMSNorm, or LayerNorm where a model uses it)
     rope_theta: float = 10000.0
     rope_scaling: dict[str, Any] | None = None
     tie_word_embeddings: bool = False
     attention_bias: bool = False  # q/k/v projections carry a bias (Qwen2)
+    linear_bias: bool = False  # every projection and norm carries a bias (GPT-2, BLOOM)
     hidden_act: str = "silu"
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -37,6 +40,9 @@ class ModelConfig:
     rope_local_theta: float | None = None  # RoPE base of sliding-window layers
     query_pre_attn_scalar: float | None = None
     final_logit_softcapping: float | None = None
+    # How a model knows positions: rotary ("rope"), a learned table added to the embeddings ("learned",
+    # GPT-2) or linear biases on the attention scores ("alibi", BLOOM).
+    position_embedding: str = "rope"
 
     def __post_init__(self) -> None:
         for name in (
@@ -55,6 +61,8 @@ class ModelConfig:
             raise ValueError(
                 f"model config: num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
             )
+        if self.position_embedding not in POSITION_EMBEDDINGS:
+            raise ValueError(f"model config: position_embedding must be one of {POSITION_EMBEDDINGS}")
         if self.layer_types is not None and len(self.layer_types) != self.num_layers:
             raise ValueError("model config: layer_types must have one entry per layer")
 

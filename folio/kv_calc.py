@@ -17,6 +17,7 @@ from folio.config import ModelConfig
 from folio.loaders.gguf_file import GGUFFile
 from folio.loaders.gguf_model import gguf_model_config
 from folio.loaders.hf_folder import read_hf_config
+from folio.models.registry import architecture_of
 
 # Bits per weight of storage formats, scales included (GGUF block layouts; int8/int4 with one fp16
 # scale per row / per group of 128).
@@ -65,7 +66,8 @@ def load_shape(path: Path) -> ModelShape:
     files = sorted(folder.glob("*.safetensors"))
     if files:
         return ModelShape(config, sum(_safetensors_params(f) for f in files), "tensors")
-    return ModelShape(config, params_from_config(config), "config")
+    estimate = architecture_of(config).estimate_params or params_from_config
+    return ModelShape(config, estimate(config), "config")
 
 
 def _safetensors_params(path: Path) -> int:

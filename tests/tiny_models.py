@@ -66,6 +66,20 @@ def _config(kind: str):
             query_pre_attn_scalar=24,
             layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
         )
+    if kind == "qwen3":
+        return transformers.Qwen3Config(**common, head_dim=16, tie_word_embeddings=False)
+    if kind == "phi3":
+        return transformers.Phi3Config(**common, tie_word_embeddings=False)
+    if kind == "gpt2":
+        return transformers.GPT2Config(
+            vocab_size=VOCAB, n_embd=64, n_layer=3, n_head=4, n_positions=512, initializer_range=0.2,
+            eos_token_id=None, bos_token_id=None,
+        )  # fmt: skip
+    if kind == "bloom":
+        return transformers.BloomConfig(
+            vocab_size=VOCAB, hidden_size=64, n_layer=3, n_head=4, initializer_range=0.2,
+            eos_token_id=None, bos_token_id=None, pad_token_id=None,
+        )  # fmt: skip
     raise ValueError(kind)
 
 
@@ -92,3 +106,5 @@ def make_tiny_chat_model(folder: Path) -> Path:
 
 
 TINY_KINDS = ["llama", "llama3-rope", "mqa", "mistral-window", "qwen2", "qwen2-yarn", "gemma3"]
+# Architectures added as one model file each (folio/models/): checked by the same oracle test.
+NEW_ARCHITECTURE_KINDS = ["qwen3", "phi3", "gpt2", "bloom"]

@@ -63,7 +63,7 @@ template <typename T, typename C, int64_t HEAD_DIM>
 static void decode_attention_impl(
     torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& block_tables, const torch::Tensor& seq_lens, int64_t block_size, double scale,
-    int64_t window, const c10::Half* k_scales, const c10::Half* v_scales) {
+    int64_t window, const c10::Half* k_scales, const c10::Half* v_scales, const float* alibi_slopes) {
   const int64_t num_seqs = query.size(0), num_heads = query.size(1);
   const int64_t head_dim = HEAD_DIM > 0 ? HEAD_DIM : query.size(2);
   const int64_t num_kv_heads = k_cache.size(1);
@@ -99,7 +99,10 @@ static void decode_attention_impl(
           float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
           for (int64_t d = 0; d < head_dim; ++d) dot += qg[d] * code_value(krow[d], lut);
-          scores[g * count + pos - first] = dot * kscale;
+          // ALiBi: slope * (key position - query position); the query sits at len - 1.
+          const float bias =
+              alibi_slopes ? alibi_slopes[kv_head * group + g] * static_cast<float>(pos - (len - 1)) : 0.0f;
+          scores[g * count + pos - first] = dot * kscale + bias;
         }
       });
       for (int64_t g = 0; g < group; ++g) {
@@ -137,19 +140,23 @@ template <typename T, typename C>
 static void dispatch_head_dim(
     torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale, int64_t window,
-    const c10::Half* ks, const c10::Half* vs) {
+    const c10::Half* ks, const c10::Half* vs, const float* slopes) {
   switch (query.size(2)) {
     case 64:
-      decode_attention_impl<T, C, 64>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      decode_attention_impl<T, C, 64>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     case 128:
-      decode_attention_impl<T, C, 128>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      decode_attention_impl<T, C, 128>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     case 256:
-      decode_attention_impl<T, C, 256>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      decode_attention_impl<T, C, 256>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     default:
-      decode_attention_impl<T, C, 0>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      decode_attention_impl<T, C, 0>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
   }
 }
 
@@ -157,27 +164,32 @@ template <typename T>
 static void dispatch_cache(
     torch::Tensor& out, const torch::Tensor& query, const torch::Tensor& k_cache, const torch::Tensor& v_cache,
     const torch::Tensor& tables, const torch::Tensor& lens, int64_t block_size, double scale, int64_t window,
-    const c10::Half* ks, const c10::Half* vs) {
+    const c10::Half* ks, const c10::Half* vs, const float* slopes) {
   switch (k_cache.scalar_type()) {
     case torch::kChar:  // int8 codes
-      dispatch_head_dim<T, int8_t>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      dispatch_head_dim<T, int8_t>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     case torch::kByte:  // float8 e4m3 codes, as bytes
-      dispatch_head_dim<T, uint8_t>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      dispatch_head_dim<T, uint8_t>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     default:
       TORCH_CHECK(k_cache.scalar_type() == query.scalar_type(), "an unquantized cache must have the query's dtype");
-      dispatch_head_dim<T, T>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      dispatch_head_dim<T, T>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
   }
 }
 
 // query [N, H, D]; caches [slots, Hkv, D]; block_tables [N, max_blocks] int64; seq_lens [N] int64
 // (keys to attend: the query sits at position seq_len - 1); window 0 means no sliding window.
 // An 8-bit cache (int8, or float8 e4m3 viewed as uint8) comes with float16 scales [slots, Hkv].
-torch::Tensor paged_decode_attention(
+// alibi_slopes: [H] float32 ALiBi slopes (each score gains slope * (key position - query position)),
+// or nullptr for none.
+static torch::Tensor paged_decode_attention_with(
     torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
     torch::Tensor seq_lens, int64_t block_size, double scale, int64_t window,
-    std::optional<torch::Tensor> k_scales, std::optional<torch::Tensor> v_scales) {
+    std::optional<torch::Tensor> k_scales, std::optional<torch::Tensor> v_scales, const float* slopes) {
   TORCH_CHECK(query.is_contiguous() && k_cache.is_contiguous() && v_cache.is_contiguous(), "inputs must be contiguous");
   TORCH_CHECK(query.size(1) % k_cache.size(1) == 0, "heads must be a multiple of KV heads");
   const bool quantized = k_cache.scalar_type() == torch::kChar || k_cache.scalar_type() == torch::kByte;
@@ -195,10 +207,12 @@ torch::Tensor paged_decode_attention(
   auto out = torch::empty_like(query);
   switch (query.scalar_type()) {
     case torch::kFloat:
-      dispatch_cache<float>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      dispatch_cache<float>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     case torch::kBFloat16:
-      dispatch_cache<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window, ks, vs);
+      dispatch_cache<c10::BFloat16>(out, query, k_cache, v_cache, tables, lens, block_size, scale, window,
+                                              ks, vs, slopes);
       break;
     default:
       TORCH_CHECK(false, "paged_decode_attention supports float32 and bfloat16 queries");
@@ -206,8 +220,29 @@ torch::Tensor paged_decode_attention(
   return out;
 }
 
+// The entry point other extensions call through the capsule below: its signature stays fixed.
+torch::Tensor paged_decode_attention(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor seq_lens, int64_t block_size, double scale, int64_t window,
+    std::optional<torch::Tensor> k_scales, std::optional<torch::Tensor> v_scales) {
+  return paged_decode_attention_with(query, k_cache, v_cache, block_tables, seq_lens, block_size, scale, window,
+                                     k_scales, v_scales, nullptr);
+}
+
+// The same with ALiBi biases: alibi_slopes [H] float32.
+torch::Tensor paged_decode_attention_alibi(
+    torch::Tensor query, torch::Tensor k_cache, torch::Tensor v_cache, torch::Tensor block_tables,
+    torch::Tensor seq_lens, int64_t block_size, double scale, int64_t window,
+    std::optional<torch::Tensor> k_scales, std::optional<torch::Tensor> v_scales, torch::Tensor alibi_slopes) {
+  TORCH_CHECK(alibi_slopes.scalar_type() == torch::kFloat && alibi_slopes.is_contiguous() &&
+              alibi_slopes.numel() == query.size(1), "alibi_slopes: contiguous float32, one per query head");
+  return paged_decode_attention_with(query, k_cache, v_cache, block_tables, seq_lens, block_size, scale, window,
+                                     k_scales, v_scales, alibi_slopes.data_ptr<float>());
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
+  m.def("paged_decode_attention_alibi", &paged_decode_attention_alibi, "paged decode attention with ALiBi (CPU)");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::PagedDecodeAttention>(entries, &paged_decode_attention);

@@ -1,4 +1,5 @@
-"""Gated activations over a fused [gate | up] projection; on CPU one fused op (fused_ops.py) each."""
+"""Gated activations over a fused [gate | up] projection; on CPU one fused op (fused_ops.py) each.
+Plain (ungated) activations for MLPs without a gate (GPT-2, BLOOM)."""
 
 from __future__ import annotations
 
@@ -45,3 +46,25 @@ def get_gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
         return ACTIVATIONS[name]
     except KeyError:
         raise ValueError(f"unsupported activation {name!r}; known: {sorted(ACTIVATIONS)}") from None
+
+
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    return F.gelu(x, approximate="tanh")
+
+
+# config.json names of ungated activations: GPT-2's "gelu_new" and BLOOM's GELU are the tanh form.
+PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu_new": gelu_tanh,
+    "gelu_pytorch_tanh": gelu_tanh,
+    "gelu_tanh": gelu_tanh,
+    "gelu": F.gelu,
+    "relu": F.relu,
+    "silu": F.silu,
+}
+
+
+def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    try:
+        return PLAIN_ACTIVATIONS[name]
+    except KeyError:
+        raise ValueError(f"unsupported activation {name!r}; known: {sorted(PLAIN_ACTIVATIONS)}") from None

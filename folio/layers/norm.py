@@ -1,4 +1,4 @@
-"""RMSNorm; Gemma's variant scales by (1 + weight) instead of weight.
+"""RMSNorm (Gemma's variant scales by (1 + weight) instead of weight), and LayerNorm (GPT-2, BLOOM).
 
 On CPU the fused op (fused_ops.py) computes it, with the residual add before it when one is given;
 `reference` is the PyTorch definition, which the fused op is tested against.
@@ -7,6 +7,7 @@ On CPU the fused op (fused_ops.py) computes it, with the residual add before it 
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from folio.layers.fused_ops import fused_ops_for
@@ -42,3 +43,17 @@ class RMSNorm(nn.Module):
             # Gemma multiplies in float32 before casting back.
             return (x32 * (self.weight.float() + self.weight_offset)).to(dtype)
         return self.weight * x32.to(dtype)
+
+
+class LayerNorm(nn.Module):
+    """(x - mean) / std * weight + bias over the last dimension, computed in float32."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim), requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(dim), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        normed = F.layer_norm(x.float(), self.weight.shape, self.weight.float(), self.bias.float(), self.eps)
+        return normed.to(x.dtype)

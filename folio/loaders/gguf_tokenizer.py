@@ -7,7 +7,8 @@ every choice below (normalizer, pre-tokenizer, which tokens are added, merge ord
 
 Three shapes are supported:
   * byte-level BPE (`tokenizer.ggml.model == "gpt2"`, e.g. SmolLM2), merges stored in the file;
-  * Gemma's SentencePiece BPE (`"llama"` on a gemma* architecture): spaces become U+2581 in a
+  * Gemma's SentencePiece BPE (`"llama"` on an architecture of the "gemma" tokenizer family, which
+    its model module declares): spaces become U+2581 in a
     normalizer, byte fallback, merges rebuilt from the vocabulary in file order;
   * other SentencePiece BPE (`"llama"`): a Metaspace pre-tokenizer, merges rebuilt from the scores.
 
@@ -31,12 +32,14 @@ from tokenizers.models import BPE
 
 from folio.loaders.catalog import folio_home
 from folio.loaders.gguf_file import GGUFFile
+from folio.models.registry import gguf_architecture
 
 # Bump when the builder's output changes, so stale cache entries are never read.
 CACHE_VERSION = 2
 SPIECE_SPACE = "\u2581"
 CONTROL, USER_DEFINED = 3, 4  # llama.cpp token types
-GEMMA_ARCHITECTURES = frozenset({"gemma", "gemma2", "gemma3"})
+# Gemma 1 and 2 have no model module; their vocabularies are Gemma's as well.
+UNREGISTERED_FAMILIES = {"gemma": "gemma", "gemma2": "gemma"}
 # Token names the matching transformers class (GPT2Tokenizer, GemmaTokenizer, LlamaTokenizer) treats as
 # special by default.
 DEFAULT_SPECIALS = {
@@ -263,13 +266,21 @@ def _post_processor(vocab: GGUFVocab) -> processors.TemplateProcessing:
     )
 
 
+def tokenizer_family(gguf_architecture_name: str) -> str:
+    """The vocabulary family the architecture's module declares ("llama" for one folio cannot run)."""
+    try:
+        return gguf_architecture(gguf_architecture_name).tokenizer_family
+    except ValueError:
+        return UNREGISTERED_FAMILIES.get(gguf_architecture_name, "llama")
+
+
 def build_tokenizer(vocab: GGUFVocab) -> Tokenizer:
     """The tokenizer transformers would build from this metadata."""
     if vocab.model == "gpt2":
         style = "gpt2"
         tok, alphabet = _byte_level(vocab)
     elif vocab.model == "llama":
-        style = "gemma" if vocab.architecture in GEMMA_ARCHITECTURES else "llama"
+        style = "gemma" if tokenizer_family(vocab.architecture) == "gemma" else "llama"
         tok, alphabet = _sentencepiece(vocab, gemma=style == "gemma"), None
     else:
         raise GGUFTokenizerError(f"tokenizer.ggml.model {vocab.model!r} is not supported (supported: 'gpt2', 'llama')")

@@ -6,7 +6,7 @@ A concrete model sets `self.model` (embeddings, decoder layers, final norm) befo
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -34,14 +34,27 @@ class GatedMLP(nn.Module):
         return self.down_proj(self.act(self.gate_up_proj(x)))
 
 
+# Separate q/k/v and gate/up checkpoint tensors stacked into qkv_proj and gate_up_proj.
+QKV_GATE_UP: StackedMapping = [
+    ("qkv_proj", "q_proj", "q"),
+    ("qkv_proj", "k_proj", "k"),
+    ("qkv_proj", "v_proj", "v"),
+    ("gate_up_proj", "gate_proj", 0),
+    ("gate_up_proj", "up_proj", 1),
+]
+
+
+CheckpointRename = Callable[[str, torch.Tensor], tuple[str, torch.Tensor] | None]  # None: not a weight, skip it
+
+
+def keep_checkpoint_name(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    return name, tensor
+
+
 class CausalLM(nn.Module):
-    stacked_params: StackedMapping = [
-        ("qkv_proj", "q_proj", "q"),
-        ("qkv_proj", "k_proj", "k"),
-        ("qkv_proj", "v_proj", "v"),
-        ("gate_up_proj", "gate_proj", 0),
-        ("gate_up_proj", "up_proj", 1),
-    ]
+    stacked_params: StackedMapping = QKV_GATE_UP
+    # Hugging Face checkpoint name and layout -> this model's parameter name and layout.
+    checkpoint_rename: CheckpointRename = staticmethod(keep_checkpoint_name)
     model: nn.Module
 
     def _finish_init(self, config: ModelConfig) -> None:
@@ -67,5 +80,7 @@ class CausalLM(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
-        loaded = load_named_weights(self, weights, self.stacked_params, skip_prefixes=skip)
+        rename = self.checkpoint_rename
+        renamed = (pair for pair in (rename(name, tensor) for name, tensor in weights) if pair is not None)
+        loaded = load_named_weights(self, renamed, self.stacked_params, skip_prefixes=skip)
         check_all_loaded(self, loaded)

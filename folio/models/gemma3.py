@@ -16,7 +16,16 @@ from folio.layers.embedding import VocabEmbedding
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 from folio.models.base import CausalLM, GatedMLP
+from folio.models.config_readers import (
+    LLAMA_BLOCK_NAMES,
+    LLAMA_TOP_NAMES,
+    gguf_common_fields,
+    hf_common_config,
+    hf_common_fields,
+    scaling_or_none,
+)
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -103,3 +112,83 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__()
         self.model = Gemma3Model(config)
         self._finish_init(config)
+
+
+def _config_from_hf(raw: HFConfig) -> ModelConfig:
+    fields = hf_common_fields(raw)
+    fields.update(
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        sliding_window=raw.get("sliding_window"),
+        layer_types=_layer_types(raw),
+        query_pre_attn_scalar=raw.get("query_pre_attn_scalar"),
+        final_logit_softcapping=raw.get("final_logit_softcapping"),
+    )
+    params = raw.get("rope_parameters")
+    if params and "full_attention" in params:  # new style: one entry per layer type
+        full, local = params["full_attention"], params.get("sliding_attention", {})
+        fields.update(rope_theta=full.get("rope_theta", 1e6), rope_scaling=scaling_or_none(full),
+                      rope_local_theta=local.get("rope_theta", 10000.0))  # fmt: skip
+    elif not params:
+        fields.update(rope_local_theta=raw.get("rope_local_base_freq", 10000.0))
+    return ModelConfig(**fields)
+
+
+def _layer_types(raw: HFConfig) -> list[str]:
+    if raw.get("layer_types"):
+        return list(raw["layer_types"])
+    pattern = raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6
+    return [
+        "full_attention" if (i + 1) % pattern == 0 else "sliding_attention" for i in range(raw["num_hidden_layers"])
+    ]
+
+
+def _config_to_hf(config: ModelConfig) -> HFConfig:
+    raw = hf_common_config(config, "gemma3_text")
+    raw.update(
+        hidden_activation=config.hidden_act,
+        sliding_window=config.sliding_window,
+        layer_types=config.layer_types,
+        rope_local_base_freq=config.rope_local_theta,
+        query_pre_attn_scalar=config.query_pre_attn_scalar,
+        final_logit_softcapping=config.final_logit_softcapping,
+    )
+    return raw
+
+
+def _config_from_gguf(gguf: GGUFMetadata) -> ModelConfig:
+    fields = gguf_common_fields(gguf, "Gemma3ForCausalLM")
+    num_layers = fields["num_layers"]
+    # llama.cpp hard-codes Gemma 3's layout: every 6th layer is global, local layers use base 10k.
+    fields.update(
+        hidden_act="gelu_pytorch_tanh",
+        sliding_window=int(gguf.arch_get("attention.sliding_window", 4096)),
+        layer_types=["full_attention" if (i + 1) % 6 == 0 else "sliding_attention" for i in range(num_layers)],
+        rope_local_theta=10000.0,
+        query_pre_attn_scalar=float(fields["head_dim"]),
+        rope_theta=float(gguf.arch_get("rope.freq_base", 1e6)),
+    )
+    return ModelConfig(**fields)
+
+
+_GGUF_BLOCK_NAMES = {
+    **LLAMA_BLOCK_NAMES,
+    "ffn_norm": "pre_feedforward_layernorm",
+    "post_attention_norm": "post_attention_layernorm",
+    "post_ffw_norm": "post_feedforward_layernorm",
+}
+
+ARCHITECTURES = (
+    Architecture(
+        "gemma3",
+        ("Gemma3ForCausalLM",),
+        Gemma3ForCausalLM,
+        _config_from_hf,
+        _config_to_hf,
+        gguf=GGUFLayout(("gemma3",), _config_from_gguf, _GGUF_BLOCK_NAMES, LLAMA_TOP_NAMES, norm_offset=1.0),
+        tokenizer_family="gemma",
+        hf_refused={
+            "Gemma3ForConditionalGeneration": "multimodal Gemma 3 checkpoints are not supported; use a text-only "
+            "(Gemma3ForCausalLM) one"
+        },
+    ),
+)

@@ -1,6 +1,7 @@
 """The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), SmolLM2.
 
 Forward runs on a flat batch: input_ids [T] and positions [T] of all scheduled tokens of all requests.
+The C++ decode step (decode_stack.py) serves these models.
 """
 
 from __future__ import annotations
@@ -17,7 +18,15 @@ from folio.layers.embedding import VocabEmbedding
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
+from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 from folio.models.base import CausalLM, GatedMLP
+from folio.models.config_readers import (
+    LLAMA_BLOCK_NAMES,
+    LLAMA_TOP_NAMES,
+    gguf_common_fields,
+    hf_common_config,
+    hf_common_fields,
+)
 from folio.models.decode_stack import build_decode_stack, takes_step
 
 
@@ -49,9 +58,9 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, attention: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.self_attn = LlamaAttention(config, layer_index)
+        self.self_attn = attention(config, layer_index)
         self.mlp = GatedMLP(config)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -76,10 +85,12 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
+    """`attention`: the layers' attention module (a variant such as Qwen3's QK-norm one subclasses it)."""
+
+    def __init__(self, config: ModelConfig, attention: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i) for i in range(config.num_layers))
+        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention) for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
@@ -112,3 +123,44 @@ class LlamaForCausalLM(CausalLM):
 
     def bind_decode_stack(self, dtype: torch.dtype) -> None:
         self.model.decode_stack = build_decode_stack(self.model, dtype)
+
+
+def _config_from_hf(raw: HFConfig) -> ModelConfig:
+    fields = hf_common_fields(raw)
+    name = fields["architecture"]
+    fields["attention_bias"] = raw.get("attention_bias", name == "Qwen2ForCausalLM")
+    if raw.get("sliding_window") and raw.get("use_sliding_window", name == "MistralForCausalLM"):
+        # Mistral v0.1 (and Qwen2 with use_sliding_window) limit every layer to a window.
+        fields.update(sliding_window=raw["sliding_window"], layer_types=["sliding_attention"] * fields["num_layers"])
+    return ModelConfig(**fields)
+
+
+def _config_to_hf(model_type: str):
+    def to_hf(config: ModelConfig) -> HFConfig:
+        raw = hf_common_config(config, model_type)
+        if config.sliding_window:
+            raw.update(sliding_window=config.sliding_window, use_sliding_window=True)
+        return raw
+
+    return to_hf
+
+
+def _gguf_layout(gguf_name: str, hf_name: str, permuted_rope_rows: bool) -> GGUFLayout:
+    def config_from_gguf(gguf: GGUFMetadata) -> ModelConfig:
+        return ModelConfig(**gguf_common_fields(gguf, hf_name))
+
+    return GGUFLayout((gguf_name,), config_from_gguf, LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES,
+                      permuted_rope_rows=permuted_rope_rows)  # fmt: skip
+
+
+def _architecture(name: str, hf_name: str, gguf: GGUFLayout | None) -> Architecture:
+    return Architecture(name, (hf_name,), LlamaForCausalLM, _config_from_hf, _config_to_hf(name), gguf=gguf,
+                        decode_stack=True)  # fmt: skip
+
+
+ARCHITECTURES = (
+    # llama.cpp's Llama converter interleaves q/k rows for GGML's RoPE; its Qwen2 converter does not.
+    _architecture("llama", "LlamaForCausalLM", _gguf_layout("llama", "LlamaForCausalLM", permuted_rope_rows=True)),
+    _architecture("qwen2", "Qwen2ForCausalLM", _gguf_layout("qwen2", "Qwen2ForCausalLM", permuted_rope_rows=False)),
+    _architecture("mistral", "MistralForCausalLM", None),  # llama.cpp stores Mistral as "llama"
+)

@@ -2,6 +2,7 @@
 tokenizer, and model.safetensors with each quantized projection in the GPTQ, AWQ or NF4 layout under
 the checkpoint's own (unfused) names, e.g. `model.layers.0.self_attn.q_proj.qweight`.
 
+config.json comes from the architecture's own module (`Architecture.config_to_hf`, folio/models/).
 A GGUF source has no config.json or tokenizer.json of its own: both are written from what folio read
 out of the file, with the tensors in Hugging Face's conventions (q/k rows un-permuted, Gemma norms
 without the +1), so the folder loads like any Hugging Face checkpoint.
@@ -25,7 +26,6 @@ from typing import Any
 import torch
 from safetensors.torch import save_file
 
-from folio.config import ModelConfig
 from folio.layers.linear import Linear, MergedLinear
 from folio.loaders.tokenizer import Tokenizer
 from folio.quant.checkpoint_layouts import IntGroups, pack_awq, pack_gptq
@@ -36,47 +36,6 @@ DENSE_DTYPE = torch.float16  # embeddings (and biases), as GPTQ/AWQ checkpoints 
 NORM_DTYPE = torch.float32
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
                    "generation_config.json")  # fmt: skip
-
-
-def hf_config(config: ModelConfig) -> dict[str, Any]:
-    """config.json for the architectures folio runs (read back by loaders/hf_folder.py and transformers)."""
-    gemma3 = config.architecture == "Gemma3ForCausalLM"
-    model_type = {"LlamaForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2", "MistralForCausalLM": "mistral",
-                  "Gemma3ForCausalLM": "gemma3_text"}.get(config.architecture, "llama")  # fmt: skip
-    eos = config.eos_token_ids
-    raw: dict[str, Any] = {
-        "architectures": [config.architecture],
-        "model_type": model_type,
-        "vocab_size": config.vocab_size,
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_layers,
-        "num_attention_heads": config.num_heads,
-        "num_key_value_heads": config.num_kv_heads,
-        "head_dim": config.head_dim,
-        "max_position_embeddings": config.max_position_embeddings,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_theta": config.rope_theta,
-        "rope_scaling": config.rope_scaling,
-        "tie_word_embeddings": config.tie_word_embeddings,
-        "attention_bias": config.attention_bias,
-        "hidden_act": config.hidden_act,
-        "bos_token_id": config.bos_token_id,
-        "eos_token_id": eos[0] if len(eos) == 1 else eos,
-        "torch_dtype": "float16",
-    }
-    if gemma3:
-        raw.update(
-            hidden_activation=config.hidden_act,
-            sliding_window=config.sliding_window,
-            layer_types=config.layer_types,
-            rope_local_base_freq=config.rope_local_theta,
-            query_pre_attn_scalar=config.query_pre_attn_scalar,
-            final_logit_softcapping=config.final_logit_softcapping,
-        )
-    elif config.sliding_window:
-        raw.update(sliding_window=config.sliding_window, use_sliding_window=True)
-    return raw
 
 
 def write_tokenizer(tokenizer: Tokenizer, source: Path, output: Path) -> None:
@@ -123,6 +82,8 @@ def _shards(name: str, layer: Linear, stacked: list[tuple[str, str, object]]) ->
         return [(name, (0, layer.out_features))]
     fused = name.rsplit(".", 1)[-1]
     parts = {shard_id: part for f, part, shard_id in stacked if f == fused}
+    if not parts:  # the checkpoint holds the fused layer itself (Phi-3's qkv_proj)
+        return [(name, (0, layer.out_features))]
     return [(name[: -len(fused)] + parts[shard_id], rows) for shard_id, rows in layer.shard_offsets.items()]
 
 

@@ -28,10 +28,11 @@ from folio.engine.llm import LLM
 from folio.eval import corpus
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.weight_storage import ConcatRows
+from folio.models.registry import architecture_of
 from folio.quant.nf4 import BLOCK_SIZE, NF4Weight
 from folio.quantize.awq import search_scales
 from folio.quantize.calibration import InputStatistics, collect_input_statistics
-from folio.quantize.export import checkpoint_tensors, hf_config, write_checkpoint
+from folio.quantize.export import checkpoint_tensors, write_checkpoint
 from folio.quantize.gptq import gptq_quantize
 from folio.quantize.group_quantizer import rtn_int_groups
 
@@ -96,7 +97,7 @@ def quantize_checkpoint(source: str | Path, output: Path, options: QuantizeOptio
             quantized[name] = quantize_weight(layer.weight.data, options, stats.get(name))
     layout = {"awq": "awq", "nf4": "nf4"}.get(options.method, "gptq")
     tensors = checkpoint_tensors(model, type(model).stacked_params, quantized, layout)
-    config = hf_config(llm.model_config)
+    config = architecture_of(llm.model_config).config_to_hf(llm.model_config)
     config["quantization_config"] = quantization_config(options)
     notes = {**asdict(options), "source": str(source), "date_utc": datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"),
              "calibration": CALIBRATION_SOURCE if options.method in CALIBRATED else None}  # fmt: skip

@@ -11,7 +11,7 @@ from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import load_model
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.reference import reference_greedy
-from tests.tiny_models import TINY_KINDS, VOCAB, make_tiny_model
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -19,7 +19,7 @@ DECODE_STEPS = 32
 TOLERANCE = 1e-4  # fp32
 
 
-@pytest.fixture(scope="module", params=TINY_KINDS)
+@pytest.fixture(scope="module", params=TINY_KINDS + NEW_ARCHITECTURE_KINDS)
 def tiny(request, tmp_path_factory):
     folder = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
     loaded = load_model(folder, torch.float32, torch.device("cpu"))

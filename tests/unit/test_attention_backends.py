@@ -7,6 +7,7 @@ import torch
 
 from folio import ops
 from folio.kv_cache.quant import FORMATS
+from folio.layers.attention.alibi import alibi_slopes
 from folio.layers.attention.kv_tensors import LayerKV, scale_zeros
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.layers.attention.torch_paged import attend_group
@@ -50,6 +51,25 @@ def test_decode_kernel_matches_torch_path(heads, window, dtype):
     ).view(expected.shape)
     tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_adds_alibi_biases_like_the_torch_path(heads, dtype):
+    num_heads, num_kv_heads = heads
+    head_dim = 32
+    query, k_cache, v_cache, group, block_size = _random_decode_batch(num_heads, num_kv_heads, head_dim, dtype, 2)
+    scale, slopes = head_dim**-0.5, alibi_slopes(num_heads)
+    cache = LayerKV(k_cache, v_cache)
+    expected = attend_group(group, query, query, query, cache, block_size, scale, None, slopes)
+    plain = attend_group(group, query, query, query, cache, block_size, scale, None)
+    got = kernel.paged_decode_attention_alibi(
+        query, k_cache, v_cache, group.block_tables, group.seq_lens, block_size, scale, 0, None, None, slopes
+    ).view(expected.shape)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+    assert (expected.float() - plain.float()).abs().max() > 0.1  # the biases changed the result
 
 
 def _quantized_cache(k_cache: torch.Tensor, v_cache: torch.Tensor, name: str) -> LayerKV:

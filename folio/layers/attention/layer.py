@@ -18,14 +18,23 @@ from folio.layers.attention.torch_paged import attend_group
 
 class PagedAttention(nn.Module):
     def __init__(
-        self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, sliding_window: int | None = None
+        self,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        scale: float,
+        sliding_window: int | None = None,
+        alibi_slopes: torch.Tensor | None = None,
     ) -> None:
+        """`alibi_slopes` [num_heads] float32: ALiBi biases on the scores (BLOOM), in both paths."""
         super().__init__()
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = scale
         self.sliding_window = sliding_window
+        self.alibi_slopes: torch.Tensor | None
+        self.register_buffer("alibi_slopes", alibi_slopes, persistent=False)
         # Bound by the model runner once the pool is sized.
         self.cache: LayerKV | None = None
         self.block_size = 0
@@ -50,14 +59,19 @@ class PagedAttention(nn.Module):
             if group.is_decode and kernel_ok:
                 attended = self._decode(q[group.token_rows].contiguous(), group, cache)
             else:
-                attended = attend_group(group, q, k, v, cache, self.block_size, self.scale, self.sliding_window)
+                attended = attend_group(
+                    group, q, k, v, cache, self.block_size, self.scale, self.sliding_window, self.alibi_slopes
+                )
             out[group.token_rows] = attended
         return out
 
     def _decode(self, q: torch.Tensor, group: AttentionGroup, cache: LayerKV) -> torch.Tensor:
         """The compiled kernel on a group of single-token queries: [n, H, D] -> [n, H * D]."""
         k_cache, v_cache, k_scales, v_scales = cache.kernel_args()
-        return self.decode_kernel.paged_decode_attention(
-            q, k_cache, v_cache, group.block_tables, group.seq_lens, self.block_size, self.scale,
-            self.sliding_window or 0, k_scales, v_scales,
-        ).view(-1, self.num_heads * self.head_dim)  # fmt: skip
+        args = (q, k_cache, v_cache, group.block_tables, group.seq_lens, self.block_size, self.scale,
+                self.sliding_window or 0, k_scales, v_scales)  # fmt: skip
+        if self.alibi_slopes is None:
+            attended = self.decode_kernel.paged_decode_attention(*args)
+        else:
+            attended = self.decode_kernel.paged_decode_attention_alibi(*args, self.alibi_slopes)
+        return attended.view(-1, self.num_heads * self.head_dim)

@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from folio.layers.attention.alibi import alibi_bias
+
 
 @dataclass
 class AttentionGroup:
@@ -22,6 +24,7 @@ class AttentionGroup:
     fresh_prompt: bool  # one request whose chunk starts at 0: its keys are exactly this step's keys
     seq_lens: torch.Tensor  # [b] keys each sequence has after this step
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
+    _alibi: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
 
     @property
     def num_seqs(self) -> int:
@@ -34,6 +37,18 @@ class AttentionGroup:
     @property
     def query_len(self) -> int:
         return self.query_positions.shape[1]
+
+    def alibi_bias(self, window: int | None, slopes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """[b, H, q, keys] additive bias: ALiBi's slope * (key - query) where mask() allows, -inf elsewhere.
+        Built once per step and shared by every layer with the same slopes."""
+        key = (window, slopes.data_ptr(), dtype)
+        if key not in self._alibi:
+            allowed = self.mask(window)
+            if allowed is None:  # a fresh prompt: causal over its own keys
+                distance = self.query_positions.unsqueeze(-1) - torch.arange(self.query_len, device=slopes.device)
+                allowed = (distance >= 0).unsqueeze(1)
+            self._alibi[key] = alibi_bias(allowed, self.query_positions, slopes, dtype)
+        return self._alibi[key]
 
     def mask(self, window: int | None) -> torch.Tensor | None:
         """[b, 1, q, keys] bool: causal within the sequence, limited to `window` past positions if given.

@@ -23,8 +23,10 @@ def attend_group(
     block_size: int,
     scale: float,
     sliding_window: int | None,
+    alibi_slopes: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Attention output [t, H * D] for the group's rows of the flat batch."""
+    """Attention output [t, H * D] for the group's rows of the flat batch; `alibi_slopes` [H] adds
+    ALiBi's linear biases to the scores."""
     num_heads, head_dim = query.shape[1], query.shape[2]
     rows = group.token_rows
     # [t, H, D] -> [b, H, q, D]: decodes are b sequences of 1 query, a chunk is 1 sequence of q.
@@ -35,7 +37,10 @@ def attend_group(
     else:  # each sequence's keys and values, in order, padded: [b, Hkv, num_key_slots, D]
         k = cache.gather("k", group.block_tables, block_size, query.dtype).transpose(1, 2)
         v = cache.gather("v", group.block_tables, block_size, query.dtype).transpose(1, 2)
-    mask = group.mask(sliding_window)
+    if alibi_slopes is None:
+        mask = group.mask(sliding_window)
+    else:
+        mask = group.alibi_bias(sliding_window, alibi_slopes, query.dtype)
     attended = F.scaled_dot_product_attention(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != k.shape[1]
     )

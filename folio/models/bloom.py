@@ -1,0 +1,180 @@
+"""BLOOM: ALiBi attention biases instead of position embeddings, LayerNorm (one right after the token
+embedding too), a GELU MLP without a gate, biases on every projection, the LM head tied.
+
+The checkpoint's `query_key_value` interleaves q, k and v per head ([heads, 3, head_dim] rows), and
+the layer keeps that order (so the weight loads, quantizes and exports as one tensor).
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from folio.config import ModelConfig
+from folio.layers.activation import get_activation
+from folio.layers.attention.alibi import alibi_slopes
+from folio.layers.attention.layer import PagedAttention
+from folio.layers.attention.metadata import AttentionMetadata
+from folio.layers.embedding import VocabEmbedding
+from folio.layers.linear import Linear
+from folio.layers.norm import LayerNorm
+from folio.models.architecture import Architecture, HFConfig
+from folio.models.base import CausalLM
+from folio.models.weights import StackedMapping
+
+
+class BloomAttention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        width = config.num_heads * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, 3 * width, bias=True)
+        self.o_proj = Linear(width, config.hidden_size, bias=True)
+        slopes = alibi_slopes(self.num_heads)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5, None, slopes)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        qkv = self.qkv_proj(hidden).view(-1, self.num_heads, 3, self.head_dim)
+        q, k, v = (qkv[:, :, i].contiguous() for i in range(3))
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class BloomMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc_in = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.fc_out = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class BloomBlock(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = BloomAttention(config)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = BloomMLP(config)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class BloomModel(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.layers = nn.ModuleList(BloomBlock(config) for _ in range(config.num_layers))
+        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_norm(self.embed_tokens(input_ids))
+        for layer in self.layers:
+            hidden = layer(hidden, meta)
+        return self.norm(hidden)
+
+
+_TOP_NAMES = {"word_embeddings": "embed_tokens", "word_embeddings_layernorm": "embed_norm", "ln_f": "norm"}
+_BLOCK_NAMES = {
+    "input_layernorm": "input_layernorm",
+    "self_attention.query_key_value": "self_attn.qkv_proj",
+    "self_attention.dense": "self_attn.o_proj",
+    "post_attention_layernorm": "post_attention_layernorm",
+    "mlp.dense_h_to_4h": "mlp.fc_in",
+    "mlp.dense_4h_to_h": "mlp.fc_out",
+}
+_BLOCK_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^(?:transformer\.)?(word_embeddings|word_embeddings_layernorm|ln_f)\.(weight|bias)$")
+
+
+def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    if name.startswith("lm_head."):
+        return name, tensor
+    if top := _TOP_RE.match(name):
+        return f"model.{_TOP_NAMES[top.group(1)]}.{top.group(2)}", tensor
+    block = _BLOCK_RE.match(name)
+    if block is None or block.group(2) not in _BLOCK_NAMES:
+        raise KeyError(f"unexpected BLOOM checkpoint tensor {name!r}")
+    layer, part, kind = block.groups()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}", tensor
+
+
+class BloomForCausalLM(CausalLM):
+    stacked_params: StackedMapping = []
+    checkpoint_rename = staticmethod(_rename)
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.model = BloomModel(config)
+        self._finish_init(config)
+
+
+def _config_from_hf(raw: HFConfig) -> ModelConfig:
+    if raw.get("apply_residual_connection_post_layernorm"):
+        raise ValueError("BLOOM configs with apply_residual_connection_post_layernorm are not supported")
+    hidden = raw.get("hidden_size") or raw["n_embed"]
+    heads = raw.get("n_head") or raw["num_attention_heads"]
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+        architecture=raw["architectures"][0],
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=4 * hidden,
+        num_layers=raw.get("n_layer") or raw["num_hidden_layers"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        # ALiBi has no trained length; the context folio serves is capped by --max-model-len.
+        max_position_embeddings=raw.get("seq_length", 2048),
+        rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        linear_bias=True,
+        hidden_act="gelu_tanh",
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        position_embedding="alibi",
+    )
+
+
+def _config_to_hf(config: ModelConfig) -> HFConfig:
+    eos = config.eos_token_ids
+    return {
+        "architectures": [config.architecture],
+        "model_type": "bloom",
+        "vocab_size": config.vocab_size,
+        "hidden_size": config.hidden_size,
+        "n_layer": config.num_layers,
+        "n_head": config.num_heads,
+        "seq_length": config.max_position_embeddings,
+        "layer_norm_epsilon": config.rms_norm_eps,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if eos else None,
+        "torch_dtype": "float16",
+    }
+
+
+def _estimate_params(config: ModelConfig) -> int:
+    """Embeddings, then per layer: two LayerNorms, q/k/v and output projections, the MLP, all with biases."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + 2 * h
+    return embeddings + config.num_layers * layer + 2 * h
+
+
+ARCHITECTURES = (
+    Architecture(
+        "bloom",
+        ("BloomForCausalLM",),
+        BloomForCausalLM,
+        _config_from_hf,
+        _config_to_hf,
+        estimate_params=_estimate_params,
+    ),
+)

@@ -1,0 +1,184 @@
+"""GPT-2: learned absolute position embeddings, LayerNorm, a GELU MLP without a gate, biases on every
+projection, the LM head tied to the token embedding.
+
+Checkpoints store the projections as `Conv1D` ([in, out], the transpose of a Linear's weight) under
+`transformer.h.N.attn.c_attn` etc.; `checkpoint_rename` maps them onto folio's names and layout.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+
+from folio.config import ModelConfig
+from folio.layers.activation import get_activation
+from folio.layers.attention.layer import PagedAttention
+from folio.layers.attention.metadata import AttentionMetadata
+from folio.layers.embedding import VocabEmbedding
+from folio.layers.linear import Linear
+from folio.layers.norm import LayerNorm
+from folio.models.architecture import Architecture, HFConfig
+from folio.models.base import CausalLM
+from folio.models.weights import StackedMapping
+
+
+class GPT2Attention(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        width = config.num_heads * config.head_dim
+        self.qkv_proj = Linear(config.hidden_size, 3 * width, bias=True)
+        self.o_proj = Linear(width, config.hidden_size, bias=True)
+        self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        q, k, v = (t.reshape(-1, self.num_heads, self.head_dim) for t in self.qkv_proj(hidden).chunk(3, dim=-1))
+        return self.o_proj(self.attn(q, k, v, meta))
+
+
+class GPT2MLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc_in = Linear(config.hidden_size, config.intermediate_size, bias=True)
+        self.fc_out = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class GPT2Block(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = GPT2Attention(config)
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = GPT2MLP(config)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+class GPT2Model(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
+        self.embed_positions = VocabEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.layers = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
+        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = self.embed_tokens(input_ids) + self.embed_positions(positions)
+        for layer in self.layers:
+            hidden = layer(hidden, meta)
+        return self.norm(hidden)
+
+
+# Hugging Face name (after "transformer.") -> folio's; the Conv1D ones hold transposed weights.
+_TOP_NAMES = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm"}
+_BLOCK_NAMES = {
+    "ln_1": "input_layernorm",
+    "attn.c_attn": "self_attn.qkv_proj",
+    "attn.c_proj": "self_attn.o_proj",
+    "ln_2": "post_attention_layernorm",
+    "mlp.c_fc": "mlp.fc_in",
+    "mlp.c_proj": "mlp.fc_out",
+}
+_CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+_BLOCK_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
+_TOP_RE = re.compile(r"^(?:transformer\.)?(wte|wpe|ln_f)\.(weight|bias)$")
+
+
+def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+    if name.startswith("lm_head."):
+        return name, tensor
+    if top := _TOP_RE.match(name):
+        return f"model.{_TOP_NAMES[top.group(1)]}.{top.group(2)}", tensor
+    block = _BLOCK_RE.match(name)
+    if block is None or block.group(2) not in _BLOCK_NAMES:
+        if re.search(r"\.attn\.(masked_)?bias$", name):
+            return None  # old checkpoints saved the causal mask buffers
+        raise KeyError(f"unexpected GPT-2 checkpoint tensor {name!r}")
+    layer, part, kind = block.groups()
+    if part in _CONV1D and kind == "weight":
+        if not isinstance(tensor, torch.Tensor):
+            raise ValueError("GPT-2 checkpoints with quantized Conv1D weights are not supported")
+        tensor = tensor.t()
+    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}", tensor
+
+
+class GPT2LMHeadModel(CausalLM):
+    stacked_params: StackedMapping = []
+    checkpoint_rename = staticmethod(_rename)
+
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.model = GPT2Model(config)
+        self._finish_init(config)
+
+
+def _config_from_hf(raw: HFConfig) -> ModelConfig:
+    if raw.get("scale_attn_by_inverse_layer_idx") or raw.get("reorder_and_upcast_attn"):
+        raise ValueError(
+            "GPT-2 configs with scale_attn_by_inverse_layer_idx or reorder_and_upcast_attn are not supported"
+        )
+    if not raw.get("scale_attn_weights", True):
+        raise ValueError("GPT-2 configs without scale_attn_weights are not supported")
+    hidden, heads = raw["n_embd"], raw["n_head"]
+    eos = raw.get("eos_token_id")
+    return ModelConfig(
+        architecture=raw["architectures"][0],
+        vocab_size=raw["vocab_size"],
+        hidden_size=hidden,
+        intermediate_size=raw.get("n_inner") or 4 * hidden,
+        num_layers=raw["n_layer"],
+        num_heads=heads,
+        num_kv_heads=heads,
+        head_dim=hidden // heads,
+        max_position_embeddings=raw["n_positions"],
+        rms_norm_eps=raw.get("layer_norm_epsilon", 1e-5),
+        tie_word_embeddings=raw.get("tie_word_embeddings", True),
+        linear_bias=True,
+        hidden_act=raw.get("activation_function", "gelu_new"),
+        bos_token_id=raw.get("bos_token_id"),
+        eos_token_ids=[] if eos is None else [eos],
+        position_embedding="learned",
+    )
+
+
+def _config_to_hf(config: ModelConfig) -> HFConfig:
+    eos = config.eos_token_ids
+    return {
+        "architectures": [config.architecture],
+        "model_type": "gpt2",
+        "vocab_size": config.vocab_size,
+        "n_embd": config.hidden_size,
+        "n_inner": config.intermediate_size,
+        "n_layer": config.num_layers,
+        "n_head": config.num_heads,
+        "n_positions": config.max_position_embeddings,
+        "layer_norm_epsilon": config.rms_norm_eps,
+        "activation_function": config.hidden_act,
+        "tie_word_embeddings": config.tie_word_embeddings,
+        "bos_token_id": config.bos_token_id,
+        "eos_token_id": eos[0] if eos else None,
+        "torch_dtype": "float16",
+    }
+
+
+def _estimate_params(config: ModelConfig) -> int:
+    """Embeddings, then per layer: two LayerNorms, q/k/v and output projections, the MLP, all with biases."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + h * config.max_position_embeddings
+    return embeddings + config.num_layers * layer + 2 * h
+
+
+ARCHITECTURES = (
+    Architecture(
+        "gpt2", ("GPT2LMHeadModel",), GPT2LMHeadModel, _config_from_hf, _config_to_hf, estimate_params=_estimate_params
+    ),
+)
