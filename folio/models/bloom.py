@@ -13,11 +13,11 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.layers.activation import get_activation
 from folio.layers.attention.alibi import alibi_slopes
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
+from folio.layers.layernorm_block import LayerNormBlock
 from folio.layers.linear import Linear
 from folio.layers.norm import LayerNorm
 from folio.models.architecture import Architecture, HFConfig
@@ -41,36 +41,12 @@ class BloomAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class BloomMLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.fc_in = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc_out = Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = get_activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.act(self.fc_in(x)))
-
-
-class BloomBlock(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = BloomAttention(config)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = BloomMLP(config)
-
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
 class BloomModel(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(BloomBlock(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LayerNormBlock(config, BloomAttention(config)) for _ in range(config.num_layers))
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

@@ -13,10 +13,10 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.layers.activation import get_activation
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
+from folio.layers.layernorm_block import LayerNormBlock
 from folio.layers.linear import Linear
 from folio.layers.norm import LayerNorm
 from folio.models.architecture import Architecture, HFConfig
@@ -38,36 +38,12 @@ class GPT2Attention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class GPT2MLP(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.fc_in = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc_out = Linear(config.intermediate_size, config.hidden_size, bias=True)
-        self.act = get_activation(config.hidden_act)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.fc_out(self.act(self.fc_in(x)))
-
-
-class GPT2Block(nn.Module):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = GPT2Attention(config)
-        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = GPT2MLP(config)
-
-    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = hidden + self.self_attn(self.input_layernorm(hidden), meta)
-        return hidden + self.mlp(self.post_attention_layernorm(hidden))
-
-
 class GPT2Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
         self.embed_positions = VocabEmbedding(config.max_position_embeddings, config.hidden_size)
-        self.layers = nn.ModuleList(GPT2Block(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(LayerNormBlock(config, GPT2Attention(config)) for _ in range(config.num_layers))
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
