@@ -173,8 +173,23 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
 }
 
 
+def parse(argv: list[str]) -> argparse.Namespace:
+    """The command line. argparse takes a subcommand's positionals in one go, so `folio run MODEL --raw
+    PROMPT` would read MODEL as the prompt; a subcommand without subcommands of its own reads its
+    positionals intermixed with its flags instead."""
+    parser = build_parser()
+    args, extras = parser.parse_known_args(argv)
+    command = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    sub = command.choices.get(args.command) if command is not None else None
+    nested = sub is not None and any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
+    if not extras or sub is None or nested:
+        return parser.parse_args(argv)  # the usual errors for what is left over
+    intermixed = sub.parse_intermixed_args(argv[argv.index(args.command) + 1 :])
+    return argparse.Namespace(**{**vars(args), **vars(intermixed)})
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    args = parse(sys.argv[1:] if argv is None else argv)
     # folio's own progress at INFO; other libraries (httpx logs every request at INFO) only warn.
     logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
     logging.getLogger("folio").setLevel(logging.INFO)

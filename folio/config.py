@@ -102,6 +102,32 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
 
 
+SPECULATIVE_METHODS = ("ngram",)
+
+
+@dataclass(frozen=True)
+class SpeculativeConfig:
+    """Speculative decoding: a proposer drafts tokens, the target model verifies them in one forward."""
+
+    method: str = "ngram"  # prompt lookup: continue a match of the last tokens found earlier in the context
+    num_speculative_tokens: int = 4  # drafts per step, at most
+    prompt_lookup_min: int = 1  # ngram: shortest suffix to match
+    prompt_lookup_max: int = 4  # ngram: longest suffix to match (tried first)
+    # Speculation costs more than it saves once the batch is compute bound: no drafts above this many
+    # running requests (vLLM's speculative_disable_by_batch_size).
+    disable_by_batch_size: int = 8
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if self.num_speculative_tokens < 1:
+            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
+        if self.disable_by_batch_size < 1:
+            raise ValueError("disable_by_batch_size must be at least 1")
+
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,

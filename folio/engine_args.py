@@ -5,12 +5,12 @@ that start a server pass their engine options on that way)."""
 from __future__ import annotations
 
 import argparse
-from dataclasses import asdict, dataclass, fields
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
 
-from folio.config import CacheConfig, SchedulerConfig, parse_memory
+from folio.config import SPECULATIVE_METHODS, CacheConfig, SchedulerConfig, SpeculativeConfig, parse_memory
 
 DEFAULT_MODEL = "smollm2-135m"
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
@@ -36,6 +36,7 @@ class EngineArgs:
     # None: a checkpoint's own formats stay as they are; "none": dequantize every weight to dtype
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -74,10 +75,34 @@ class EngineArgs:
             "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
             help="recompute every prompt instead of reusing the KV of prefixes seen before",
         )  # fmt: skip
+        spec, defaults = parser.add_argument_group("speculative decoding"), SpeculativeConfig()
+        spec.add_argument(
+            "--speculative-method", default=None, choices=SPECULATIVE_METHODS,
+            help="draft tokens and verify them in one forward; outputs stay exactly the model's (ngram: prompt "
+            "lookup, continuing a match of the last tokens found earlier in the context)",
+        )  # fmt: skip
+        spec.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
+                          help="drafts per step, at most")  # fmt: skip
+        spec.add_argument("--prompt-lookup-min", type=int, default=defaults.prompt_lookup_min,
+                          help="ngram: shortest suffix matched")  # fmt: skip
+        spec.add_argument("--prompt-lookup-max", type=int, default=defaults.prompt_lookup_max,
+                          help="ngram: longest suffix matched (tried first)")  # fmt: skip
+        spec.add_argument("--speculative-disable-by-batch-size", type=int, default=defaults.disable_by_batch_size,
+                          help="no drafts while more requests than this run (speculation stops paying)")  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
-        return cls(**{f.name: getattr(args, f.name) for f in fields(cls)})
+        values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "speculative_config"}
+        speculative = None
+        if args.speculative_method is not None:
+            speculative = SpeculativeConfig(
+                method=args.speculative_method,
+                num_speculative_tokens=args.num_speculative_tokens,
+                prompt_lookup_min=args.prompt_lookup_min,
+                prompt_lookup_max=args.prompt_lookup_max,
+                disable_by_batch_size=args.speculative_disable_by_batch_size,
+            )
+        return cls(**values, speculative_config=speculative)
 
     def to_cli_flags(self) -> list[str]:
         """The flags that `add_cli_args` reads back into these arguments (the model not included): every
@@ -86,6 +111,8 @@ class EngineArgs:
         for key, value in self.llm_kwargs().items():
             if key == "enable_prefix_caching":
                 words += [] if value else ["--no-prefix-caching"]
+            elif key == "speculative_config":
+                words += [] if value is None else _speculative_flags(value)
             elif value is not None:
                 text = str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else str(value)
                 words += [f"--{key.replace('_', '-')}", text]
@@ -94,8 +121,7 @@ class EngineArgs:
     # -- the engine --------------------------------------------------------------------------------
     def llm_kwargs(self) -> dict[str, Any]:
         """The keyword arguments of `LLM(model, ...)`."""
-        kwargs = asdict(self)
-        del kwargs["model"]
+        kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
         return kwargs
 
     def cache_config(self) -> CacheConfig:
@@ -117,3 +143,13 @@ class EngineArgs:
             batch_size=self.batch_size,
             batch_timeout=self.batch_timeout_ms / 1000,
         )
+
+
+def _speculative_flags(config: SpeculativeConfig) -> list[str]:
+    return [
+        "--speculative-method", config.method,
+        "--num-speculative-tokens", str(config.num_speculative_tokens),
+        "--prompt-lookup-min", str(config.prompt_lookup_min),
+        "--prompt-lookup-max", str(config.prompt_lookup_max),
+        "--speculative-disable-by-batch-size", str(config.disable_by_batch_size),
+    ]  # fmt: skip

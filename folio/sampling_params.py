@@ -36,6 +36,7 @@ class SamplingParams:
     logprobs: int | None = None  # None: none; k: the sampled token's logprob plus the top k alternatives
     prompt_logprobs: int | None = None  # the same for every prompt token (the first has none); as vLLM
     logit_bias: dict[int, float] = field(default_factory=dict)  # token id -> added to its logit (OpenAI)
+    speculate: bool = True  # with a speculative engine: False opts this request out of drafting
     # Beam search (transformers' semantics): the n best of beam_width beams (default: n). It is
     # deterministic, so temperature, top-k/p, min-p and seed do not apply.
     structured_output: StructuredOutputParams | None = None  # constrain the output (JSON schema, regex...)

@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from folio.config import CacheConfig, ModelConfig, SchedulerConfig
+from folio.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
@@ -36,6 +36,7 @@ class EngineCore:
         scheduler_config: SchedulerConfig,
         dtype: torch.dtype,
         device: torch.device,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype)
         if cache_config.num_blocks is not None:
@@ -54,7 +55,7 @@ class EngineCore:
         scheduler_config.max_model_len = max_len
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, self.kv, model_config.vocab_size)
-        self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device)
+        self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None

@@ -11,7 +11,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from folio.config import parse_dtype
+from folio.config import SpeculativeConfig, parse_dtype
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import LoadedModel, load_model
 from folio.engine.output_processor import OutputProcessor
@@ -48,6 +48,7 @@ class LLM:
         batch_timeout_ms: float = 50.0,
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
+        speculative_config: SpeculativeConfig | dict | None = None,
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -55,6 +56,8 @@ class LLM:
             max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, batching=batching,
             batch_size=batch_size, batch_timeout_ms=batch_timeout_ms, quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
+            speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)
+            else speculative_config,
         )  # fmt: skip
         configure_threads()
         self.device = torch.device(device) if device else default_device()
@@ -73,6 +76,7 @@ class LLM:
             args.scheduler_config(self.model_config.max_position_embeddings),
             self.dtype,
             self.device,
+            args.speculative_config,
         )
         self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._ids = itertools.count()

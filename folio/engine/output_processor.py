@@ -148,8 +148,18 @@ class OutputProcessor:
                 logger.exception("could not decode the output of request %s", request.request_id)
                 self.fail(request, "the output could not be decoded")
                 return OutputDelta(request, "", [], [])
-            if tracked.detokenizer.stopped and not request.is_finished:
-                self.engine.abort_request(request.request_id, FinishReason.STOP)
+            if tracked.detokenizer.stopped:
+                # A step that added several tokens (speculative decoding) may have run past the stop
+                # string: the tokens after it are not part of the output.
+                kept = tracked.detokenizer.num_tokens
+                if len(request.output_token_ids) > kept:
+                    del request.output_token_ids[kept:], request.output_logprobs[kept:]
+                    new_tokens, new_logprobs = (
+                        new_tokens[: kept - tracked.num_sent],
+                        new_logprobs[: kept - tracked.num_sent],
+                    )
+                if not request.is_finished:
+                    self.engine.abort_request(request.request_id, FinishReason.STOP)
         tracked.num_sent = len(request.output_token_ids)
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs:

@@ -50,6 +50,7 @@ class Request:
     num_cached_tokens: int = 0  # of the prompt, tokens whose KV came from the prefix cache
     block_keys: list[BlockKey] = field(default_factory=list)  # prefix-cache keys of its full blocks
     forks: list[Request] = field(default_factory=list)  # samples waiting to share this request's prompt
+    spec_token_ids: list[int] = field(default_factory=list)  # drafts proposed for its next step
     finish_reason: FinishReason | None = None
     first_scheduled_time: float | None = None  # end of queueing, for the queue-time metric
     first_token_time: float | None = None

@@ -17,9 +17,11 @@ import time
 
 from folio.config import SchedulerConfig
 from folio.engine.batching import BatchGate
-from folio.engine.beam_group import BeamGroup, advance, start_group
+from folio.engine.beam_group import BeamGroup, start_group
+from folio.engine.beam_scheduling import BeamScheduling
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.runner_view import RunnerView
+from folio.engine.speculation import SpecDecodeStats, drafts_to_verify
 from folio.engine.structured_output import StructuredOutputManager
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
@@ -35,7 +37,7 @@ def _queue_order(request: Request) -> tuple[int, int]:
     return request.priority, request.arrival_order
 
 
-class Scheduler:
+class Scheduler(BeamScheduling):
     def __init__(self, config: SchedulerConfig, kv_manager: KVCacheManager, vocab_size: int | None = None) -> None:
         self.config = config
         self.kv = kv_manager
@@ -48,6 +50,7 @@ class Scheduler:
         self.requests: dict[str, Request] = {}  # every scheduled request, live beams included
         self._beam_groups: dict[str, BeamGroup] = {}  # by the request id of each live beam and each result
         self.num_preemptions = 0
+        self.spec_stats = SpecDecodeStats()
         self.runner_view = RunnerView()  # what the runner holds, so each step sends only changes
 
     # -- queue management --------------------------------------------------------------------------
@@ -96,22 +99,6 @@ class Scheduler:
             request.finish(reason)
         return request
 
-    def _abort_beam_result(self, result_id: str, reason: FinishReason) -> Request:
-        """A caller gave up on one result of a beam search; the search stops with the last one."""
-        group = self._beam_groups.pop(result_id)
-        result = next(r for r in group.results if r.request_id == result_id)
-        group.results.remove(result)
-        result.finish(reason)
-        if not group.results:
-            for beam in group.beams:
-                self.abort_request(beam.request_id)
-        return result
-
-    def _is_parked(self, request: Request) -> bool:
-        """A beam that reported its candidates and waits for its siblings to report theirs."""
-        group = self._beam_groups.get(request.request_id)
-        return group is not None and request.request_id in group.pending
-
     def seconds_until_batch(self) -> float | None:
         """With nothing running: how long until the batching policy starts a batch (None: on arrivals)."""
         return self.gate.seconds_until_ready(self.waiting, time.monotonic())
@@ -146,6 +133,13 @@ class Scheduler:
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             start = request.num_computed_tokens
+            drafts = drafts_to_verify(request, budget, self.config.max_model_len)
+            if drafts and not self.kv.allocate_slots(
+                request.request_id, start + num_new + len(drafts), write_from=start
+            ):
+                drafts = []  # no blocks for the drafts: verify none rather than preempt anyone for them
+            request.spec_token_ids = drafts
+            num_new += len(drafts)
             while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
                 victim = max(self.running[index:], key=_queue_order)  # maybe this request itself
                 self.running.remove(victim)
@@ -178,7 +172,8 @@ class Scheduler:
         constrained: list[tuple[str, TokenGrammar]] = []
         for request, num_new in chosen:
             start = request.num_computed_tokens
-            end = start + num_new
+            end = min(start + num_new, request.num_tokens)
+            drafts = request.spec_token_ids[: start + num_new - end]
             needs_sample = end == request.num_tokens
             forks: list[Request] = []
             if request.forks and needs_sample and not request.output_token_ids:
@@ -194,13 +189,14 @@ class Scheduler:
             chunks.append(
                 ScheduledChunk(
                     request_id=request.request_id,
-                    token_ids=request.token_ids_between(start, end),
+                    token_ids=request.token_ids_between(start, end) + drafts,
                     start_position=start,
                     first_new_block=first_new_block,
                     new_block_ids=new_block_ids,
                     needs_sample=needs_sample,
                     fork_ids=tuple(f.request_id for f in forks),
                     num_beam_candidates=self._num_beam_candidates(request),
+                    num_draft_tokens=len(drafts),
                 )
             )
         return SchedulerOutput(
@@ -246,10 +242,6 @@ class Scheduler:
             return []
         return list(request.forks)
 
-    def _num_beam_candidates(self, request: Request) -> int:
-        group = self._beam_groups.get(request.request_id)
-        return 0 if group is None else group.search.num_candidates
-
     def _release_forks(self, request: Request) -> None:
         for fork in request.forks:
             self.gate.join(fork.request_id)
@@ -273,28 +265,6 @@ class Scheduler:
         parent.forks = []
         return started
 
-    def _advance_beams(self, group: BeamGroup, now: float) -> list[Request]:
-        """Every live beam reported: pick the next beams; return the results if the search ended."""
-        step = advance(group, now, self._fork_beam)
-        for beam in step.dropped:
-            self.abort_request(beam.request_id)
-        for result in step.finished:
-            self._beam_groups.pop(result.request_id, None)
-        return step.finished
-
-    def _fork_beam(self, parent: Request, child: Request) -> None:
-        """A new beam continues `parent`: it holds the parent's blocks if it has any, else it queues."""
-        self.requests[child.request_id] = child
-        self._beam_groups[child.request_id] = self._beam_groups[parent.request_id]
-        self.gate.join(child.request_id)
-        if parent.status is RequestStatus.RUNNING:
-            self.kv.fork(parent.request_id, child.request_id)
-            child.num_computed_tokens = parent.num_computed_tokens
-            child.status = RequestStatus.RUNNING
-            self.running.append(child)
-        else:
-            self._enqueue(child)
-
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         try:
             request.append_output_token(token, self.config.max_model_len, logprob)
@@ -302,20 +272,12 @@ class Scheduler:
             logger.exception("request %s failed to take its sampled token", request.request_id)
             request.fail("the sampled token could not be applied")
 
-    def _fail_beam_group(self, group: BeamGroup, error: str, now: float) -> list[Request]:
-        """A beam's row failed: the whole search ends with the error, its beams freed."""
-        for beam in list(group.beams):
-            self.abort_request(beam.request_id)
-        for result in group.results:
-            self._beam_groups.pop(result.request_id, None)
-            result.fail(error, now)
-        return list(group.results)
-
     def _preempt(self, request: Request) -> None:
         if (group := self._beam_groups.get(request.request_id)) is not None:
             group.num_preemptions += 1
         self.kv.free(request.request_id)
         self.runner_view.preempted(request.request_id)
+        request.spec_token_ids = []
         request.status = RequestStatus.PREEMPTED
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -353,8 +315,11 @@ class Scheduler:
             request = self.requests.get(item.request_id)
             if request is None:  # a beam whose group failed earlier in this loop
                 continue
-            request.num_computed_tokens += item.num_tokens
-            self.kv.cache_full_blocks(request)
+            accepted = result.accepted_token_ids.get(request.request_id)
+            # With drafts, only the KV of the last token and of the accepted drafts is kept.
+            request.num_computed_tokens += item.num_tokens if accepted is None else len(accepted)
+            if accepted is None:
+                self.kv.cache_full_blocks(request)
             if (scored := result.prompt_logprobs.get(request.request_id)) is not None:
                 request.add_prompt_logprobs(item.start_position, scored)
             group = self._beam_groups.get(request.request_id)
@@ -370,18 +335,35 @@ class Scheduler:
                 continue
             forks = self._start_forks(request, item, now) if item.fork_ids else []
             for sampler in [request, *forks]:  # forks first share the blocks, then anyone may finish
-                token = sampled.get(sampler.request_id)
-                if sampler.request_id in failed:
-                    sampler.fail(failed[sampler.request_id], now)
-                elif token is None:
-                    continue
+                sid = sampler.request_id
+                if sid in failed:
+                    sampler.fail(failed[sid], now)
+                elif sid in result.accepted_token_ids:
+                    self._take_verified(sampler, item, result)
+                elif sid in sampled:
+                    self._append_token(sampler, sampled[sid], logprobs.get(sid))
+                    sampler.spec_token_ids = result.draft_token_ids.get(sid, [])
                 else:
-                    self._append_token(sampler, token, logprobs.get(sampler.request_id))
+                    continue
                 updated.append(sampler)
                 if sampler.is_finished:
-                    self.gate.leave(sampler.request_id)
+                    self.gate.leave(sid)
                     self.running.remove(sampler)
-                    self.kv.free(sampler.request_id)
-                    self.runner_view.finished(sampler.request_id)
-                    del self.requests[sampler.request_id]
+                    self.kv.free(sid)
+                    self.runner_view.finished(sid)
+                    del self.requests[sid]
         return updated
+
+    def _take_verified(self, request: Request, item: ScheduledChunk, result: ModelRunnerOutput) -> None:
+        """Append what draft verification kept (stopping where the request finishes), register the
+        blocks those tokens filled, free the slots of rejected drafts, and take the next drafts."""
+        tokens = result.accepted_token_ids[request.request_id]
+        logprobs = result.accepted_logprobs.get(request.request_id) or [None] * len(tokens)
+        self.spec_stats.record(item.num_draft_tokens, len(tokens) - 1)
+        for token, logprob in zip(tokens, logprobs, strict=True):
+            self._append_token(request, token, logprob)
+            if request.is_finished:
+                return
+        self.kv.cache_full_blocks(request)
+        self.kv.trim(request.request_id, request.num_tokens)
+        request.spec_token_ids = result.draft_token_ids.get(request.request_id, [])

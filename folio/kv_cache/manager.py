@@ -116,6 +116,15 @@ class KVCacheManager:
             self.pool.register(table[index], request.block_keys[index])
         self._num_registered[request.request_id] = full
 
+    def trim(self, request_id: str, num_tokens: int) -> None:
+        """Free the blocks past the first `num_tokens` tokens (slots of drafts the target rejected).
+        They were never full and computed, so none is in the prefix cache."""
+        table = self.block_tables[request_id]
+        keep = self.blocks_needed(num_tokens)
+        if len(table) > keep:
+            self.pool.free(table[keep:])
+            del table[keep:]
+
     def free(self, request_id: str) -> None:
         self._num_registered.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)

@@ -97,15 +97,21 @@ def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch
     return logits.masked_fill(mask, float("-inf"))
 
 
+def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """logits [N, V] float32 (penalties, bias and masks applied) -> the distribution each row draws
+    from: temperature, then min-p, top-k and top-p (greedy rows are left at temperature 1)."""
+    greedy_rows = batch.temperature == 0
+    temperature = torch.where(greedy_rows, 1.0, batch.temperature).unsqueeze(1)
+    return apply_top_k_top_p_min_p(logits / temperature, batch).softmax(dim=-1)
+
+
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 (penalties already applied) -> token ids [N]."""
     greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
         return greedy_tokens
     greedy_rows = batch.temperature == 0
-    temperature = torch.where(greedy_rows, 1.0, batch.temperature).unsqueeze(1)
-    filtered = apply_top_k_top_p_min_p(logits / temperature, batch)
-    probs = filtered.softmax(dim=-1)
+    probs = sampling_probs(logits, batch)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, one generator per row.
     noise = torch.empty_like(probs)
     for row, generator in enumerate(batch.generators):
@@ -114,13 +120,19 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     return torch.where(greedy_rows, greedy_tokens, sampled)
 
 
-def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
-    """Raw logits [N, V] -> the next token of each row, with logprobs where asked."""
+def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Raw logits [N, V] with penalties, logit_bias and the structured-output masks applied."""
     adjusted = batch.penalties.apply(logits) if batch.penalties is not None else logits
     if batch.logit_bias is not None:
         adjusted = _add_logit_bias(adjusted, batch.logit_bias)
     if batch.allowed is not None:  # after penalties and bias, so that nothing can revive a banned token
         adjusted = adjusted.masked_fill(~batch.allowed, float("-inf"))
+    return adjusted
+
+
+def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
+    """Raw logits [N, V] -> the next token of each row, with logprobs where asked."""
+    adjusted = adjust_logits(logits, batch)
     tokens = sample_tokens(adjusted, batch)
     logprobs = gather_logprobs(logits, tokens, batch.num_logprobs) if batch.num_logprobs else [None] * len(tokens)
     return SamplerOutput(tokens, logprobs, row_problems(logits, adjusted))

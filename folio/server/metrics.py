@@ -7,10 +7,13 @@ first scheduled, TTFT at its first sampled token, ITL between consecutive tokens
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
+from folio.engine.speculation import SpecDecodeStats
 from folio.server.admission import Admission
 
 disable_created_metrics()  # `*_created` timestamps only clutter the scrape
@@ -58,6 +61,15 @@ class ServerMetrics:
         )  # fmt: skip
         self.prefix_hits = counter("prefix_cache_hits", "Of those, tokens whose KV came from the prefix cache.")
         self._prefix_seen = (0, 0)
+        # Speculative decoding, with vLLM's names (folio: for vllm:); zero without a speculative engine.
+        self.spec_drafts = counter("spec_decode_num_drafts", "Verifications: a request checking its drafts in a step.")
+        self.spec_draft_tokens = counter("spec_decode_num_draft_tokens", "Draft tokens verified.")
+        self.spec_accepted = counter("spec_decode_num_accepted_tokens", "Draft tokens accepted.")
+        self.spec_per_position = Counter(
+            "folio:spec_decode_num_accepted_tokens_per_pos", "Draft tokens accepted, by position in the draft.",
+            ["model_name", "position"], registry=self.registry,
+        )  # fmt: skip
+        self._spec_seen = SpecDecodeStats()
         self.success = Counter(
             "folio:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
             registry=self.registry,
@@ -77,6 +89,7 @@ class ServerMetrics:
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
+        self._count_speculation()
         generated = 0
         for request in updated:
             # Usually one new token; a beam search's results arrive once, with all of theirs.
@@ -107,6 +120,19 @@ class ServerMetrics:
         if request.first_token_time is not None and num_tokens > 1:
             self.tpot.observe((finish - request.first_token_time) / (num_tokens - 1))
         self._refresh_gauges()
+
+    def _count_speculation(self) -> None:
+        now, seen = self.engine.scheduler.spec_stats, self._spec_seen
+        if now.num_drafts == seen.num_drafts:
+            return
+        self.spec_drafts.inc(now.num_drafts - seen.num_drafts)
+        self.spec_draft_tokens.inc(now.num_draft_tokens - seen.num_draft_tokens)
+        self.spec_accepted.inc(now.num_accepted_tokens - seen.num_accepted_tokens)
+        for position, count in enumerate(now.accepted_per_position):
+            before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
+            if count > before:
+                self.spec_per_position.labels(self._model_name, str(position)).inc(count - before)
+        self._spec_seen = replace(now, accepted_per_position=list(now.accepted_per_position))
 
     def _refresh_gauges(self) -> None:
         scheduler = self.engine.scheduler

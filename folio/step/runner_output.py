@@ -25,3 +25,8 @@ class ModelRunnerOutput:
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)  # for beams, instead of a token
     failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, in words fit for a client
+    # Speculative decoding. A request that verified drafts gets its accepted drafts and then the target's
+    # own next token here (not in sampled_token_ids), with their logprobs if asked for.
+    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step

@@ -39,6 +39,7 @@ class ScheduledChunk:
     needs_sample: bool  # the chunk reaches the end of the sequence, so a new token is sampled
     fork_ids: tuple[str, ...] = ()  # forks that sample their first token from this request's row
     num_beam_candidates: int = 0  # a beam: report this many best next tokens instead of sampling one
+    num_draft_tokens: int = 0  # the last this many token_ids are drafts for the target to verify
 
     @property
     def num_tokens(self) -> int:

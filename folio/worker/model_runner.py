@@ -7,6 +7,7 @@ generator) lives in its own `RequestStates`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -14,18 +15,22 @@ import numpy as np
 import torch
 from torch import nn
 
-from folio.config import CacheConfig, ModelConfig
+from folio.config import CacheConfig, ModelConfig, SpeculativeConfig
 from folio.kv_cache.quant import SCALE_DTYPE, kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
 from folio.sample.beam_candidates import top_candidates
 from folio.sample.logprobs import gather_logprobs
+from folio.spec_decode.ngram import NgramProposer
 from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
 from folio.structured.grammar import unpack_bitmask
+from folio.worker.draft_verification import verify_drafts
 from folio.worker.request_states import RequestStates
 from folio.worker.row_sampling import SampleSpec, sample_rows
+
+logger = logging.getLogger("folio")
 
 # Called with (request id, positions, their logits [len(positions), V]) for every row whose logits a
 # step computes: analysis tools and the oracle tests read raw logits through it.
@@ -43,6 +48,7 @@ class BatchInputs:
     prompt_rows: list[int]  # rows in [T] whose next prompt token is scored (prompt_logprobs)
     prompt_targets: list[int]  # that next prompt token, aligned with prompt_rows
     prompt_scored: dict[str, tuple[int, int]]  # request id -> its slice of prompt_rows
+    draft_rows: dict[str, tuple[int, int]]  # request id -> (first row in [T], drafts): k drafts verify on k + 1 rows
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -71,6 +77,7 @@ class ModelRunner:
         num_blocks: int,
         dtype: torch.dtype,
         device: torch.device,
+        speculative_config: SpeculativeConfig | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -81,6 +88,8 @@ class ModelRunner:
         slots = num_blocks * self.block_size
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.requests = RequestStates()
+        self.speculative_config = speculative_config
+        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
         self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
         code_dtype = dtype if fmt is None else fmt.dtype
@@ -107,6 +116,7 @@ class ModelRunner:
         prompt_rows: list[int] = []
         prompt_targets: list[int] = []
         prompt_scored: dict[str, tuple[int, int]] = {}
+        draft_rows: dict[str, tuple[int, int]] = {}
         allowed = self._allowed_by_request(out)
         for chunk in out.scheduled:
             state = self.requests[chunk.request_id]
@@ -120,6 +130,9 @@ class ModelRunner:
                     prompt_rows.extend(range(first_row, first_row + last - start))
                     prompt_targets.extend(state.token_ids[start + 1 : last + 1])
             if not chunk.needs_sample:
+                continue
+            if chunk.num_draft_tokens:  # verified on their own rows (draft_verification.py), not sampled
+                draft_rows[chunk.request_id] = (len(input_ids) - 1 - chunk.num_draft_tokens, chunk.num_draft_tokens)
                 continue
             for request_id in (chunk.request_id, *chunk.fork_ids):  # forks sample from their parent's row
                 sampler = self.requests[request_id]
@@ -147,6 +160,7 @@ class ModelRunner:
             prompt_rows=prompt_rows,
             prompt_targets=prompt_targets,
             prompt_scored=prompt_scored,
+            draft_rows=draft_rows,
         )
 
     def _allowed_by_request(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
@@ -184,19 +198,77 @@ class ModelRunner:
             self.copy_blocks(list(out.block_copies))
         hidden = self.forward(inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
-        if not inputs.logits_rows:
-            return ModelRunnerOutput(prompt_logprobs=prompt_logprobs)
-        # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
-        logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
-        if self.logits_observer is not None:
-            for row, (request_id, flat_row) in enumerate(zip(inputs.sampled_ids, inputs.logits_rows, strict=True)):
-                self.logits_observer(request_id, [int(inputs.positions[flat_row])], logits[row : row + 1])
-        result = sample_rows(logits.cpu(), inputs.samplers)
-        ids = inputs.sampled_ids
-        failed = {ids[row]: problem for row, problem in result.failures.items()}
-        tokens = {rid: token for rid, token in zip(ids, result.token_ids, strict=True) if rid not in failed}
-        logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp and rid not in failed}
-        return ModelRunnerOutput(tokens, logprobs, prompt_logprobs, self._beam_candidates(logits, inputs), failed)
+        accepted, accepted_logprobs, failed = self._verify_drafts(hidden, inputs)
+        tokens: dict[str, int] = {}
+        logprobs: dict[str, TokenLogprob] = {}
+        candidates: dict[str, BeamCandidates] = {}
+        if inputs.logits_rows:
+            # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
+            logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
+            if self.logits_observer is not None:
+                for row, (request_id, flat) in enumerate(zip(inputs.sampled_ids, inputs.logits_rows, strict=True)):
+                    self.logits_observer(request_id, [int(inputs.positions[flat])], logits[row : row + 1])
+            result = sample_rows(logits.cpu(), inputs.samplers)
+            ids = inputs.sampled_ids
+            failed |= {ids[row]: problem for row, problem in result.failures.items()}
+            tokens = {rid: token for rid, token in zip(ids, result.token_ids, strict=True) if rid not in failed}
+            logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp and rid not in failed}
+            candidates = self._beam_candidates(logits, inputs)
+        return ModelRunnerOutput(
+            sampled_token_ids=tokens,
+            logprobs=logprobs,
+            prompt_logprobs=prompt_logprobs,
+            beam_candidates=candidates,
+            failed=failed,
+            accepted_token_ids=accepted,
+            accepted_logprobs=accepted_logprobs,
+            draft_token_ids=self._propose(out, tokens, accepted),
+        )
+
+    def _verify_drafts(
+        self, hidden: torch.Tensor, inputs: BatchInputs
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]], dict[str, str]]:
+        """Each speculating request's accepted drafts and next token; a fault fails that request only."""
+        accepted: dict[str, list[int]] = {}
+        accepted_logprobs: dict[str, list[TokenLogprob]] = {}
+        failed: dict[str, str] = {}
+        for request_id, (first, k) in inputs.draft_rows.items():
+            state = self.requests[request_id]
+            try:
+                logits = self.compute_logits(hidden[first : first + k + 1]).float().cpu()
+                if self.logits_observer is not None:
+                    self.logits_observer(request_id, inputs.positions[first : first + k + 1].tolist(), logits)
+                verified = verify_drafts(logits, state, state.token_ids[len(state.token_ids) - k :])
+            except Exception:
+                logger.exception("verifying the drafts of request %s failed; failing that request only", request_id)
+                failed[request_id] = "sampling failed"
+                continue
+            if verified.problem is not None:
+                failed[request_id] = verified.problem
+                continue
+            accepted[request_id] = verified.token_ids
+            if verified.logprobs is not None:
+                accepted_logprobs[request_id] = verified.logprobs
+        return accepted, accepted_logprobs, failed
+
+    def _propose(
+        self, out: SchedulerOutput, tokens: dict[str, int], accepted: dict[str, list[int]]
+    ) -> dict[str, list[int]]:
+        """Drafts for the next step, from each request's context and the tokens it just gained."""
+        spec = self.speculative_config
+        if self.proposer is None or spec is None or len(out.scheduled) > spec.disable_by_batch_size:
+            return {}
+        drafts: dict[str, list[int]] = {}
+        for chunk in out.scheduled:
+            new = accepted.get(chunk.request_id) or ([tokens[chunk.request_id]] if chunk.request_id in tokens else [])
+            state = self.requests[chunk.request_id]
+            params = state.sampling_params
+            if not new or not params.speculate or params.structured_output is not None or chunk.num_beam_candidates:
+                continue
+            context = state.token_ids[: chunk.start_position + chunk.num_tokens - chunk.num_draft_tokens] + new
+            if proposed := self.proposer.propose(context):
+                drafts[chunk.request_id] = proposed
+        return drafts
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: BatchInputs) -> dict[str, tuple[TokenLogprob, ...]]:
         """For requests with prompt_logprobs: each computed prompt position's logprob of the next prompt token."""

@@ -60,6 +60,9 @@ class RequestStates:
             self.states[data.request_id] = RequestState.from_new(data)
         for chunk in out.scheduled:
             state = self.states[chunk.request_id]
-            # A prompt's later chunks are already known from NewRequestData: replace this chunk's span only.
-            state.token_ids[chunk.start_position : chunk.start_position + chunk.num_tokens] = chunk.token_ids
+            # A prompt's later chunks are already known from NewRequestData: replace this chunk's span,
+            # and past the prompt drop what lies beyond it (drafts rejected in an earlier step).
+            end = chunk.start_position + chunk.num_tokens
+            state.token_ids[chunk.start_position : end] = chunk.token_ids
+            del state.token_ids[max(end, state.num_prompt_tokens) :]
             state.block_ids[chunk.first_new_block :] = chunk.new_block_ids

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from folio import LLM
+from folio.config import SpeculativeConfig
 from folio.engine_args import EngineArgs
 
 
@@ -54,6 +55,9 @@ def test_no_flags_gives_the_defaults() -> None:
             batch_timeout_ms=12.5,
             quantization="int4",
             kv_cache_dtype="fp8",
+            speculative_config=SpeculativeConfig(
+                "ngram", 3, prompt_lookup_min=2, prompt_lookup_max=5, disable_by_batch_size=4
+            ),
         ),  # fmt: skip
     ],
 )

@@ -40,6 +40,7 @@ RUNTIME = frozenset(
         "folio.sample",
         "folio.sampling_params",
         "folio.server",
+        "folio.spec_decode",  # speculative decoding's proposers
         "folio.step",  # the values that cross the scheduler/runner boundary
         "folio.structured",
         "folio.worker",

@@ -1,0 +1,32 @@
+"""Prompt lookup ("inference with reference"): find the request's last n tokens earlier in its own
+context (prompt and output), and propose the tokens that followed them there. No extra model: it pays
+off where outputs copy from the input (summaries, edits, extraction, code)."""
+
+from __future__ import annotations
+
+import numpy as np
+from numpy.lib.stride_tricks import sliding_window_view
+
+from folio.config import SpeculativeConfig
+
+
+class NgramProposer:
+    def __init__(self, config: SpeculativeConfig) -> None:
+        self.k = config.num_speculative_tokens
+        self.n_min = config.prompt_lookup_min
+        self.n_max = config.prompt_lookup_max
+
+    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+        """Up to k tokens that followed the most recent earlier match of the longest suffix (n from
+        prompt_lookup_max down to prompt_lookup_min); [] when nothing matches."""
+        k = self.k if max_tokens is None else min(self.k, max_tokens)
+        if k <= 0 or len(token_ids) < self.n_min + 1:
+            return []
+        tokens = np.asarray(token_ids, dtype=np.int64)
+        for n in range(min(self.n_max, len(tokens) - 1), self.n_min - 1, -1):
+            windows = sliding_window_view(tokens[:-1], n)  # every earlier n-gram; the suffix itself excluded
+            hits = np.flatnonzero((windows == tokens[-n:]).all(axis=1))
+            if hits.size:
+                start = int(hits[-1]) + n  # the most recent match: nearest context wins
+                return tokens[start : start + k].tolist()
+        return []

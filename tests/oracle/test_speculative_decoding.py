@@ -1,0 +1,118 @@
+"""Speculative decoding with prompt lookup changes speed, never outputs: greedy tokens and logprobs equal
+the run without it for every architecture's tiny model under whole, chunked and preempting schedules,
+and for SmolLM2 with n > 1, stop strings, structured output and prefix caching; sampled tokens keep
+the target's distribution."""
+
+from __future__ import annotations
+
+import collections
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams, StructuredOutputParams
+from folio.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from folio.engine.engine_core import EngineCore
+from folio.engine.model_loader import load_model
+from folio.engine.request import Request
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
+
+SPEC = SpeculativeConfig(num_speculative_tokens=3)
+SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}  # (token budget, blocks of 4)
+
+
+@pytest.fixture(scope="module", params=TINY_KINDS + NEW_ARCHITECTURE_KINDS)
+def tiny(request, tmp_path_factory):
+    folder = make_tiny_model(request.param, tmp_path_factory.mktemp(request.param))
+    return load_model(folder, torch.float32, torch.device("cpu"))
+
+
+def _greedy(loaded, schedule: str, speculative: SpeculativeConfig | None, prompts: list[list[int]]):
+    budget, num_blocks = SCHEDULES[schedule]
+    engine = EngineCore(loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
+                        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
+                        torch.float32, torch.device("cpu"), speculative)  # fmt: skip
+    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
+    for r in requests:
+        engine.add_request(r)
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.kv.pool.num_free_blocks == num_blocks and len(engine.runner.requests) <= len(requests)
+    return requests, engine
+
+
+@pytest.mark.parametrize("schedule", sorted(SCHEDULES))
+def test_tiny_models_greedy_tokens_and_logprobs_equal_without_speculation(tiny, schedule):
+    generator = torch.Generator().manual_seed(3)
+    # Prompts that repeat themselves, so prompt lookup finds something to propose.
+    prompts = [(torch.randint(1, VOCAB, (n,), generator=generator).tolist() * 4)[: 4 * n] for n in (10, 2, 6)]
+    plain, _ = _greedy(tiny, schedule, None, prompts)
+    speculated, engine = _greedy(tiny, schedule, SPEC, prompts)
+    for a, b in zip(plain, speculated, strict=True):
+        assert b.output_token_ids == a.output_token_ids
+        assert [lp.token_id for lp in b.output_logprobs] == b.output_token_ids
+        got, expected = ([lp.logprob for lp in r.output_logprobs] for r in (b, a))
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert engine.scheduler.spec_stats.num_draft_tokens > 0  # drafts were verified
+    if schedule == "preempting":
+        assert engine.scheduler.num_preemptions > 0
+
+
+COPYING = [
+    "Repeat the list exactly.\nList: apple, banana, cherry, date, elderberry, fig, grape.\nRepeated: apple, banana,",
+    "def add(a, b):\n    return a + b\n\ndef add(a, b):\n",
+    "The capital of France is",
+]
+
+
+@pytest.fixture(scope="module")
+def speculating_llm(smollm2_gguf):
+    return LLM(smollm2_gguf, speculative_config={"num_speculative_tokens": 4})
+
+
+def test_smollm2_greedy_outputs_equal_without_speculation(offline_llm, speculating_llm):
+    cases = [
+        SamplingParams(max_tokens=40, temperature=0),
+        SamplingParams(max_tokens=40, temperature=0, n=2, stop=[" grape"], logprobs=1),
+        SamplingParams(max_tokens=30, temperature=0, structured_output=StructuredOutputParams(regex="[a-z, ]{5,40}")),
+    ]
+    for params in cases:
+        plain = offline_llm.generate(COPYING, params, use_tqdm=False)
+        fast = speculating_llm.generate(COPYING, params, use_tqdm=False)
+        for a, b in zip(plain, fast, strict=True):
+            assert [o.token_ids for o in b.outputs] == [o.token_ids for o in a.outputs]
+            assert [o.text for o in b.outputs] == [o.text for o in a.outputs]
+            assert [o.finish_reason for o in b.outputs] == [o.finish_reason for o in a.outputs]
+    stats = speculating_llm.engine.scheduler.spec_stats
+    assert stats.num_accepted_tokens > 0 and stats.num_accepted_tokens < stats.num_draft_tokens
+    pool = speculating_llm.engine.kv.pool
+    assert pool.num_free_blocks == pool.num_blocks  # every block came back, rejected drafts' included
+
+
+def test_sampled_tokens_keep_the_targets_distribution(offline_llm, speculating_llm):
+    """Seeded samples of the 2nd and 3rd tokens (drafted and verified) with and without speculation:
+    the empirical distributions agree within sampling noise (batches of 8 keep speculation on). They
+    are compared over the plain run's five likeliest tokens and the rest together: a long tail of rare
+    tokens would otherwise be all noise (two plain runs differ by a TV of ~0.15 over every token)."""
+    prompt = "Count: one, two, three, one, two, three, one, two,"
+    n = 960
+
+    def samples(llm: LLM) -> tuple[collections.Counter, collections.Counter]:
+        second, third = collections.Counter(), collections.Counter()
+        for start in range(0, n, 8):
+            params = [SamplingParams(max_tokens=3, temperature=1.0, seed=s, ignore_eos=True)
+                      for s in range(start, start + 8)]  # fmt: skip
+            for out in llm.generate([prompt] * 8, params, use_tqdm=False):
+                second[out.outputs[0].token_ids[1]] += 1
+                third[out.outputs[0].token_ids[2]] += 1
+        return second, third
+
+    before = speculating_llm.engine.scheduler.spec_stats.num_draft_tokens
+    for plain, fast in zip(samples(offline_llm), samples(speculating_llm), strict=True):
+        top = [t for t, _ in plain.most_common(5)]
+        buckets = [(plain[t], fast[t]) for t in top]
+        buckets.append((n - sum(p for p, _ in buckets), n - sum(f for _, f in buckets)))
+        tv = sum(abs(p - f) for p, f in buckets) / (2 * n)
+        assert tv < 0.07, (tv, buckets)  # ~3 standard deviations of the sampling noise at n = 960
+    assert speculating_llm.engine.scheduler.spec_stats.num_draft_tokens > before
