@@ -22,6 +22,7 @@ from folio.layers.attention.metadata import AttentionMetadata, build_attention_m
 from folio.outputs import TokenLogprob
 from folio.sample.beam_candidates import top_candidates
 from folio.sample.logprobs import gather_logprobs
+from folio.spec_decode.draft_length import next_draft_length
 from folio.spec_decode.ngram import NgramProposer
 from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
@@ -247,6 +248,9 @@ class ModelRunner:
                 failed[request_id] = verified.problem
                 continue
             accepted[request_id] = verified.token_ids
+            if self.speculative_config is not None:
+                most = self.speculative_config.num_speculative_tokens
+                state.draft_length = next_draft_length(state.draft_length or most, k, len(verified.token_ids) - 1, most)
             if verified.logprobs is not None:
                 accepted_logprobs[request_id] = verified.logprobs
         return accepted, accepted_logprobs, failed
@@ -266,7 +270,7 @@ class ModelRunner:
             if not new or not params.speculate or params.structured_output is not None or chunk.num_beam_candidates:
                 continue
             context = state.token_ids[: chunk.start_position + chunk.num_tokens - chunk.num_draft_tokens] + new
-            if proposed := self.proposer.propose(context):
+            if proposed := self.proposer.propose(context, max_tokens=state.draft_length or None):
                 drafts[chunk.request_id] = proposed
         return drafts
 

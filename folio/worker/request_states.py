@@ -24,6 +24,7 @@ class RequestState:
     sampling_params: SamplingParams
     generator: torch.Generator | None
     block_ids: list[int]
+    draft_length: int = 0  # speculative decoding: drafts to propose next (set by the runner)
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:

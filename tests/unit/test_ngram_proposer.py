@@ -1,8 +1,10 @@
-"""Prompt lookup proposes what followed the most recent earlier match of the longest suffix."""
+"""Prompt lookup proposes what followed the most recent earlier match of the longest suffix; each
+request's draft length follows its acceptance."""
 
 from __future__ import annotations
 
 from folio.config import SpeculativeConfig
+from folio.spec_decode.draft_length import next_draft_length
 from folio.spec_decode.ngram import NgramProposer
 
 
@@ -28,3 +30,10 @@ def test_no_match_no_proposal():
 
 def test_the_continuation_may_run_into_the_suffix_itself():
     assert _proposer(k=4).propose([8, 8, 8]) == [8]  # the earlier "8 8" is followed by one token only
+
+
+def test_the_draft_length_follows_acceptance():
+    assert next_draft_length(2, num_drafted=2, num_accepted=2, most=4) == 3  # all kept: one more
+    assert next_draft_length(4, num_drafted=4, num_accepted=4, most=4) == 4  # never past the most
+    assert next_draft_length(4, num_drafted=4, num_accepted=1, most=4) == 2  # one more than were kept
+    assert next_draft_length(3, num_drafted=3, num_accepted=0, most=4) == 1  # never below one
