@@ -140,9 +140,13 @@ class ModelRunner:
                 logits_rows.append(len(input_ids) - 1)
                 sampled_ids.append(request_id)
                 beams = chunk.num_beam_candidates if request_id == chunk.request_id else 0
+                # Only penalties read the tokens: copying a long context every step for nothing is waste.
+                penalized = sampler.sampling_params.has_penalties
+                prompt_ids = sampler.prompt_token_ids if penalized else []
+                output_ids = sampler.output_token_ids if penalized else []
                 samplers.append(
-                    SampleSpec(sampler.sampling_params, sampler.generator, sampler.prompt_token_ids,
-                               sampler.output_token_ids, beams, allowed.get(request_id))
+                    SampleSpec(sampler.sampling_params, sampler.generator, prompt_ids, output_ids, beams,
+                               allowed.get(request_id))
                 )  # fmt: skip
         meta = build_attention_metadata(
             [c.start_position for c in out.scheduled],
