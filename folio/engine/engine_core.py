@@ -13,6 +13,7 @@ from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.platform import default_kv_cache_memory
+from folio.spec_decode.factory import make_proposer
 from folio.structured.grammar import GrammarCompiler
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 
@@ -55,7 +56,10 @@ class EngineCore:
         scheduler_config.max_model_len = max_len
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, self.kv, model_config.vocab_size)
-        self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
+        proposer = make_proposer(speculative_config) if speculative_config is not None else None
+        self.runner = ModelRunner(
+            model, model_config, cache_config, num_blocks, dtype, device, speculative_config, proposer
+        )
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None

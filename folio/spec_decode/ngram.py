@@ -4,19 +4,26 @@ off where outputs copy from the input (summaries, edits, extraction, code)."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 from numpy.lib.stride_tricks import sliding_window_view
 
 from folio.config import SpeculativeConfig
+from folio.spec_decode.proposer import DraftRequest, Proposer
 
 
-class NgramProposer:
+class NgramProposer(Proposer):
     def __init__(self, config: SpeculativeConfig) -> None:
         self.k = config.num_speculative_tokens
         self.n_min = config.prompt_lookup_min
         self.n_max = config.prompt_lookup_max
 
-    def propose(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        drafts = {r.request_id: self.lookup(r.token_ids, r.max_tokens) for r in requests}
+        return {request_id: found for request_id, found in drafts.items() if found}
+
+    def lookup(self, token_ids: list[int], max_tokens: int | None = None) -> list[int]:
         """Up to k tokens that followed the most recent earlier match of the longest suffix (n from
         prompt_lookup_max down to prompt_lookup_min); [] when nothing matches."""
         k = self.k if max_tokens is None else min(self.k, max_tokens)

@@ -19,6 +19,7 @@ from folio.worker.request_states import RequestState
 class Verified:
     token_ids: list[int]  # the accepted drafts, then the target's own next token
     logprobs: list[TokenLogprob] | None  # one per token, where the request asked
+    target_choices: list[int]  # the target's greedy token at each of the k + 1 rows (lookahead learns from them)
     problem: str | None = None  # set: the rows cannot be trusted; the request fails
 
 
@@ -37,13 +38,14 @@ def verify_drafts(logits: torch.Tensor, state: RequestState, draft_ids: list[int
     adjusted = adjust_logits(logits, batch)
     problems = [p for p in row_problems(logits, adjusted) if p is not None]
     if problems:
-        return Verified([], None, problems[0])
+        return Verified([], None, [], problems[0])
+    choices = adjusted.argmax(dim=-1).tolist()
     if params.greedy:
-        tokens = verify_greedy(adjusted.argmax(dim=-1).tolist(), draft_ids)
+        tokens = verify_greedy(choices, draft_ids)
     else:
         tokens = verify_sampled(sampling_probs(adjusted, batch), draft_ids, None, state.generator)
     logprobs = None
     if params.logprobs is not None:  # the target's, at each kept token's own position
         found = gather_logprobs(logits[: len(tokens)], torch.tensor(tokens), [params.logprobs] * len(tokens))
         logprobs = [lp for lp in found if lp is not None]
-    return Verified(tokens, logprobs)
+    return Verified(tokens, logprobs, choices)

@@ -23,7 +23,7 @@ from folio.outputs import TokenLogprob
 from folio.sample.beam_candidates import top_candidates
 from folio.sample.logprobs import gather_logprobs
 from folio.spec_decode.draft_length import next_draft_length
-from folio.spec_decode.ngram import NgramProposer
+from folio.spec_decode.proposer import DraftRequest, Proposer
 from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
 from folio.structured.grammar import unpack_bitmask
@@ -36,6 +36,8 @@ logger = logging.getLogger("folio")
 # Called with (request id, positions, their logits [len(positions), V]) for every row whose logits a
 # step computes: analysis tools and the oracle tests read raw logits through it.
 LogitsObserver = Callable[[str, list[int], torch.Tensor], None]
+# A verification, for the proposer: the drafts checked and the target's greedy choice at each row.
+DraftsChecked = tuple[list[int], list[int]]
 
 
 @dataclass
@@ -79,6 +81,7 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
+        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -90,7 +93,7 @@ class ModelRunner:
         shape = (slots, config.num_kv_heads, config.head_dim)
         self.requests = RequestStates()
         self.speculative_config = speculative_config
-        self.proposer = NgramProposer(speculative_config) if speculative_config is not None else None
+        self.proposer = proposer if speculative_config is not None else None
         self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
         code_dtype = dtype if fmt is None else fmt.dtype
@@ -195,7 +198,9 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the batch; samples a token for each request whose chunk reached its end."""
-        self.requests.update(out)
+        for state in self.requests.update(out):
+            if self.proposer is not None:
+                self.proposer.finish(state.request_id, state.token_ids)
         if out.is_empty:
             return ModelRunnerOutput()
         inputs = self.prepare(out)
@@ -203,7 +208,7 @@ class ModelRunner:
             self.copy_blocks(list(out.block_copies))
         hidden = self.forward(inputs)
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
-        accepted, accepted_logprobs, failed = self._verify_drafts(hidden, inputs)
+        accepted, accepted_logprobs, choices, failed = self._verify_drafts(hidden, inputs)
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         candidates: dict[str, BeamCandidates] = {}
@@ -227,15 +232,17 @@ class ModelRunner:
             failed=failed,
             accepted_token_ids=accepted,
             accepted_logprobs=accepted_logprobs,
-            draft_token_ids=self._propose(out, tokens, accepted),
+            draft_token_ids=self._propose(out, tokens, accepted, choices),
         )
 
     def _verify_drafts(
         self, hidden: torch.Tensor, inputs: BatchInputs
-    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]], dict[str, str]]:
-        """Each speculating request's accepted drafts and next token; a fault fails that request only."""
+    ) -> tuple[dict[str, list[int]], dict[str, list[TokenLogprob]], dict[str, DraftsChecked], dict[str, str]]:
+        """Each speculating request's accepted drafts and next token, and (drafts, the target's greedy
+        choice at each row) for the proposer; a fault fails that request only."""
         accepted: dict[str, list[int]] = {}
         accepted_logprobs: dict[str, list[TokenLogprob]] = {}
+        choices: dict[str, DraftsChecked] = {}
         failed: dict[str, str] = {}
         for request_id, (first, k) in inputs.draft_rows.items():
             state = self.requests[request_id]
@@ -243,7 +250,8 @@ class ModelRunner:
                 logits = self.compute_logits(hidden[first : first + k + 1]).float().cpu()
                 if self.logits_observer is not None:
                     self.logits_observer(request_id, inputs.positions[first : first + k + 1].tolist(), logits)
-                verified = verify_drafts(logits, state, state.token_ids[len(state.token_ids) - k :])
+                drafts = state.token_ids[len(state.token_ids) - k :]
+                verified = verify_drafts(logits, state, drafts)
             except Exception:
                 logger.exception("verifying the drafts of request %s failed; failing that request only", request_id)
                 failed[request_id] = "sampling failed"
@@ -252,21 +260,26 @@ class ModelRunner:
                 failed[request_id] = verified.problem
                 continue
             accepted[request_id] = verified.token_ids
+            choices[request_id] = (drafts, verified.target_choices)
             if self.speculative_config is not None:
                 most = self.speculative_config.num_speculative_tokens
                 state.draft_length = next_draft_length(state.draft_length or most, k, len(verified.token_ids) - 1, most)
             if verified.logprobs is not None:
                 accepted_logprobs[request_id] = verified.logprobs
-        return accepted, accepted_logprobs, failed
+        return accepted, accepted_logprobs, choices, failed
 
     def _propose(
-        self, out: SchedulerOutput, tokens: dict[str, int], accepted: dict[str, list[int]]
+        self,
+        out: SchedulerOutput,
+        tokens: dict[str, int],
+        accepted: dict[str, list[int]],
+        choices: dict[str, DraftsChecked],
     ) -> dict[str, list[int]]:
         """Drafts for the next step, from each request's context and the tokens it just gained."""
         spec = self.speculative_config
         if self.proposer is None or spec is None or len(out.scheduled) > spec.disable_by_batch_size:
             return {}
-        drafts: dict[str, list[int]] = {}
+        wanted: list[DraftRequest] = []
         for chunk in out.scheduled:
             new = accepted.get(chunk.request_id) or ([tokens[chunk.request_id]] if chunk.request_id in tokens else [])
             state = self.requests[chunk.request_id]
@@ -274,9 +287,11 @@ class ModelRunner:
             if not new or not params.speculate or params.structured_output is not None or chunk.num_beam_candidates:
                 continue
             context = state.token_ids[: chunk.start_position + chunk.num_tokens - chunk.num_draft_tokens] + new
-            if proposed := self.proposer.propose(context, max_tokens=state.draft_length or None):
-                drafts[chunk.request_id] = proposed
-        return drafts
+            drafts, target = choices.get(chunk.request_id, ([], []))
+            most = state.draft_length or spec.num_speculative_tokens
+            wanted.append(DraftRequest(chunk.request_id, context, state.num_prompt_tokens, most, tuple(drafts),
+                                       tuple(target)))  # fmt: skip
+        return self.proposer.propose(wanted) if wanted else {}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: BatchInputs) -> dict[str, tuple[TokenLogprob, ...]]:
         """For requests with prompt_logprobs: each computed prompt position's logprob of the next prompt token."""

@@ -52,11 +52,10 @@ class RequestStates:
     def __len__(self) -> int:
         return len(self.states)
 
-    def update(self, out: SchedulerOutput) -> None:
-        """Apply one step's changes: forget finished requests, meet new ones, take each chunk's tokens
-        and block table changes."""
-        for request_id in out.finished_request_ids:
-            self.states.pop(request_id, None)
+    def update(self, out: SchedulerOutput) -> list[RequestState]:
+        """Apply one step's changes: forget finished requests (returned), meet new ones, take each
+        chunk's tokens and block table changes."""
+        finished = [state for rid in out.finished_request_ids if (state := self.states.pop(rid, None)) is not None]
         for data in out.new_requests:
             self.states[data.request_id] = RequestState.from_new(data)
         for chunk in out.scheduled:
@@ -67,3 +66,4 @@ class RequestStates:
             state.token_ids[chunk.start_position : end] = chunk.token_ids
             del state.token_ids[max(end, state.num_prompt_tokens) :]
             state.block_ids[chunk.first_new_block :] = chunk.new_block_ids
+        return finished

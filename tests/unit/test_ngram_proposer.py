@@ -14,22 +14,22 @@ def _proposer(k: int = 3, n_min: int = 1, n_max: int = 3) -> NgramProposer:
 
 def test_continues_the_longest_suffix_match():
     # "2 3" occurs earlier followed by 4 5 6; "3" alone also follows 9 at the end of the context
-    assert _proposer().propose([1, 2, 3, 4, 5, 6, 7, 3, 9, 1, 2, 3]) == [4, 5, 6]
+    assert _proposer().lookup([1, 2, 3, 4, 5, 6, 7, 3, 9, 1, 2, 3]) == [4, 5, 6]
 
 
 def test_prefers_the_most_recent_match_and_caps_at_k():
-    assert _proposer(k=2).propose([5, 1, 2, 5, 3, 4, 5]) == [3, 4]
-    assert _proposer(k=4).propose([5, 1, 2, 5, 3, 4, 5], max_tokens=1) == [3]
+    assert _proposer(k=2).lookup([5, 1, 2, 5, 3, 4, 5]) == [3, 4]
+    assert _proposer(k=4).lookup([5, 1, 2, 5, 3, 4, 5], max_tokens=1) == [3]
 
 
 def test_no_match_no_proposal():
-    assert _proposer().propose([1, 2, 3, 4]) == []
-    assert _proposer(n_min=2).propose([1, 2, 3, 1]) == []  # only a 1-gram matches
-    assert _proposer().propose([7]) == []
+    assert _proposer().lookup([1, 2, 3, 4]) == []
+    assert _proposer(n_min=2).lookup([1, 2, 3, 1]) == []  # only a 1-gram matches
+    assert _proposer().lookup([7]) == []
 
 
 def test_the_continuation_may_run_into_the_suffix_itself():
-    assert _proposer(k=4).propose([8, 8, 8]) == [8]  # the earlier "8 8" is followed by one token only
+    assert _proposer(k=4).lookup([8, 8, 8]) == [8]  # the earlier "8 8" is followed by one token only
 
 
 def test_the_draft_length_follows_acceptance():

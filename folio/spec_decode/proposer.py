@@ -1,0 +1,31 @@
+"""What every proposer is to the runner: given the requests that may speculate this step (their
+context so far and how many drafts each may take), draft each one's next tokens. Proposers see values
+only; the target's verification (worker/draft_verification.py) decides what is kept."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    request_id: str
+    token_ids: list[int]  # prompt + output, including the tokens this step just gained
+    num_prompt_tokens: int
+    max_tokens: int  # drafts it may take (its adaptive draft length)
+    # The verification this step ran, if any: the drafts it checked and the target's own greedy choice
+    # at each of their k + 1 rows (lookahead decoding learns n-grams from the rows it rejected).
+    verified_drafts: tuple[int, ...] = ()
+    target_choices: tuple[int, ...] = ()
+
+
+class Proposer(ABC):
+    @abstractmethod
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        """Drafts for some of `requests`, at most `max_tokens` each; a request left out verifies nothing."""
+
+    def finish(self, request_id: str, token_ids: list[int]) -> None:  # noqa: B027 - stateless proposers keep nothing
+        """The request is done (`token_ids`: its prompt and output as the runner last saw them): forget
+        whatever was kept for it; a proposer that learns across requests keeps what it learned."""
