@@ -157,6 +157,7 @@ class ModelRunner:
             [self.requests[c.request_id].block_ids for c in out.scheduled],
             self.block_size,
             self.device,
+            as_decodes=[c.num_draft_tokens > 0 for c in out.scheduled],
         )
         return BatchInputs(
             input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),

@@ -108,3 +108,36 @@ def test_decode_kernel_reads_an_8_bit_cache_like_the_torch_path(name, heads, dty
     torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
     exact = attend_group(group, query, query, query, LayerKV(k_cache, v_cache), block_size, scale, None)
     assert (expected.float() - exact.float()).abs().max().item() < (0.05 if name == "int8" else 0.2)
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_a_verification_chunk_attended_as_decode_rows_equals_its_causal_attention(window):
+    """Speculative verification attends a request's k + 1 rows as decode rows over one block table;
+    that must be exactly the causal attention of the same chunk (every row's K/V is in the cache)."""
+    generator = torch.Generator().manual_seed(5)
+    block_size, heads, kv_heads, head_dim = 4, 6, 2, 32
+    tables = [[3, 0, 5, 1, 7], [2, 6]]
+    starts, lens = [13, 2], [5, 4]  # a 5-row verification after 13 keys; another request's 4-row chunk
+    shape = (8 * block_size, kv_heads, head_dim)
+    cache = LayerKV(torch.randn(shape, generator=generator), torch.randn(shape, generator=generator))
+    query = torch.randn(sum(lens), heads, head_dim, generator=generator)
+    as_chunks = build_attention_metadata(starts, lens, tables, block_size)
+    as_rows = build_attention_metadata(starts, lens, tables, block_size, as_decodes=[True, False])
+    assert [g.is_decode for g in as_chunks.groups] == [False, False]
+    assert [g.is_decode for g in as_rows.groups] == [True, False] and as_rows.groups[0].num_seqs == 5
+    torch.testing.assert_close(as_rows.slot_mapping, as_chunks.slot_mapping)
+    scale = head_dim**-0.5
+    for chunk_group in as_chunks.groups[:1]:
+        rows = chunk_group.token_rows
+        q = query[rows]
+        expected = attend_group(chunk_group, q, q, q, cache, block_size, scale, window)
+        decode_group = as_rows.groups[0]
+        torch.testing.assert_close(decode_group.token_rows, rows)
+        got = attend_group(decode_group, q, q, q, cache, block_size, scale, window)
+        torch.testing.assert_close(got, expected, atol=1e-5, rtol=1e-5)
+        if kernel is not None:
+            tables, seq_lens = decode_group.block_tables, decode_group.seq_lens
+            fast = kernel.paged_decode_attention(
+                q, cache.k, cache.v, tables, seq_lens, block_size, scale, window or 0, None, None
+            )
+            torch.testing.assert_close(fast.view(expected.shape), expected, atol=1e-5, rtol=1e-5)

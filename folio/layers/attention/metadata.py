@@ -8,6 +8,7 @@ attention work by the chunk length.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -82,24 +83,29 @@ def build_attention_metadata(
     block_tables: list[list[int]],
     block_size: int,
     device: torch.device | str = "cpu",
+    as_decodes: Sequence[bool] = (),
 ) -> AttentionMetadata:
+    """`as_decodes[i]`: attend sequence i's query rows as that many decode rows (a speculative
+    verification: k + 1 rows over the same block table, each seeing the keys up to its own position).
+    Every row's K/V is written before any row attends, so that is exactly causal attention, and the
+    step stays a pure decode step for the decode kernel and the C++ decode step."""
     slots: list[int] = []
     decode_rows: list[int] = []
-    decode_seqs: list[int] = []
+    decode_starts: list[int] = []
+    decode_tables: list[list[int]] = []
     groups: list[AttentionGroup] = []
     row = 0
     for seq, (start, qlen, table) in enumerate(zip(start_positions, query_lens, block_tables, strict=True)):
         slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + qlen))
-        if qlen == 1:
-            decode_rows.append(row)
-            decode_seqs.append(seq)
+        if qlen == 1 or (seq < len(as_decodes) and as_decodes[seq]):
+            decode_rows.extend(range(row, row + qlen))
+            decode_starts.extend(range(start, start + qlen))
+            decode_tables.extend([table] * qlen)
         else:
             groups.append(_group(list(range(row, row + qlen)), [start], qlen, [table], block_size, start == 0, device))
         row += qlen
     if decode_rows:
-        starts = [start_positions[s] for s in decode_seqs]
-        tables = [block_tables[s] for s in decode_seqs]
-        groups.insert(0, _group(decode_rows, starts, 1, tables, block_size, False, device))
+        groups.insert(0, _group(decode_rows, decode_starts, 1, decode_tables, block_size, False, device))
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, row)
 
 
