@@ -102,7 +102,7 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
 
 
-SPECULATIVE_METHODS = ("ngram",)
+SPECULATIVE_METHODS = ("ngram", "draft")
 
 
 @dataclass(frozen=True)
@@ -116,10 +116,16 @@ class SpeculativeConfig:
     # Speculation costs more than it saves once the batch is compute bound: no drafts above this many
     # running requests (vLLM's speculative_disable_by_batch_size).
     disable_by_batch_size: int = 8
+    # draft: the drafting model (a catalog name or a path) and how its weights are held (None: as its
+    # file stores them, so a GGUF file stays 4-bit while the target may be served dense).
+    draft_model: str | None = None
+    draft_quantization: str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
+        if (self.method == "draft") != (self.draft_model is not None):
+            raise ValueError("a draft model is given exactly when the speculative method is 'draft'")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

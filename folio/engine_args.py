@@ -79,7 +79,8 @@ class EngineArgs:
         spec.add_argument(
             "--speculative-method", default=None, choices=SPECULATIVE_METHODS,
             help="draft tokens and verify them in one forward; outputs stay exactly the model's (ngram: prompt "
-            "lookup, continuing a match of the last tokens found earlier in the context)",
+            "lookup, continuing a match of the last tokens found earlier in the context; draft: a cheaper model "
+            "with the same vocabulary, --draft-model)",
         )  # fmt: skip
         spec.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                           help="drafts per step, at most")  # fmt: skip
@@ -89,6 +90,11 @@ class EngineArgs:
                           help="ngram: longest suffix matched (tried first)")  # fmt: skip
         spec.add_argument("--speculative-disable-by-batch-size", type=int, default=defaults.disable_by_batch_size,
                           help="no drafts while more requests than this run (speculation stops paying)")  # fmt: skip
+        spec.add_argument("--draft-model", default=None,
+                          help="draft: the drafting model (a catalog name or a path; the same GGUF file as a "
+                          "target served with --quantization none drafts at its 4-bit speed)")  # fmt: skip
+        spec.add_argument("--draft-quantization", default=None,
+                          help="draft: how the draft's weights are held (default: as stored in its file)")  # fmt: skip
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> EngineArgs:
@@ -101,6 +107,8 @@ class EngineArgs:
                 prompt_lookup_min=args.prompt_lookup_min,
                 prompt_lookup_max=args.prompt_lookup_max,
                 disable_by_batch_size=args.speculative_disable_by_batch_size,
+                draft_model=args.draft_model,
+                draft_quantization=args.draft_quantization,
             )
         return cls(**values, speculative_config=speculative)
 
@@ -152,4 +160,6 @@ def _speculative_flags(config: SpeculativeConfig) -> list[str]:
         "--prompt-lookup-min", str(config.prompt_lookup_min),
         "--prompt-lookup-max", str(config.prompt_lookup_max),
         "--speculative-disable-by-batch-size", str(config.disable_by_batch_size),
+        *(["--draft-model", config.draft_model] if config.draft_model is not None else []),
+        *(["--draft-quantization", config.draft_quantization] if config.draft_quantization is not None else []),
     ]  # fmt: skip

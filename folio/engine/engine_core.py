@@ -12,6 +12,7 @@ from folio.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeC
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
+from folio.models.base import CausalLM
 from folio.platform import default_kv_cache_memory
 from folio.spec_decode.factory import make_proposer
 from folio.structured.grammar import GrammarCompiler
@@ -38,6 +39,7 @@ class EngineCore:
         dtype: torch.dtype,
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
+        draft_model: CausalLM | None = None,
     ) -> None:
         bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype)
         if cache_config.num_blocks is not None:
@@ -56,7 +58,15 @@ class EngineCore:
         scheduler_config.max_model_len = max_len
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, self.kv, model_config.vocab_size)
-        proposer = make_proposer(speculative_config) if speculative_config is not None else None
+        proposer = None
+        if speculative_config is not None:
+            if draft_model is not None and draft_model.config.vocab_size != model_config.vocab_size:
+                raise ValueError(
+                    f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the target's "
+                    f"({model_config.vocab_size}): a draft must share the target's tokenizer"
+                )
+            proposer = make_proposer(speculative_config, draft_model, num_blocks, cache_config.block_size, dtype,
+                                     device)  # fmt: skip
         self.runner = ModelRunner(
             model, model_config, cache_config, num_blocks, dtype, device, speculative_config, proposer
         )

@@ -69,6 +69,12 @@ class LLM:
         logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
+        spec = args.speculative_config
+        self.draft: LoadedModel | None = None
+        if spec is not None and spec.draft_model is not None:
+            self.draft = load_model(resolve_model(spec.draft_model), self.dtype, self.device, spec.draft_quantization)
+            logger.info("draft model: %s, %.1f MiB resident (%s)", self.draft.path.name,
+                        self.draft.weight_bytes / 2**20, self.draft.quantization)  # fmt: skip
         self.engine = EngineCore(
             self.loaded.model,
             self.model_config,
@@ -77,6 +83,7 @@ class LLM:
             self.dtype,
             self.device,
             args.speculative_config,
+            self.draft.model if self.draft is not None else None,
         )
         self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._ids = itertools.count()

@@ -12,7 +12,9 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.kv_cache.quant import KVFormat
 from folio.layers.activation import get_gated_activation
+from folio.layers.attention.kv_tensors import LayerKV, allocate_layer_kv
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import LMHead
@@ -77,6 +79,23 @@ class CausalLM(nn.Module):
 
     def attention_layers(self) -> list[PagedAttention]:
         return [layer.self_attn.attn for layer in self.model.layers]
+
+    def bind_kv_cache(
+        self, num_slots: int, block_size: int, dtype: torch.dtype, fmt: KVFormat | None, device: torch.device
+    ) -> list[LayerKV]:
+        """Give every attention layer its slice of a paged KV cache of `num_slots` tokens, load the
+        weight kernels (now, so that start-up builds or reports them, not a request), and set up the
+        decode step that needs the cache bound."""
+        caches = []
+        for layer in self.attention_layers():
+            layer_kv = allocate_layer_kv(num_slots, self.config.num_kv_heads, self.config.head_dim, dtype, fmt, device)
+            layer.bind_cache(layer_kv, block_size)
+            caches.append(layer_kv)
+        for module in self.modules():
+            if (packed := getattr(module, "packed", None)) is not None:
+                packed.load_kernels()
+        self.bind_decode_stack(dtype)
+        return caches
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         skip = ("lm_head.",) if self.config.tie_word_embeddings else ()

@@ -2,12 +2,28 @@
 
 from __future__ import annotations
 
+import torch
+
 from folio.config import SpeculativeConfig
+from folio.models.base import CausalLM
+from folio.spec_decode.draft_model import DraftModelProposer
 from folio.spec_decode.ngram import NgramProposer
 from folio.spec_decode.proposer import Proposer
 
 
-def make_proposer(config: SpeculativeConfig) -> Proposer:
+def make_proposer(
+    config: SpeculativeConfig,
+    draft_model: CausalLM | None,
+    num_blocks: int,
+    block_size: int,
+    dtype: torch.dtype,
+    device: torch.device,
+) -> Proposer:
+    """`num_blocks` x `block_size`: the target's KV pool, which a draft model's own pool matches in tokens."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "draft":
+        if draft_model is None:
+            raise ValueError("speculative method 'draft' needs the loaded draft model")
+        return DraftModelProposer(draft_model, config, num_blocks, block_size, dtype, device)
     raise ValueError(f"no proposer for speculative method {config.method!r}")

@@ -11,12 +11,11 @@ import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 from torch import nn
 
 from folio.config import CacheConfig, ModelConfig, SpeculativeConfig
-from folio.kv_cache.quant import SCALE_DTYPE, kv_format, slot_bytes_per_head
+from folio.kv_cache.quant import kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
@@ -60,17 +59,6 @@ def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: 
     return 2 * config.num_layers * config.num_kv_heads * per_head
 
 
-def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """A zeroed cache tensor. On CPU, numpy's calloc-backed zeros map pages lazily, so a multi-GiB pool
-    costs nothing until used (torch.zeros would touch every page up front). Zeros matter: padded key
-    slots are masked, but garbage NaNs in V would still poison the attention product."""
-    if device.type != "cpu":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    itemsize = torch.empty(0, dtype=dtype).element_size()
-    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
-    return raw.view(dtype).view(shape)
-
-
 class ModelRunner:
     def __init__(
         self,
@@ -89,26 +77,13 @@ class ModelRunner:
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
-        slots = num_blocks * self.block_size
-        shape = (slots, config.num_kv_heads, config.head_dim)
         self.requests = RequestStates()
         self.speculative_config = speculative_config
         self.proposer = proposer if speculative_config is not None else None
         self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
-        code_dtype = dtype if fmt is None else fmt.dtype
-        self.kv_caches: list[LayerKV] = []
-        for layer in model.attention_layers():
-            layer_kv = LayerKV(_zeros(shape, code_dtype, device), _zeros(shape, code_dtype, device), fmt)
-            if fmt is not None:
-                layer_kv.k_scales = _zeros(shape[:2], SCALE_DTYPE, device)
-                layer_kv.v_scales = _zeros(shape[:2], SCALE_DTYPE, device)
-            layer.bind_cache(layer_kv, self.block_size)
-            self.kv_caches.append(layer_kv)
-        for module in model.modules():  # now, so that a start-up compiles or reports them, not a request
-            if (packed := getattr(module, "packed", None)) is not None:
-                packed.load_kernels()
-        model.bind_decode_stack(dtype)
+        self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * self.block_size, self.block_size, dtype,
+                                                            fmt, device)  # fmt: skip
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         """Flatten the step's chunks into one batch; `self.requests` must already hold this step's update."""

@@ -59,6 +59,10 @@ def test_no_flags_gives_the_defaults() -> None:
                 "ngram", 3, prompt_lookup_min=2, prompt_lookup_max=5, disable_by_batch_size=4
             ),
         ),  # fmt: skip
+        EngineArgs(
+            "m.gguf", quantization="none",
+            speculative_config=SpeculativeConfig("draft", 6, draft_model="m.gguf", draft_quantization="int8"),
+        ),  # fmt: skip
     ],
 )
 def test_flags_round_trip(args: EngineArgs) -> None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from folio.kv_cache.quant import SCALE_DTYPE, KVFormat
@@ -64,3 +65,27 @@ class LayerKV:
 
 def scale_zeros(slots: int, heads: int, device: torch.device) -> torch.Tensor:
     return torch.zeros(slots, heads, dtype=SCALE_DTYPE, device=device)
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A zeroed cache tensor. On CPU, numpy's calloc-backed zeros map pages lazily, so a multi-GiB pool
+    costs nothing until used (torch.zeros would touch every page up front). Zeros matter: padded key
+    slots are masked, but garbage NaNs in V would still poison the attention product."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    raw = torch.from_numpy(np.zeros(int(np.prod(shape)) * itemsize, dtype=np.uint8))
+    return raw.view(dtype).view(shape)
+
+
+def allocate_layer_kv(
+    num_slots: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype, fmt: KVFormat | None, device: torch.device
+) -> LayerKV:
+    """One attention layer's K and V for `num_slots` tokens (and their scales if 8-bit), zeroed lazily."""
+    shape = (num_slots, num_kv_heads, head_dim)
+    code_dtype = dtype if fmt is None else fmt.dtype
+    layer_kv = LayerKV(lazy_zeros(shape, code_dtype, device), lazy_zeros(shape, code_dtype, device), fmt)
+    if fmt is not None:
+        layer_kv.k_scales = lazy_zeros(shape[:2], SCALE_DTYPE, device)
+        layer_kv.v_scales = lazy_zeros(shape[:2], SCALE_DTYPE, device)
+    return layer_kv

@@ -1,0 +1,128 @@
+"""Draft-model speculation: a cheaper model that shares the target's vocabulary (a smaller model of
+the same family, or the same GGUF file kept 4-bit while the target is served dense) drafts each
+request's next k tokens greedily, one batched decode step per token; the target verifies them.
+
+The draft keeps its own paged KV cache (its own BlockPool, the target's block size) holding each
+request's context as far as the draft has computed it. Each step it first catches up on what the
+request gained (the accepted drafts and the target's own token; the whole prompt the first time),
+then drafts. What a verification rejected is simply recomputed: the draft keeps the longest prefix
+its cache shares with the request's context. Drafts are greedy (a one-hot proposal), which the
+rejection sampler accepts exactly for sampled requests too."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from folio.config import SpeculativeConfig
+from folio.kv_cache.block_pool import BlockPool
+from folio.layers.attention.metadata import build_attention_metadata
+from folio.models.base import CausalLM
+from folio.spec_decode.proposer import DraftRequest, Proposer
+
+
+@dataclass
+class _DraftSequence:
+    token_ids: list[int] = field(default_factory=list)  # tokens whose K/V the draft's cache holds, in order
+    block_ids: list[int] = field(default_factory=list)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+class DraftModelProposer(Proposer):
+    def __init__(
+        self,
+        model: CausalLM,
+        config: SpeculativeConfig,
+        num_blocks: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device,
+    ) -> None:
+        self.model = model
+        self.k = config.num_speculative_tokens
+        self.block_size = block_size
+        self.device = device
+        self.pool = BlockPool(num_blocks)
+        self.max_positions = model.config.max_position_embeddings
+        model.bind_kv_cache(num_blocks * block_size, block_size, dtype, None, device)
+        self.sequences: dict[str, _DraftSequence] = {}
+
+    def finish(self, request_id: str, token_ids: list[int]) -> None:
+        sequence = self.sequences.pop(request_id, None)
+        if sequence is not None:
+            self.pool.free(sequence.block_ids)
+
+    @torch.inference_mode()
+    def propose(self, requests: Sequence[DraftRequest]) -> dict[str, list[int]]:
+        # Catch up: each request feeds what its draft cache lacks (at least its last token, whose
+        # logits give the first draft) in one flat batch.
+        active: list[tuple[DraftRequest, _DraftSequence, int]] = []
+        for request in requests:
+            sequence = self.sequences.setdefault(request.request_id, _DraftSequence())
+            keep = min(_common_prefix(sequence.token_ids, request.token_ids), len(request.token_ids) - 1)
+            del sequence.token_ids[keep:]
+            num_drafts = min(self.k, request.max_tokens)
+            if num_drafts > 0 and self._reserve(sequence, len(request.token_ids) + num_drafts - 1):
+                active.append((request, sequence, keep))
+        if not active:
+            return {}
+        drafts: dict[str, list[int]] = {}
+        chunks = [(r.request_id, r.token_ids[keep:], keep, s) for r, s, keep in active]
+        for (request, sequence, _), token in zip(active, self._step(chunks), strict=True):
+            sequence.token_ids = list(request.token_ids)
+            drafts[request.request_id] = [token]
+        # Then one decode step per further draft, over the requests that want more.
+        for j in range(1, self.k):
+            going = [(r, s) for r, s, _ in active if min(self.k, r.max_tokens) > j]
+            if not going:
+                break
+            chunks = [(r.request_id, [drafts[r.request_id][-1]], len(s.token_ids), s) for r, s in going]
+            for (request, sequence), token in zip(going, self._step(chunks), strict=True):
+                sequence.token_ids.append(drafts[request.request_id][-1])
+                drafts[request.request_id].append(token)
+        return drafts
+
+    def _reserve(self, sequence: _DraftSequence, num_tokens: int) -> bool:
+        """Blocks for `num_tokens` positions; False (no drafts this step) when the pool or the draft's
+        context length cannot take them."""
+        if num_tokens > self.max_positions:
+            return False
+        missing = -(-num_tokens // self.block_size) - len(sequence.block_ids)
+        if missing > self.pool.num_free_blocks:
+            return False
+        if missing > 0:
+            sequence.block_ids += self.pool.allocate(missing)
+        return True
+
+    def _step(self, chunks: list[tuple[str, list[int], int, _DraftSequence]]) -> list[int]:
+        """One forward of the draft over each chunk (tokens, first position); each chunk's greedy next token."""
+        input_ids = [t for _, tokens, _, _ in chunks for t in tokens]
+        positions = [p for _, tokens, start, _ in chunks for p in range(start, start + len(tokens))]
+        meta = build_attention_metadata(
+            [start for _, _, start, _ in chunks],
+            [len(tokens) for _, tokens, _, _ in chunks],
+            [s.block_ids for _, _, _, s in chunks],
+            self.block_size,
+            self.device,
+        )
+        hidden = self.model(
+            torch.tensor(input_ids, dtype=torch.long, device=self.device),
+            torch.tensor(positions, dtype=torch.long, device=self.device),
+            meta,
+        )
+        last_rows: list[int] = []
+        row = 0
+        for _, tokens, _, _ in chunks:
+            row += len(tokens)
+            last_rows.append(row - 1)
+        logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=hidden.device)])
+        return logits.argmax(dim=-1).tolist()
