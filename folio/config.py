@@ -124,8 +124,10 @@ class SpeculativeConfig:
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
             raise ValueError(f"speculative method must be one of {SPECULATIVE_METHODS}, got {self.method!r}")
-        if (self.method == "draft") != (self.draft_model is not None):
-            raise ValueError("a draft model is given exactly when the speculative method is 'draft'")
+        if self.method == "draft" and self.draft_model is None:
+            raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
+        if self.method != "draft" and self.draft_model is not None:
+            raise ValueError(f"a draft model is only used by speculative method 'draft', not {self.method!r}")
         if self.num_speculative_tokens < 1:
             raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:

@@ -89,6 +89,7 @@ class _SamplingFields(StructuredFields, _Strict):
     repetition_penalty: float | None = Field(None, gt=0.0)
     ignore_eos: bool = False
     include_stop_str_in_output: bool = False
+    speculate: bool = True  # folio's extension: false opts this request out of speculative decoding
     user: str | None = None
     logit_bias: dict[str, float] | None = None  # token id (as a string, as OpenAI sends it) -> bias
 
@@ -195,6 +196,7 @@ class _SamplingFields(StructuredFields, _Strict):
             length_penalty=self.length_penalty,
             early_stopping=self.early_stopping,
             structured_output=structured,
+            speculate=self.speculate,
         )
 
     @property

@@ -1,5 +1,6 @@
 """A server with prompt-lookup speculation answers the official client exactly as the plain server does
-(streamed too), and reports drafted and accepted tokens at /metrics under vLLM's names."""
+(streamed too), reports drafted and accepted tokens at /metrics under vLLM's names, and lets a request
+opt out."""
 
 from __future__ import annotations
 
@@ -31,6 +32,10 @@ def test_speculating_server_matches_the_plain_server(client, smollm2_gguf):
         fast = fast_client.completions.create(**kwargs).choices[0]
         streamed = "".join(c.choices[0].text for c in fast_client.completions.create(stream=True, **kwargs))
         metrics = httpx.get(f"{url}/metrics").text
+        # folio's `speculate: false` opts one request out: same text, not one more draft.
+        opted_out = fast_client.completions.create(extra_body={"speculate": False}, **kwargs).choices[0]
+        assert opted_out.text == plain.text
+        after = httpx.get(f"{url}/metrics").text
     assert fast.text == plain.text == streamed
     assert fast.logprobs.tokens == plain.logprobs.tokens
     drafted, accepted = (
@@ -39,4 +44,5 @@ def test_speculating_server_matches_the_plain_server(client, smollm2_gguf):
     )
     assert 0 < accepted <= drafted and _metric(metrics, "spec_decode_num_drafts") > 0
     assert 'folio:spec_decode_num_accepted_tokens_per_pos_total{model_name="smollm2-135m",position="0"}' in metrics
+    assert _metric(after, "spec_decode_num_draft_tokens") == drafted
     assert llm.engine.kv.pool.num_free_blocks == llm.engine.kv.pool.num_blocks
