@@ -169,7 +169,7 @@ class Scheduler(BeamScheduling):
         """The step as values: new requests' data once, then each chunk's tokens and block changes."""
         new_requests: list[NewRequestData] = []
         chunks: list[ScheduledChunk] = []
-        constrained: list[tuple[str, TokenGrammar]] = []
+        constrained: list[tuple[str, TokenGrammar, list[int]]] = []
         for request, num_new in chosen:
             start = request.num_computed_tokens
             end = min(start + num_new, request.num_tokens)
@@ -182,7 +182,7 @@ class Scheduler(BeamScheduling):
                 if (data := self.runner_view.new_request_data(r)) is not None:
                     new_requests.append(data)
                 if needs_sample and r.grammar is not None:
-                    constrained.append((r.request_id, r.grammar))
+                    constrained.append((r.request_id, r.grammar, drafts if r is request else []))
             first_new_block, new_block_ids = self.runner_view.block_changes(
                 request.request_id, self.kv.block_table(request.request_id)
             )

@@ -10,7 +10,8 @@ from folio.engine.request import Request
 
 def drafts_to_verify(request: Request, budget: int, max_model_len: int) -> list[int]:
     """The drafts a decoding request verifies this step: as many as the step's budget, its max_tokens
-    and the context length leave room for if every one is accepted and the target adds its own."""
+    and the context length leave room for if every one is accepted and the target adds its own, and,
+    under structured output, only those its grammar accepts (the target could never produce the rest)."""
     if not request.spec_token_ids or request.num_computed_tokens != request.num_tokens - 1:
         return []
     room = min(
@@ -18,7 +19,10 @@ def drafts_to_verify(request: Request, budget: int, max_model_len: int) -> list[
         request.sampling_params.max_tokens - len(request.output_token_ids) - 1,
         max_model_len - request.num_tokens - 1,
     )
-    return request.spec_token_ids[: max(room, 0)]
+    drafts = request.spec_token_ids[: max(room, 0)]
+    if request.grammar is not None:
+        drafts = drafts[: request.grammar.valid_prefix(drafts)]
+    return drafts
 
 
 @dataclass

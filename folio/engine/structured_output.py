@@ -24,19 +24,26 @@ class StructuredOutputManager:
         self.vocab_size = vocab_size  # the model's logits width; set by the engine
         self.timing = MaskTiming()
 
-    def bitmask(self, rows: list[tuple[str, TokenGrammar]]) -> GrammarBitmask | None:
-        """The next-token bitmask of each (request id, grammar) row; None when there are none."""
+    def bitmask(self, rows: list[tuple[str, TokenGrammar, list[int]]]) -> GrammarBitmask | None:
+        """The bitmask of each (request id, grammar, drafts) row: the tokens it may sample next, and for a
+        request verifying k drafts, k + 1 rows (after each draft in turn). None when there are none."""
         if not rows:
             return None
         if self.vocab_size is None:
             raise ValueError("structured output needs the model's vocabulary size")
-        grammars = [grammar for _, grammar in rows]
+        grammars = [grammar for _, grammar, drafts in rows if not drafts]
         try:
-            bits = grammar_bitmask(grammars, self.vocab_size, self.timing)
+            plain = grammar_bitmask(grammars, self.vocab_size, self.timing) if grammars else None
         except Exception:
-            logger.exception("computing %d grammar masks failed; computing each alone", len(rows))
-            bits = torch.cat([self._one_row(grammar) for grammar in grammars])
-        return GrammarBitmask(tuple(request_id for request_id, _ in rows), bits)
+            logger.exception("computing %d grammar masks failed; computing each alone", len(grammars))
+            plain = torch.cat([self._one_row(grammar) for grammar in grammars])
+        request_ids = [request_id for request_id, _, drafts in rows if not drafts]
+        parts = [] if plain is None else [plain]
+        for request_id, grammar, drafts in rows:
+            if drafts:
+                parts.append(self._draft_rows(grammar, drafts))
+                request_ids += [request_id] * (len(drafts) + 1)
+        return GrammarBitmask(tuple(request_ids), torch.cat(parts))
 
     def _one_row(self, grammar: TokenGrammar) -> torch.Tensor:
         assert self.vocab_size is not None
@@ -44,7 +51,19 @@ class StructuredOutputManager:
             return grammar_bitmask([grammar], self.vocab_size, self.timing)
         except Exception:
             logger.exception("a grammar failed to compute its mask; that request fails")
-            return torch.zeros((1, (self.vocab_size + 31) // 32), dtype=torch.int32)  # no token allowed
+            return self._nothing_allowed(1)
+
+    def _draft_rows(self, grammar: TokenGrammar, drafts: list[int]) -> torch.Tensor:
+        assert self.vocab_size is not None
+        try:
+            return grammar.draft_masks(drafts, self.vocab_size)
+        except Exception:
+            logger.exception("a grammar failed to compute its masks over %d drafts; that request fails", len(drafts))
+            return self._nothing_allowed(len(drafts) + 1)
+
+    def _nothing_allowed(self, num_rows: int) -> torch.Tensor:
+        assert self.vocab_size is not None
+        return torch.zeros((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
 
 
 def grammar_bitmask(grammars: list[TokenGrammar], vocab_size: int, timing: MaskTiming) -> torch.Tensor:

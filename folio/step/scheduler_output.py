@@ -51,7 +51,9 @@ class GrammarBitmask:
     """Structured output: which tokens each constrained row may sample next, 32 tokens a word (bit set:
     allowed). Computed on the scheduler's side, where the grammars live; the runner only applies it."""
 
-    request_ids: tuple[str, ...]  # row i of `bits` belongs to request_ids[i]
+    # Row i of `bits` belongs to request_ids[i]; a request verifying k drafts has k + 1 consecutive rows
+    # (what may follow its last token, then each draft in turn).
+    request_ids: tuple[str, ...]
     bits: torch.Tensor  # [rows, ceil(vocab / 32)] int32
 
 

@@ -39,6 +39,35 @@ class TokenGrammar:
         """The grammar allows no further token (it consumed an EOS, or its language ends here)."""
         return self.matcher.is_stopped()
 
+    def valid_prefix(self, token_ids: list[int]) -> int:
+        """How many of `token_ids`, in order, the grammar would accept from here (its state unchanged)."""
+        if not token_ids:
+            return 0
+        try:
+            return self.matcher.validate_tokens(token_ids)
+        except Exception:  # a matcher in error: it takes no draft, and its own mask fails the request
+            logger.exception("validating draft tokens against a grammar failed")
+            return 0
+
+    def draft_masks(self, draft_ids: list[int], vocab_size: int) -> torch.Tensor:
+        """[len(draft_ids) + 1, words] bitmasks: what may come next here, and after each draft in turn
+        (the rows a speculative verification samples from). The grammar's state is left unchanged;
+        every draft must be one it accepts (see valid_prefix)."""
+        rows = []
+        consumed = 0
+        try:
+            for token in [*draft_ids, None]:
+                rows.append(fill_bitmask([self], vocab_size))
+                if token is None:
+                    break
+                if not self.matcher.consume_token(token):
+                    raise ValueError(f"the grammar refused draft token {token}: {self.matcher.get_error()}")
+                consumed += 1
+        finally:
+            if consumed:
+                self.matcher.rollback(consumed)
+        return torch.cat(rows)
+
 
 class GrammarCompiler:
     """Turns StructuredOutputParams into TokenGrammars for one tokenizer. The tokenizer's llguidance

@@ -23,8 +23,11 @@ class Verified:
     problem: str | None = None  # set: the rows cannot be trusted; the request fails
 
 
-def verify_drafts(logits: torch.Tensor, state: RequestState, draft_ids: list[int]) -> Verified:
-    """logits [k + 1, V] (raw, float) at the positions of the last token and each draft."""
+def verify_drafts(
+    logits: torch.Tensor, state: RequestState, draft_ids: list[int], allowed: torch.Tensor | None = None
+) -> Verified:
+    """logits [k + 1, V] (raw, float) at the positions of the last token and each draft; `allowed`
+    [k + 1, V]: structured output's masks at those rows (the drafts were cut to what the grammar takes)."""
     params = state.sampling_params
     k = len(draft_ids)
     confirmed = state.output_token_ids[: len(state.output_token_ids) - k]  # before this step's drafts
@@ -34,6 +37,7 @@ def verify_drafts(logits: torch.Tensor, state: RequestState, draft_ids: list[int
         prompt_token_ids=[state.prompt_token_ids] * (k + 1),
         output_token_ids=[confirmed + draft_ids[:j] for j in range(k + 1)],
         vocab_size=logits.shape[-1],
+        allowed=allowed,
     )
     adjusted = adjust_logits(logits, batch)
     problems = [p for p in row_problems(logits, adjusted) if p is not None]

@@ -51,6 +51,7 @@ class BatchInputs:
     prompt_targets: list[int]  # that next prompt token, aligned with prompt_rows
     prompt_scored: dict[str, tuple[int, int]]  # request id -> its slice of prompt_rows
     draft_rows: dict[str, tuple[int, int]]  # request id -> (first row in [T], drafts): k drafts verify on k + 1 rows
+    draft_masks: dict[str, torch.Tensor]  # request id -> [k + 1, V] bool: its grammar's masks at those rows
 
 
 def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
@@ -96,6 +97,7 @@ class ModelRunner:
         prompt_targets: list[int] = []
         prompt_scored: dict[str, tuple[int, int]] = {}
         draft_rows: dict[str, tuple[int, int]] = {}
+        draft_masks: dict[str, torch.Tensor] = {}
         allowed = self._allowed_by_request(out)
         for chunk in out.scheduled:
             state = self.requests[chunk.request_id]
@@ -112,6 +114,8 @@ class ModelRunner:
                 continue
             if chunk.num_draft_tokens:  # verified on their own rows (draft_verification.py), not sampled
                 draft_rows[chunk.request_id] = (len(input_ids) - 1 - chunk.num_draft_tokens, chunk.num_draft_tokens)
+                if (mask := allowed.get(chunk.request_id)) is not None:
+                    draft_masks[chunk.request_id] = mask
                 continue
             for request_id in (chunk.request_id, *chunk.fork_ids):  # forks sample from their parent's row
                 sampler = self.requests[request_id]
@@ -122,9 +126,10 @@ class ModelRunner:
                 penalized = sampler.sampling_params.has_penalties
                 prompt_ids = sampler.prompt_token_ids if penalized else []
                 output_ids = sampler.output_token_ids if penalized else []
+                mask = allowed.get(request_id)
                 samplers.append(
                     SampleSpec(sampler.sampling_params, sampler.generator, prompt_ids, output_ids, beams,
-                               allowed.get(request_id))
+                               None if mask is None else mask[0])
                 )  # fmt: skip
         meta = build_attention_metadata(
             [c.start_position for c in out.scheduled],
@@ -145,14 +150,19 @@ class ModelRunner:
             prompt_targets=prompt_targets,
             prompt_scored=prompt_scored,
             draft_rows=draft_rows,
+            draft_masks=draft_masks,
         )
 
     def _allowed_by_request(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Each constrained request's [V] bool mask, unpacked from the step's grammar bitmask."""
+        """Each constrained request's [rows, V] bool masks, unpacked from the step's grammar bitmask: one
+        row, or k + 1 for a request verifying k drafts."""
         if out.grammar_bitmask is None:
             return {}
         allowed = unpack_bitmask(out.grammar_bitmask.bits, self.config.vocab_size)
-        return dict(zip(out.grammar_bitmask.request_ids, allowed, strict=True))
+        rows: dict[str, list[int]] = {}
+        for row, request_id in enumerate(out.grammar_bitmask.request_ids):
+            rows.setdefault(request_id, []).append(row)
+        return {request_id: allowed[found] for request_id, found in rows.items()}
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -227,7 +237,7 @@ class ModelRunner:
                 if self.logits_observer is not None:
                     self.logits_observer(request_id, inputs.positions[first : first + k + 1].tolist(), logits)
                 drafts = state.token_ids[len(state.token_ids) - k :]
-                verified = verify_drafts(logits, state, drafts)
+                verified = verify_drafts(logits, state, drafts, inputs.draft_masks.get(request_id))
             except Exception:
                 logger.exception("verifying the drafts of request %s failed; failing that request only", request_id)
                 failed[request_id] = "sampling failed"
@@ -260,7 +270,7 @@ class ModelRunner:
             new = accepted.get(chunk.request_id) or ([tokens[chunk.request_id]] if chunk.request_id in tokens else [])
             state = self.requests[chunk.request_id]
             params = state.sampling_params
-            if not new or not params.speculate or params.structured_output is not None or chunk.num_beam_candidates:
+            if not new or not params.speculate or chunk.num_beam_candidates:
                 continue
             context = state.token_ids[: chunk.start_position + chunk.num_tokens - chunk.num_draft_tokens] + new
             drafts, target = choices.get(chunk.request_id, ([], []))

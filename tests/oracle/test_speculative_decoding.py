@@ -117,3 +117,16 @@ def test_sampled_tokens_keep_the_targets_distribution(offline_llm, speculating_l
         tv = sum(abs(p - f) for p, f in buckets) / (2 * n)
         assert tv < 0.07, (tv, buckets)  # ~3 standard deviations of the sampling noise at n = 960
     assert speculating_llm.engine.scheduler.spec_stats.num_draft_tokens > before
+
+
+def test_structured_output_speculates_within_its_grammar(offline_llm, speculating_llm):
+    """A constrained request drafts too: drafts the grammar refuses are cut before verification, each
+    verified row is masked by the grammar after the drafts before it, and outputs equal the plain run."""
+    prompt = COPYING[0]
+    params = SamplingParams(max_tokens=40, temperature=0,
+                            structured_output=StructuredOutputParams(regex="( [a-z]+,){3,12}"))  # fmt: skip
+    before = speculating_llm.engine.scheduler.spec_stats.num_accepted_tokens
+    plain = offline_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    fast = speculating_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
+    assert fast.token_ids == plain.token_ids and fast.text == plain.text
+    assert speculating_llm.engine.scheduler.spec_stats.num_accepted_tokens > before

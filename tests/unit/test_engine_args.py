@@ -60,7 +60,8 @@ def test_no_flags_gives_the_defaults() -> None:
             ),
         ),  # fmt: skip
         EngineArgs(
-            "m.gguf", quantization="none",
+            "m.gguf",
+            quantization="none",
             speculative_config=SpeculativeConfig("draft", 6, draft_model="m.gguf", draft_quantization="int8"),
         ),  # fmt: skip
     ],

@@ -8,11 +8,12 @@ import re
 import pytest
 import torch
 
+from folio.engine.structured_output import StructuredOutputManager
 from folio.loaders.gguf_file import GGUFFile
 from folio.loaders.tokenizer import Tokenizer
 from folio.sample.sampler import SamplingBatch, sample
 from folio.sampling_params import SamplingParams
-from folio.structured.grammar import GrammarCompiler, MaskTiming, allowed_tokens
+from folio.structured.grammar import GrammarCompiler, MaskTiming, allowed_tokens, unpack_bitmask
 from folio.structured.params import StructuredOutputParams
 
 
@@ -88,3 +89,25 @@ def test_sampler_never_picks_a_masked_token_whatever_the_bias(compiler):
     tokens = sample(logits, batch).token_ids.tolist()
     assert all(100 <= t < 110 for t in tokens)
     assert tokens[0] == 100 + int(logits[0, 100:110].argmax())  # greedy: the best allowed token
+
+
+def test_drafts_are_cut_where_the_grammar_refuses_them_and_masked_row_by_row(compiler):
+    """Speculation under structured output: the drafts kept are the prefix the grammar accepts, the
+    verification rows get the masks after each draft in turn, and the grammar's state is unchanged."""
+    grammar = compiler.compile(StructuredOutputParams(regex="[0-9]{1,3}"))
+    encode = compiler.tokenizer.encode
+    digits = [encode(d, add_special_tokens=False)[0] for d in "123"]
+    [letter] = encode("x", add_special_tokens=False)
+    assert grammar.valid_prefix([*digits[:2], letter, digits[2]]) == 2
+    assert grammar.valid_prefix(digits) == 3 and grammar.valid_prefix([]) == 0
+    manager = StructuredOutputManager(compiler.vocab_size)
+    bitmask = manager.bitmask([("a", grammar, digits[:2])])
+    assert bitmask.request_ids == ("a", "a", "a")
+    masks = allowed_tokens([grammar], compiler.vocab_size)  # unchanged state: what may start the output
+    rows = unpack_bitmask(bitmask.bits, compiler.vocab_size)
+    assert torch.equal(rows[0], masks[0])
+    [eos] = compiler.tokenizer.eos_token_ids
+    assert not rows[0][eos] and rows[1][eos] and rows[2][eos]  # an empty number is not a number
+    assert rows[2][digits[2]] and not rows[2][letter]
+    assert grammar.accept(digits[0]) and grammar.accept(digits[1]) and grammar.accept(digits[2])
+    assert grammar.valid_prefix([digits[0]]) == 0  # three digits: nothing more but the end
