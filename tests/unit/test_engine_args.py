@@ -59,6 +59,17 @@ def test_no_flags_gives_the_defaults() -> None:
                 "ngram", 3, prompt_lookup_min=2, prompt_lookup_max=5, disable_by_batch_size=4
             ),
         ),  # fmt: skip
+        EngineArgs(
+            "m",
+            speculative_config=SpeculativeConfig(
+                "suffix",
+                16,
+                suffix_max_tree_depth=32,
+                suffix_max_cached_requests=5,
+                suffix_max_spec_factor=1.5,
+                suffix_min_token_prob=0.25,
+            ),
+        ),
     ],
 )
 def test_flags_round_trip(args: EngineArgs) -> None:
