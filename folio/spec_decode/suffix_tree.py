@@ -40,8 +40,9 @@ class Cursor:
 
     def __init__(self) -> None:
         self.tokens: list[int] = []
-        # paths[k] is where the k-th open start has got to (oldest, so longest, first); a node above
-        # the path's end when the rest of the path is still a tail, or became explicit since.
+        # paths[k]: the deepest node known on the k-th open start's path (oldest, so longest, first).
+        # It may sit above the path's end: the rest is a tail, or a tail since made explicit, which is
+        # walked down when next needed.
         self.paths: list[Node] = []
 
 
@@ -63,7 +64,7 @@ class SuffixTree:
             for k in range(len(paths)):
                 node = paths[k]
                 length = n - first - k  # tokens on this path before `token`
-                # A path's tail may have been made explicit (by a later occurrence): walk down to its end.
+                # A path's tail may have been made explicit (another occurrence came): walk down to its end.
                 while node.depth < length and node.children is not None:
                     node = node.children[seq[first + k + node.depth]]
                 if node.children is None:  # this path's own tail: it reads `seq`, so it grew already

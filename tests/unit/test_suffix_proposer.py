@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import random
 from collections import Counter
+from typing import Any
 
 import pytest
 
@@ -42,9 +43,9 @@ def _assert_counts(tree: SuffixTree, sequences: list[list[int]], alphabet: int) 
     assert tree.root.count == sum(map(len, sequences))
 
 
-def _proposer(k: int = 4, **suffix: float) -> SuffixProposer:
+def _proposer(k: int = 4, **suffix: Any) -> SuffixProposer:
     options = {f"suffix_{name}": value for name, value in suffix.items()}
-    return SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=k, **options))  # type: ignore[arg-type]
+    return SuffixProposer(SpeculativeConfig(method="suffix", num_speculative_tokens=k, **options))
 
 
 def _propose(proposer: SuffixProposer, request_id: str, tokens: list[int], num_prompt: int = 0, most: int = 8):
@@ -185,4 +186,4 @@ def test_config_validation_and_factory():
     ]
     for options, name in bad:
         with pytest.raises(ValueError, match=name):
-            SpeculativeConfig(method="suffix", **options)  # type: ignore[arg-type]
+            SpeculativeConfig(method="suffix", **options)
