@@ -102,20 +102,26 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
 
 
-SPECULATIVE_METHODS = ("ngram", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
 
 
 @dataclass(frozen=True)
 class SpeculativeConfig:
     """Speculative decoding: a proposer drafts tokens, the target model verifies them in one forward."""
 
-    method: str = "ngram"  # prompt lookup: continue a match of the last tokens found earlier in the context
+    # ngram: prompt lookup, continue a match of the last tokens found earlier in the context;
+    # suffix: SuffixDecoding, follow the likeliest continuation in suffix trees of the request and of past outputs
+    method: str = "ngram"
     num_speculative_tokens: int = 4  # drafts per step, at most
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
     prompt_lookup_max: int = 4  # ngram: longest suffix to match (tried first)
     # Speculation costs more than it saves once the batch is compute bound: no drafts above this many
     # running requests (vLLM's speculative_disable_by_batch_size).
     disable_by_batch_size: int = 8
+    suffix_max_tree_depth: int = 24  # suffix: longest string a tree holds (match plus draft)
+    suffix_max_cached_requests: int = 10000  # suffix: finished requests' outputs in the global tree (0: none)
+    suffix_max_spec_factor: float = 1.0  # suffix: a draft is at most this many times its match's length
+    suffix_min_token_prob: float = 0.1  # suffix: stop drafting when the path's probability drops below this
     # draft: the drafting model (a catalog name or a path) and how its weights are held (None: as its
     # file stores them, so a GGUF file stays 4-bit while the target may be served dense).
     draft_model: str | None = None
@@ -134,6 +140,14 @@ class SpeculativeConfig:
             raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
         if self.disable_by_batch_size < 1:
             raise ValueError("disable_by_batch_size must be at least 1")
+        if self.suffix_max_tree_depth < 2:  # depth 1 holds single tokens and continues none
+            raise ValueError(f"suffix_max_tree_depth must be at least 2, got {self.suffix_max_tree_depth}")
+        if self.suffix_max_cached_requests < 0:
+            raise ValueError(f"suffix_max_cached_requests must be at least 0, got {self.suffix_max_cached_requests}")
+        if not self.suffix_max_spec_factor > 0:
+            raise ValueError(f"suffix_max_spec_factor must be positive, got {self.suffix_max_spec_factor}")
+        if not 0 <= self.suffix_min_token_prob <= 1:
+            raise ValueError(f"suffix_min_token_prob must be between 0 and 1, got {self.suffix_min_token_prob}")
 
 
 _DTYPES = {

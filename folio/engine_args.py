@@ -79,8 +79,9 @@ class EngineArgs:
         spec.add_argument(
             "--speculative-method", default=None, choices=SPECULATIVE_METHODS,
             help="draft tokens and verify them in one forward; outputs stay exactly the model's (ngram: prompt "
-            "lookup, continuing a match of the last tokens found earlier in the context; draft: a cheaper model "
-            "with the same vocabulary, --draft-model)",
+            "lookup, continuing a match of the last tokens found earlier in the context; suffix: SuffixDecoding, "
+            "the likeliest continuation in suffix trees of the request and of earlier requests' outputs; draft: a "
+            "cheaper model with the same vocabulary, --draft-model)",
         )  # fmt: skip
         spec.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                           help="drafts per step, at most")  # fmt: skip
@@ -90,6 +91,14 @@ class EngineArgs:
                           help="ngram: longest suffix matched (tried first)")  # fmt: skip
         spec.add_argument("--speculative-disable-by-batch-size", type=int, default=defaults.disable_by_batch_size,
                           help="no drafts while more requests than this run (speculation stops paying)")  # fmt: skip
+        spec.add_argument("--suffix-max-tree-depth", type=int, default=defaults.suffix_max_tree_depth,
+                          help="suffix: longest string a suffix tree holds, match and draft together")  # fmt: skip
+        spec.add_argument("--suffix-max-cached-requests", type=int, default=defaults.suffix_max_cached_requests,
+                          help="suffix: finished requests whose outputs the global tree keeps (0: none)")  # fmt: skip
+        spec.add_argument("--suffix-max-spec-factor", type=float, default=defaults.suffix_max_spec_factor,
+                          help="suffix: a draft is at most this many times as long as its match")  # fmt: skip
+        spec.add_argument("--suffix-min-token-prob", type=float, default=defaults.suffix_min_token_prob,
+                          help="suffix: stop a draft where its estimated probability falls below this")  # fmt: skip
         spec.add_argument("--draft-model", default=None,
                           help="draft: the drafting model (a catalog name or a path; the same GGUF file as a "
                           "target served with --quantization none drafts at its 4-bit speed)")  # fmt: skip
@@ -107,6 +116,10 @@ class EngineArgs:
                 prompt_lookup_min=args.prompt_lookup_min,
                 prompt_lookup_max=args.prompt_lookup_max,
                 disable_by_batch_size=args.speculative_disable_by_batch_size,
+                suffix_max_tree_depth=args.suffix_max_tree_depth,
+                suffix_max_cached_requests=args.suffix_max_cached_requests,
+                suffix_max_spec_factor=args.suffix_max_spec_factor,
+                suffix_min_token_prob=args.suffix_min_token_prob,
                 draft_model=args.draft_model,
                 draft_quantization=args.draft_quantization,
             )
@@ -160,6 +173,10 @@ def _speculative_flags(config: SpeculativeConfig) -> list[str]:
         "--prompt-lookup-min", str(config.prompt_lookup_min),
         "--prompt-lookup-max", str(config.prompt_lookup_max),
         "--speculative-disable-by-batch-size", str(config.disable_by_batch_size),
+        "--suffix-max-tree-depth", str(config.suffix_max_tree_depth),
+        "--suffix-max-cached-requests", str(config.suffix_max_cached_requests),
+        "--suffix-max-spec-factor", str(config.suffix_max_spec_factor),
+        "--suffix-min-token-prob", str(config.suffix_min_token_prob),
         *(["--draft-model", config.draft_model] if config.draft_model is not None else []),
         *(["--draft-quantization", config.draft_quantization] if config.draft_quantization is not None else []),
     ]  # fmt: skip

@@ -9,6 +9,7 @@ from folio.models.base import CausalLM
 from folio.spec_decode.draft_model import DraftModelProposer
 from folio.spec_decode.ngram import NgramProposer
 from folio.spec_decode.proposer import Proposer
+from folio.spec_decode.suffix import SuffixProposer
 
 
 def make_proposer(
@@ -22,6 +23,8 @@ def make_proposer(
     """`num_blocks` x `block_size`: the target's KV pool, which a draft model's own pool matches in tokens."""
     if config.method == "ngram":
         return NgramProposer(config)
+    if config.method == "suffix":
+        return SuffixProposer(config)
     if config.method == "draft":
         if draft_model is None:
             raise ValueError("speculative method 'draft' needs the loaded draft model")

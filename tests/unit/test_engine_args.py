@@ -64,6 +64,17 @@ def test_no_flags_gives_the_defaults() -> None:
             quantization="none",
             speculative_config=SpeculativeConfig("draft", 6, draft_model="m.gguf", draft_quantization="int8"),
         ),  # fmt: skip
+        EngineArgs(
+            "m",
+            speculative_config=SpeculativeConfig(
+                "suffix",
+                16,
+                suffix_max_tree_depth=32,
+                suffix_max_cached_requests=5,
+                suffix_max_spec_factor=1.5,
+                suffix_min_token_prob=0.25,
+            ),
+        ),
     ],
 )
 def test_flags_round_trip(args: EngineArgs) -> None:
