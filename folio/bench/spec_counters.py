@@ -58,11 +58,10 @@ def parse_metrics(text: str) -> SpecCounts | None:
 
     sums: dict[str, float] = {}
     for family in text_string_to_metric_families(text):
-        namespace, _, name = family.name.partition(":")
-        if namespace in ("folio", "vllm") and name in _METRICS:
-            for sample in family.samples:
-                if sample.name.endswith("_total"):
-                    sums[_METRICS[name]] = sums.get(_METRICS[name], 0.0) + sample.value
+        for sample in family.samples:
+            namespace, _, name = sample.name.removesuffix("_total").partition(":")
+            if namespace in ("folio", "vllm") and name in _METRICS:
+                sums[_METRICS[name]] = sums.get(_METRICS[name], 0.0) + sample.value
     if len(sums) != len(_METRICS):
         return None
     return SpecCounts(round(sums["num_drafts"]), round(sums["num_draft_tokens"]),

@@ -1,6 +1,7 @@
 """llama.cpp's llama-server as the peer of `folio bench spec`: the same GGUF file, one slot (concurrency 1),
 without speculation, with its own n-gram speculation (`--spec-type ngram-simple`: the last n tokens looked
-up earlier in the context, the m after them drafted) and, given a draft model, with it (`-md`). Each
+up earlier in the context, the m after them drafted) and, given a draft model, with it (`--spec-type
+draft-simple -md DRAFT`: with `-md` alone, llama-server 0.3.36 loads the draft but never drafts). Each
 configuration runs the same workloads through `spec_served.sweep`; the drafts it accepted come from the
 `timings` llama-server sends with every response (`draft_n`, `draft_n_accepted`).
 """
@@ -38,7 +39,8 @@ def peer_variants(
     if draft_model is not None:
         path = resolve_model(draft_model)
         if path.suffix.lower() == ".gguf":
-            variants.append(PeerVariant("draft", "draft", ("-md", str(path), "--spec-draft-n-max", k) + more))
+            draft = ("--spec-type", "draft-simple", "-md", str(path), "--spec-draft-n-max", k)
+            variants.append(PeerVariant("draft", "draft", draft + more))
         else:
             print(f"folio: llama.cpp gets no draft configuration: {draft_model} is not a GGUF file", file=sys.stderr)
     return variants

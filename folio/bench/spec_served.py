@@ -1,8 +1,10 @@
 """The served half of `folio bench spec`: one `folio serve` per variant (folio_server.py), one at a time, each
 sent every workload at every concurrency through the streaming client of `folio bench serve`
 (serve_client.py: every request streamed, greedy, all sent at once with at most N in flight). The drafts of
-each run are the difference of the server's /metrics counters before and after it. `sweep` is shared with
-the llama-server peer (spec_peer.py), whose drafts come from its responses' timings instead.
+each run are the difference of the server's /metrics counters before and after it. Each run sends its own
+`cache_salt`, so that a run never finds the prompts of the runs before it in folio's prefix cache (the
+same requests go out at every level). `sweep` is shared with the llama-server peer (spec_peer.py), whose
+drafts come from its responses' timings instead (and whose prompt cache is off: `cache_prompt: false`).
 """
 
 from __future__ import annotations
@@ -10,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import math
 import sys
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +39,11 @@ def sweep(
     describe: dict[str, Any],
     drafts_from: str,
     extra_body: dict[str, Any],
+    salted: bool = False,
 ) -> list[Cell]:
     """Every workload at every concurrency level against one running server. `describe` gives the cells'
-    engine, variant, method and baseline; `drafts_from` is "/metrics" or "llama.cpp timings"."""
+    engine, variant, method and baseline; `drafts_from` is "/metrics" or "llama.cpp timings"; `salted`: each
+    run sends a `cache_salt` of its own."""
     target = Target(base_url, config.model, chat=True, timeout_s=config.timeout_s, extra_body=extra_body)
     target, _ = asyncio.run(probe(target, next(iter(workloads.values()))[0]))
     cells = []
@@ -46,8 +51,10 @@ def sweep(
         for level in levels:
             print(f"folio: [{describe['engine']} {describe['variant']}] {name} at concurrency {level}",
                   file=sys.stderr, flush=True)  # fmt: skip
+            salt = {"cache_salt": f"{name}-c{level}"} if salted else {}
+            run_target = replace(target, extra_body={**extra_body, **salt})
             before = scrape_metrics(base_url) if drafts_from == "/metrics" else None
-            records, duration = asyncio.run(run_rate(target, requests, math.inf, config.seed, level, False))
+            records, duration = asyncio.run(run_rate(run_target, requests, math.inf, config.seed, level, False))
             spec = _drafts(drafts_from, base_url, before, records) if describe["method"] != "none" else None
             summary = summarize(records, duration, {})
             cells.append(Cell(
@@ -80,7 +87,7 @@ def run_folio_served(
             print(f"folio: [folio {variant.name}] {server.command}", file=sys.stderr, flush=True)
             servers.append({"name": f"folio {variant.name}", "command": server.command})
             cells += sweep(server.base_url, config, workloads, config.concurrency, _describe(variant), "/metrics",
-                           request_extra_body(config))  # fmt: skip
+                           request_extra_body(config), salted=True)  # fmt: skip
     return cells
 
 
