@@ -104,6 +104,7 @@ class Cell:
     spec: SpecCounts | None  # None without speculation, or when the engine did not report it
     matches_baseline: int | None = None  # batch1: answers token for token the same as the baseline's
     speedup: float | None = None  # output tok/s over the baseline's at the same workload and setting
+    decode_speedup: float | None = None  # the baseline's mean TPOT over this one's: decoding alone
 
     @property
     def output_tokens_per_s(self) -> float:

@@ -156,10 +156,11 @@ def test_llama_server_configurations_follow_folios_settings():
 # -- speedups, bars, table ---------------------------------------------------------------------------------
 
 
-def _cell(variant: str, setting: str, tokens: int, workload: str = "grounded", baseline: str = "none") -> Cell:
+def _cell(variant: str, setting: str, tokens: int, workload: str = "grounded", baseline: str = "none",
+          tpot: float = 5.0) -> Cell:  # fmt: skip
     method = "none" if variant.startswith("none") else variant
     spec = None if method == "none" else SpecCounts(4, 16, 12, "engine")
-    return Cell("folio", variant, method, baseline, workload, setting, 1, 2, 2, tokens, 1.0, {"mean": 5.0, "p50": 4.0},
+    return Cell("folio", variant, method, baseline, workload, setting, 1, 2, 2, tokens, 1.0, {"mean": tpot, "p50": 4.0},
                 {"p50": 30.0}, spec)  # fmt: skip
 
 
@@ -173,12 +174,13 @@ def _report(cells: list[Cell]) -> SpecReport:
 
 def test_speedups_bars_and_table():
     cells = [
-        _cell("none", "batch1", 100), _cell("ngram", "batch1", 250),
+        _cell("none", "batch1", 100), _cell("ngram", "batch1", 250, tpot=2.0),
         _cell("none-dense", "batch1", 40, baseline="none-dense"), _cell("draft", "batch1", 60, baseline="none-dense"),
         _cell("none", "c16", 100, "chat"), _cell("ngram", "c16", 94, "chat"), _cell("ngram", "c1", 90, "chat"),
     ]  # fmt: skip
     report = _report(cells)
     assert [c.speedup for c in cells] == [1.0, 2.5, 1.0, 1.5, 1.0, 0.94, None]  # ngram c1 chat: no baseline there
+    assert [c.decode_speedup for c in cells] == [1.0, 2.5, 1.0, 1.0, 1.0, 1.0, None]
     verdicts = {b["bar"]: (b["passed"], b["speedup"]) for b in bars(report)}
     assert verdicts == {
         "ngram >= 2x none at batch 1 on grounded": (True, 2.5),
@@ -188,13 +190,13 @@ def test_speedups_bars_and_table():
         "draft >= 0.95x none-dense on chat at concurrency 16": (None, None),
     }
     table = format_table(report)
-    assert (
-        "batch1 ngram                     250.00      5.00     4.00        -    30.00    0.75    4.00   2.50x      -"
-        in table
+    ngram_row = (
+        "batch1 ngram" + " " * 21 + "250.00      2.00     4.00        -    30.00    0.75    4.00   2.50x   2.50x      -"
     )
-    assert "PASS  ngram >= 2x none at batch 1 on grounded: 2.50x" in table
-    assert "FAIL  ngram >= 0.95x none on chat at concurrency 16: 0.94x" in table
+    assert ngram_row in table
+    assert "PASS  ngram >= 2x none at batch 1 on grounded: 2.50x (decoding alone 2.50x)" in table
+    assert "FAIL  ngram >= 0.95x none on chat at concurrency 16: 0.94x (decoding alone 1.00x)" in table
     assert "n/a   draft >= 2x none-dense (its target alone) at batch 1 on chat: not measured" in table
     markdown = format_markdown(report)
-    assert "| batch1 | folio | ngram | 250.0 | 5.0 | 4.0 | - | 30.0 | 0.75 | 4.00 | **2.50x** |" in markdown
+    assert "| batch1 | folio | ngram | 250.0 | 2.0 | 4.0 | - | 30.0 | 0.75 | 4.00 | **2.50x** | 2.50x |" in markdown
     assert speedup_groups(cells) == (["batch1", "c16", "c1"], ["ngram", "draft"])
