@@ -168,6 +168,8 @@ async def send_request(client: Any, target: Target, request: ServeRequest, recor
                         error.get("message", error) if isinstance(error, dict) else error
                     )
                     return
+                if isinstance(data.get("timings"), dict):  # llama-server: speeds, and drafts accepted
+                    record.server_timings = data["timings"]
                 if isinstance(data.get("usage"), dict) and data["usage"].get("completion_tokens") is not None:
                     usage_tokens = int(data["usage"]["completion_tokens"])
                     if data["usage"].get("prompt_tokens") is not None:

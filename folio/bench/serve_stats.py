@@ -36,6 +36,7 @@ class RequestRecord:
     finish_reason: str | None = None
     conversation: int | None = None  # multi-turn: the conversation and the turn in it (from 0)
     turn: int | None = None
+    server_timings: dict[str, Any] | None = None  # llama-server's `timings` of the last chunk that had them
 
     @property
     def tpot_s(self) -> float | None:
@@ -48,6 +49,8 @@ class RequestRecord:
         record = {**asdict(self), "tpot_s": self.tpot_s}
         if self.conversation is None:  # single requests: keep the file free of two nulls per request
             del record["conversation"], record["turn"]
+        if self.server_timings is None:  # only llama-server sends them
+            del record["server_timings"]
         return record
 
 

@@ -75,6 +75,16 @@ def test_usage_chunk_gives_the_token_counts():
     assert record.tpot_s == pytest.approx((record.e2e_s - record.ttft_s) / 3)
 
 
+def test_llama_server_timings_are_kept_and_only_theirs_written():
+    timings = {"predicted_n": 4, "draft_n": 6, "draft_n_accepted": 3}
+    stream = _sse(_text("a"), _text("b", "length"),
+                  {"choices": [], "usage": {"completion_tokens": 2}, "timings": timings}, "[DONE]")  # fmt: skip
+    record, _ = _send(lambda _: httpx.Response(200, content=stream))
+    assert record.success and record.server_timings == timings and record.to_dict()["server_timings"] == timings
+    plain, _ = _send(lambda _: httpx.Response(200, content=_sse(_text("a", "length"), "[DONE]")))
+    assert plain.server_timings is None and "server_timings" not in plain.to_dict()
+
+
 def test_without_usage_tokens_are_counted_from_chunks():
     stream = _sse(_text("a"), _text("b"), _text("c", "length"), "[DONE]")
     record, [body] = _send(lambda _: httpx.Response(200, content=stream), include_usage=False)
