@@ -58,18 +58,16 @@ class EngineCore:
         scheduler_config.max_model_len = max_len
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, self.kv, model_config.vocab_size)
-        proposer = None
-        if speculative_config is not None:
-            if draft_model is not None and draft_model.config.vocab_size != model_config.vocab_size:
-                raise ValueError(
-                    f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the target's "
-                    f"({model_config.vocab_size}): a draft must share the target's tokenizer"
-                )
-            proposer = make_proposer(speculative_config, draft_model, num_blocks, cache_config.block_size, dtype,
-                                     device)  # fmt: skip
-        self.runner = ModelRunner(
-            model, model_config, cache_config, num_blocks, dtype, device, speculative_config, proposer
-        )
+        if draft_model is not None and draft_model.config.vocab_size != model_config.vocab_size:
+            raise ValueError(
+                f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the target's "
+                f"({model_config.vocab_size}): a draft must share the target's tokenizer"
+            )
+        self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
+        if speculative_config is not None:  # after the runner: a draft of the same model reads its KV cache
+            shared = self.runner.kv_caches if draft_model is not None and draft_model.config == model_config else None
+            self.runner.proposer = make_proposer(speculative_config, draft_model, num_blocks, cache_config.block_size,
+                                                 dtype, device, shared)  # fmt: skip
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None

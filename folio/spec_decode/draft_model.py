@@ -3,11 +3,16 @@ the same family, or the same GGUF file kept 4-bit while the target is served den
 request's next k tokens greedily, one batched decode step per token; the target verifies them.
 
 The draft keeps its own paged KV cache (its own BlockPool, the target's block size) holding each
-request's context as far as the draft has computed it. Each step it first catches up on what the
-request gained (the accepted drafts and the target's own token; the whole prompt the first time),
-then drafts. What a verification rejected is simply recomputed: the draft keeps the longest prefix
-its cache shares with the request's context. Drafts are greedy (a one-hot proposal), which the
-rejection sampler accepts exactly for sampled requests too."""
+request's context as far as the draft has it. Each step it first catches up on what the request
+gained (the accepted drafts and the target's own token; the whole prompt the first time), then
+drafts. What a verification rejected is simply replaced: the draft keeps the longest prefix its
+cache shares with the request's context. Drafts are greedy (a one-hot proposal), which the rejection
+sampler accepts exactly for sampled requests too.
+
+A draft of the target's own architecture (the same model in another weight format) does not compute
+the context's K/V at all: the target's cache already holds every context position but the last, so
+those are copied from it, and catching up is one decode row. The draft's K/V would differ from the
+target's only by its weights' rounding; its drafts are proposals either way, verified exactly."""
 
 from __future__ import annotations
 
@@ -18,6 +23,7 @@ import torch
 
 from folio.config import SpeculativeConfig
 from folio.kv_cache.block_pool import BlockPool
+from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.models.base import CausalLM
 from folio.spec_decode.proposer import DraftRequest, Proposer
@@ -46,6 +52,7 @@ class DraftModelProposer(Proposer):
         block_size: int,
         dtype: torch.dtype,
         device: torch.device,
+        target_kv: list[LayerKV] | None = None,
     ) -> None:
         self.model = model
         self.k = config.num_speculative_tokens
@@ -53,7 +60,8 @@ class DraftModelProposer(Proposer):
         self.device = device
         self.pool = BlockPool(num_blocks)
         self.max_positions = model.config.max_position_embeddings
-        model.bind_kv_cache(num_blocks * block_size, block_size, dtype, None, device)
+        self.kv = model.bind_kv_cache(num_blocks * block_size, block_size, dtype, None, device)
+        self.target_kv = target_kv if target_kv is not None and _same_layout(self.kv, target_kv) else None
         self.sequences: dict[str, _DraftSequence] = {}
 
     def finish(self, request_id: str, token_ids: list[int]) -> None:
@@ -76,6 +84,9 @@ class DraftModelProposer(Proposer):
         if not active:
             return {}
         drafts: dict[str, list[int]] = {}
+        if self.target_kv is not None and all(r.block_ids for r, _, _ in active):
+            self._copy_target_kv(active)
+            active = [(r, s, len(r.token_ids) - 1) for r, s, _ in active]
         chunks = [(r.request_id, r.token_ids[keep:], keep, s) for r, s, keep in active]
         for (request, sequence, _), token in zip(active, self._step(chunks), strict=True):
             sequence.token_ids = list(request.token_ids)
@@ -90,6 +101,25 @@ class DraftModelProposer(Proposer):
                 sequence.token_ids.append(drafts[request.request_id][-1])
                 drafts[request.request_id].append(token)
         return drafts
+
+    def _copy_target_kv(self, active: list[tuple[DraftRequest, _DraftSequence, int]]) -> None:
+        """Every request's context positions from `keep` to the last (excluded), from the target's cache."""
+        assert self.target_kv is not None
+        source: list[int] = []
+        destination: list[int] = []
+        size = self.block_size
+        for request, sequence, keep in active:
+            for position in range(keep, len(request.token_ids) - 1):
+                block, offset = divmod(position, size)
+                source.append(request.block_ids[block] * size + offset)
+                destination.append(sequence.block_ids[block] * size + offset)
+        if not source:
+            return
+        src = torch.tensor(source, dtype=torch.long, device=self.device)
+        dst = torch.tensor(destination, dtype=torch.long, device=self.device)
+        for own, target in zip(self.kv, self.target_kv, strict=True):
+            own.k.index_copy_(0, dst, target.k.index_select(0, src))
+            own.v.index_copy_(0, dst, target.v.index_select(0, src))
 
     def _reserve(self, sequence: _DraftSequence, num_tokens: int) -> bool:
         """Blocks for `num_tokens` positions; False (no drafts this step) when the pool or the draft's
@@ -126,3 +156,12 @@ class DraftModelProposer(Proposer):
             last_rows.append(row - 1)
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=hidden.device)])
         return logits.argmax(dim=-1).tolist()
+
+
+def _same_layout(own: list[LayerKV], target: list[LayerKV]) -> bool:
+    """Whether the target's cache holds K/V this draft could have computed: as many layers, the same
+    heads, head size and dtype, and not 8-bit."""
+    return len(own) == len(target) and all(
+        t.fmt is None and o.k.shape[1:] == t.k.shape[1:] and o.k.dtype == t.k.dtype
+        for o, t in zip(own, target, strict=True)
+    )

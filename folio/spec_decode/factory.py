@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from folio.config import SpeculativeConfig
+from folio.layers.attention.kv_tensors import LayerKV
 from folio.models.base import CausalLM
 from folio.spec_decode.draft_model import DraftModelProposer
 from folio.spec_decode.ngram import NgramProposer
@@ -19,8 +20,10 @@ def make_proposer(
     block_size: int,
     dtype: torch.dtype,
     device: torch.device,
+    target_kv: list[LayerKV] | None = None,
 ) -> Proposer:
-    """`num_blocks` x `block_size`: the target's KV pool, which a draft model's own pool matches in tokens."""
+    """`num_blocks` x `block_size`: the target's KV pool, which a draft model's own pool matches in
+    tokens; `target_kv`: the target's cache, which a draft of the same architecture reads."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":
@@ -28,5 +31,5 @@ def make_proposer(
     if config.method == "draft":
         if draft_model is None:
             raise ValueError("speculative method 'draft' needs the loaded draft model")
-        return DraftModelProposer(draft_model, config, num_blocks, block_size, dtype, device)
+        return DraftModelProposer(draft_model, config, num_blocks, block_size, dtype, device, target_kv)
     raise ValueError(f"no proposer for speculative method {config.method!r}")

@@ -70,7 +70,6 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
-        proposer: Proposer | None = None,
     ) -> None:
         self.model = model
         self.config = config
@@ -80,7 +79,8 @@ class ModelRunner:
         self.device = device
         self.requests = RequestStates()
         self.speculative_config = speculative_config
-        self.proposer = proposer if speculative_config is not None else None
+        # Set by the engine once this runner's KV cache exists (a draft of the same model reads it).
+        self.proposer: Proposer | None = None
         self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
         self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * self.block_size, self.block_size, dtype,
@@ -276,7 +276,7 @@ class ModelRunner:
             drafts, target = choices.get(chunk.request_id, ([], []))
             most = state.draft_length or spec.num_speculative_tokens
             wanted.append(DraftRequest(chunk.request_id, context, state.num_prompt_tokens, most, tuple(drafts),
-                                       tuple(target)))  # fmt: skip
+                                       tuple(target), tuple(state.block_ids)))  # fmt: skip
         return self.proposer.propose(wanted) if wanted else {}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: BatchInputs) -> dict[str, tuple[TokenLogprob, ...]]:

@@ -1,5 +1,6 @@
 """Draft-model speculation changes speed, never outputs: a target drafted by a second model with the
-same vocabulary (itself, or a different tiny model, whose drafts are mostly rejected) gives the greedy
+same vocabulary (a copy of itself, which reads the context's K/V from the target's cache, or a
+different tiny model, whose drafts are mostly rejected) gives the greedy
 tokens and logprobs of the target alone under whole, chunked and preempting schedules, and the draft's
 own KV blocks all come back. The case the method exists for: SmolLM2's GGUF file served dense and
 drafted by the same file kept 4-bit."""
@@ -79,6 +80,9 @@ def test_greedy_tokens_and_logprobs_equal_the_target_alone(tiny_models, tmp_path
         assert stats.num_accepted_tokens < stats.num_draft_tokens
     proposer = engine.runner.proposer
     assert isinstance(proposer, DraftModelProposer)
+    # The same model in another copy reads the context's K/V from the target's cache; another model
+    # computes its own.
+    assert (proposer.target_kv is not None) == (target_kind == draft_kind)
     assert proposer.pool.num_free_blocks == proposer.pool.num_blocks and not proposer.sequences
     assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
     if schedule == "preempting":

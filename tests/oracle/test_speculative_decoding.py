@@ -130,3 +130,17 @@ def test_structured_output_speculates_within_its_grammar(offline_llm, speculatin
     fast = speculating_llm.generate([prompt], params, use_tqdm=False)[0].outputs[0]
     assert fast.token_ids == plain.token_ids and fast.text == plain.text
     assert speculating_llm.engine.scheduler.spec_stats.num_accepted_tokens > before
+
+
+@pytest.mark.parametrize("method", ["ngram", "suffix"])
+def test_gemma3_greedy_outputs_equal_without_speculation(gemma3_gguf, method):
+    """The second real model (sliding-window layers, QK-norm, no C++ decode step) under both
+    model-free proposers: the same greedy tokens, with drafts accepted."""
+    plain = LLM(gemma3_gguf, kv_cache_memory="64MiB")
+    fast = LLM(gemma3_gguf, kv_cache_memory="64MiB",
+               speculative_config={"method": method, "num_speculative_tokens": 4})  # fmt: skip
+    params = SamplingParams(max_tokens=32, temperature=0)
+    for a, b in zip(plain.generate(COPYING[:2], params, use_tqdm=False),
+                    fast.generate(COPYING[:2], params, use_tqdm=False), strict=True):  # fmt: skip
+        assert b.outputs[0].token_ids == a.outputs[0].token_ids
+    assert fast.engine.scheduler.spec_stats.num_accepted_tokens > 0
