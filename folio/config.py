@@ -102,7 +102,7 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
 
 
-SPECULATIVE_METHODS = ("ngram", "suffix", "draft")
+SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "lookahead")
 
 
 @dataclass(frozen=True)
@@ -111,6 +111,7 @@ class SpeculativeConfig:
 
     # ngram: prompt lookup, continue a match of the last tokens found earlier in the context;
     # suffix: SuffixDecoding, follow the likeliest continuation in suffix trees of the request and of past outputs
+    # lookahead: Jacobi iteration on the verified drafts, and a pool of the n-grams its trajectory and the text hold
     method: str = "ngram"
     num_speculative_tokens: int = 4  # drafts per step, at most
     prompt_lookup_min: int = 1  # ngram: shortest suffix to match
@@ -122,6 +123,8 @@ class SpeculativeConfig:
     suffix_max_cached_requests: int = 10000  # suffix: finished requests' outputs in the global tree (0: none)
     suffix_max_spec_factor: float = 1.0  # suffix: a draft is at most this many times its match's length
     suffix_min_token_prob: float = 0.1  # suffix: stop drafting when the path's probability drops below this
+    lookahead_ngram_size: int = 4  # lookahead: N, the pool's n-grams (a key token and N - 1 to follow it)
+    lookahead_pool_size: int = 8  # lookahead: G, the continuations kept per key token (the most recent)
     # draft: the drafting model (a catalog name or a path) and how its weights are held (None: as its
     # file stores them, so a GGUF file stays 4-bit while the target may be served dense).
     draft_model: str | None = None
@@ -148,6 +151,10 @@ class SpeculativeConfig:
             raise ValueError(f"suffix_max_spec_factor must be positive, got {self.suffix_max_spec_factor}")
         if not 0 <= self.suffix_min_token_prob <= 1:
             raise ValueError(f"suffix_min_token_prob must be between 0 and 1, got {self.suffix_min_token_prob}")
+        if self.lookahead_ngram_size < 2:  # a key token and at least one to propose after it
+            raise ValueError(f"lookahead_ngram_size must be at least 2, got {self.lookahead_ngram_size}")
+        if self.lookahead_pool_size < 1:
+            raise ValueError(f"lookahead_pool_size must be at least 1, got {self.lookahead_pool_size}")
 
 
 _DTYPES = {

@@ -81,7 +81,8 @@ class EngineArgs:
             help="draft tokens and verify them in one forward; outputs stay exactly the model's (ngram: prompt "
             "lookup, continuing a match of the last tokens found earlier in the context; suffix: SuffixDecoding, "
             "the likeliest continuation in suffix trees of the request and of earlier requests' outputs; draft: a "
-            "cheaper model with the same vocabulary, --draft-model)",
+            "cheaper model with the same vocabulary, --draft-model; lookahead: Jacobi iteration on the verified "
+            "drafts, with a pool of the n-grams its trajectory, the prompt and the output hold)",
         )  # fmt: skip
         spec.add_argument("--num-speculative-tokens", type=int, default=defaults.num_speculative_tokens,
                           help="drafts per step, at most")  # fmt: skip
@@ -99,6 +100,10 @@ class EngineArgs:
                           help="suffix: a draft is at most this many times as long as its match")  # fmt: skip
         spec.add_argument("--suffix-min-token-prob", type=float, default=defaults.suffix_min_token_prob,
                           help="suffix: stop a draft where its estimated probability falls below this")  # fmt: skip
+        spec.add_argument("--lookahead-ngram-size", type=int, default=defaults.lookahead_ngram_size,
+                          help="lookahead: N, the pool's n-gram length (a key token, N - 1 after it)")  # fmt: skip
+        spec.add_argument("--lookahead-pool-size", type=int, default=defaults.lookahead_pool_size,
+                          help="lookahead: G, the n-grams kept per key token (the most recent)")  # fmt: skip
         spec.add_argument("--draft-model", default=None,
                           help="draft: the drafting model (a catalog name or a path; the same GGUF file as a "
                           "target served with --quantization none drafts at its 4-bit speed)")  # fmt: skip
@@ -120,6 +125,8 @@ class EngineArgs:
                 suffix_max_cached_requests=args.suffix_max_cached_requests,
                 suffix_max_spec_factor=args.suffix_max_spec_factor,
                 suffix_min_token_prob=args.suffix_min_token_prob,
+                lookahead_ngram_size=args.lookahead_ngram_size,
+                lookahead_pool_size=args.lookahead_pool_size,
                 draft_model=args.draft_model,
                 draft_quantization=args.draft_quantization,
             )
@@ -177,6 +184,8 @@ def _speculative_flags(config: SpeculativeConfig) -> list[str]:
         "--suffix-max-cached-requests", str(config.suffix_max_cached_requests),
         "--suffix-max-spec-factor", str(config.suffix_max_spec_factor),
         "--suffix-min-token-prob", str(config.suffix_min_token_prob),
+        "--lookahead-ngram-size", str(config.lookahead_ngram_size),
+        "--lookahead-pool-size", str(config.lookahead_pool_size),
         *(["--draft-model", config.draft_model] if config.draft_model is not None else []),
         *(["--draft-quantization", config.draft_quantization] if config.draft_quantization is not None else []),
     ]  # fmt: skip

@@ -8,6 +8,7 @@ from folio.config import SpeculativeConfig
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.models.base import CausalLM
 from folio.spec_decode.draft_model import DraftModelProposer
+from folio.spec_decode.lookahead import LookaheadProposer
 from folio.spec_decode.ngram import NgramProposer
 from folio.spec_decode.proposer import Proposer
 from folio.spec_decode.suffix import SuffixProposer
@@ -28,6 +29,8 @@ def make_proposer(
         return NgramProposer(config)
     if config.method == "suffix":
         return SuffixProposer(config)
+    if config.method == "lookahead":
+        return LookaheadProposer(config)
     if config.method == "draft":
         if draft_model is None:
             raise ValueError("speculative method 'draft' needs the loaded draft model")

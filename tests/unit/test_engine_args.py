@@ -75,6 +75,10 @@ def test_no_flags_gives_the_defaults() -> None:
                 suffix_min_token_prob=0.25,
             ),
         ),
+        EngineArgs(
+            "m",
+            speculative_config=SpeculativeConfig("lookahead", 5, lookahead_ngram_size=3, lookahead_pool_size=16),
+        ),
     ],
 )
 def test_flags_round_trip(args: EngineArgs) -> None:
