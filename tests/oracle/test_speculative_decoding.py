@@ -1,7 +1,8 @@
-"""Speculative decoding with prompt lookup changes speed, never outputs: greedy tokens and logprobs equal
-the run without it for every architecture's tiny model under whole, chunked and preempting schedules,
-and for SmolLM2 with n > 1, stop strings, structured output and prefix caching; sampled tokens keep
-the target's distribution."""
+"""Speculative decoding changes speed, never outputs: with prompt lookup, greedy tokens and logprobs
+equal the run without it for every architecture's tiny model under whole, chunked and preempting
+schedules, and for SmolLM2 with n > 1, stop strings, structured output and prefix caching; sampled
+tokens keep the target's distribution. Suffix, lookahead and draft-model speculation keep every
+architecture's greedy outputs too; both real models are checked."""
 
 from __future__ import annotations
 
@@ -27,11 +28,11 @@ def tiny(request, tmp_path_factory):
     return load_model(folder, torch.float32, torch.device("cpu"))
 
 
-def _greedy(loaded, schedule: str, speculative: SpeculativeConfig | None, prompts: list[list[int]]):
+def _greedy(loaded, schedule: str, speculative: SpeculativeConfig | None, prompts: list[list[int]], draft=None):
     budget, num_blocks = SCHEDULES[schedule]
     engine = EngineCore(loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
                         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
-                        torch.float32, torch.device("cpu"), speculative)  # fmt: skip
+                        torch.float32, torch.device("cpu"), speculative, draft)  # fmt: skip
     params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
     requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
     for r in requests:
@@ -57,6 +58,29 @@ def test_tiny_models_greedy_tokens_and_logprobs_equal_without_speculation(tiny, 
     assert engine.scheduler.spec_stats.num_draft_tokens > 0  # drafts were verified
     if schedule == "preempting":
         assert engine.scheduler.num_preemptions > 0
+
+
+PROPOSERS = {
+    "suffix": SpeculativeConfig("suffix", 3),
+    "lookahead": SpeculativeConfig("lookahead", 3),
+    "draft": SpeculativeConfig("draft", 3, draft_model="(a second copy of the tiny model)"),
+}
+
+
+@pytest.mark.parametrize("method", sorted(PROPOSERS))
+def test_every_proposer_keeps_every_architectures_greedy_outputs(tiny, method):
+    """The other proposers on every architecture (their own files cover the schedules): same tokens and
+    logprobs as without speculation, with drafts verified."""
+    generator = torch.Generator().manual_seed(3)
+    prompts = [(torch.randint(1, VOCAB, (n,), generator=generator).tolist() * 4)[: 4 * n] for n in (10, 2, 6)]
+    draft = load_model(tiny.path, torch.float32, torch.device("cpu")).model if method == "draft" else None
+    plain, _ = _greedy(tiny, "whole", None, prompts)
+    speculated, engine = _greedy(tiny, "whole", PROPOSERS[method], prompts, draft)
+    for a, b in zip(plain, speculated, strict=True):
+        assert b.output_token_ids == a.output_token_ids
+        got, expected = ([lp.logprob for lp in r.output_logprobs] for r in (b, a))
+        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
 COPYING = [
