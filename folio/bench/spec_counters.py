@@ -17,6 +17,7 @@ _METRICS = {  # /metrics counter (without the namespace and `_total`) -> field
     "spec_decode_num_draft_tokens": "num_draft_tokens",
     "spec_decode_num_accepted_tokens": "num_accepted_tokens",
 }
+_PER_POSITION = "spec_decode_num_accepted_tokens_per_pos"
 
 
 @dataclass(frozen=True)
@@ -25,12 +26,18 @@ class SpecCounts:
     num_draft_tokens: int
     num_accepted_tokens: int
     source: str  # "engine" (in process), "/metrics" or "llama.cpp timings"
+    # [j]: drafts accepted at position j (vLLM's per-position counter); empty where not counted (llama-server)
+    accepted_per_position: tuple[int, ...] = ()
 
     def since(self, before: SpecCounts) -> SpecCounts:
         """What was counted between the reading `before` and this one."""
         drafts = None if self.num_drafts is None or before.num_drafts is None else self.num_drafts - before.num_drafts
+        earlier = before.accepted_per_position
+        per_position = tuple(
+            n - (earlier[j] if j < len(earlier) else 0) for j, n in enumerate(self.accepted_per_position)
+        )
         return SpecCounts(drafts, self.num_draft_tokens - before.num_draft_tokens,
-                          self.num_accepted_tokens - before.num_accepted_tokens, self.source)  # fmt: skip
+                          self.num_accepted_tokens - before.num_accepted_tokens, self.source, per_position)  # fmt: skip
 
     @property
     def acceptance_rate(self) -> float | None:
@@ -48,7 +55,8 @@ class SpecCounts:
 
 def from_engine(stats: SpecDecodeStats) -> SpecCounts:
     """A reading of an in-process engine's counters (`llm.engine.scheduler.spec_stats`)."""
-    return SpecCounts(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, "engine")
+    return SpecCounts(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, "engine",
+                      tuple(stats.accepted_per_position))  # fmt: skip
 
 
 def parse_metrics(text: str) -> SpecCounts | None:
@@ -57,15 +65,20 @@ def parse_metrics(text: str) -> SpecCounts | None:
     from prometheus_client.parser import text_string_to_metric_families
 
     sums: dict[str, float] = {}
+    per_position: dict[int, float] = {}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
             namespace, _, name = sample.name.removesuffix("_total").partition(":")
             if namespace in ("folio", "vllm") and name in _METRICS:
                 sums[_METRICS[name]] = sums.get(_METRICS[name], 0.0) + sample.value
+            elif namespace in ("folio", "vllm") and name == _PER_POSITION and "position" in sample.labels:
+                position = int(sample.labels["position"])
+                per_position[position] = per_position.get(position, 0.0) + sample.value
     if len(sums) != len(_METRICS):
         return None
+    positions = tuple(round(per_position.get(j, 0.0)) for j in range(max(per_position, default=-1) + 1))
     return SpecCounts(round(sums["num_drafts"]), round(sums["num_draft_tokens"]),
-                      round(sums["num_accepted_tokens"]), "/metrics")  # fmt: skip
+                      round(sums["num_accepted_tokens"]), "/metrics", positions)  # fmt: skip
 
 
 def scrape_metrics(base_url: str, timeout_s: float = 10.0) -> SpecCounts | None:

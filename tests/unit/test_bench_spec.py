@@ -112,15 +112,17 @@ folio:spec_decode_num_drafts_total{model_name="m"} 10.0
 folio:spec_decode_num_draft_tokens_total{model_name="m"} 40.0
 folio:spec_decode_num_accepted_tokens_total{model_name="m"} 25.0
 folio:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="0"} 9.0
+folio:spec_decode_num_accepted_tokens_per_pos_total{model_name="m",position="1"} 7.0
 folio:prefix_cache_hits_total{model_name="m"} 3.0
 """
 
 
 def test_metrics_counters_and_their_difference():
     after = parse_metrics(METRICS)
-    assert after == SpecCounts(10, 40, 25, "/metrics")
-    run = after.since(SpecCounts(2, 8, 5, "/metrics"))
+    assert after == SpecCounts(10, 40, 25, "/metrics", (9, 7))
+    run = after.since(SpecCounts(2, 8, 5, "/metrics", (3,)))
     assert (run.num_drafts, run.num_draft_tokens, run.num_accepted_tokens) == (8, 32, 20)
+    assert run.accepted_per_position == (6, 7)
     assert run.acceptance_rate == 20 / 32 and run.mean_accepted_length == 1 + 20 / 8
     assert parse_metrics("folio:prefix_cache_hits_total 3\n") is None  # no speculative counters there
 
@@ -131,6 +133,7 @@ def test_engine_counters_and_llama_timings():
     stats.record(2, 0)
     counts = from_engine(stats)
     assert counts.to_dict() == {"num_drafts": 2, "num_draft_tokens": 6, "num_accepted_tokens": 3, "source": "engine",
+                                "accepted_per_position": (1, 1, 1, 0),
                                 "acceptance_rate": 0.5, "mean_accepted_length": 2.5}  # fmt: skip
     llama = from_llama_timings([{"draft_n": 6, "draft_n_accepted": 4}, {"predicted_n": 3}, None, {"draft_n": 2}])
     assert (llama.num_drafts, llama.num_draft_tokens, llama.num_accepted_tokens) == (None, 8, 4)
