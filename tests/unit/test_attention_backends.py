@@ -141,3 +141,74 @@ def test_a_verification_chunk_attended_as_decode_rows_equals_its_causal_attentio
                 q, cache.k, cache.v, tables, seq_lens, block_size, scale, window or 0, None, None
             )
             torch.testing.assert_close(fast.view(expected.shape), expected, atol=1e-5, rtol=1e-5)
+
+
+def _rows_of_runs(requests, num_heads, num_kv_heads, head_dim, dtype, block_size, seed):
+    """A decode group of `requests` (keys before the first row, rows): a request of several rows is a
+    speculative verification attended as decode rows (one block table, seq_lens growing by one), one of
+    a single row an ordinary decode. Blocks are scattered through the pool."""
+    generator = torch.Generator().manual_seed(seed)
+    counts = [-(-(start + rows) // block_size) for start, rows in requests]
+    num_blocks = sum(counts) + 3
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = [perm[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    cache = LayerKV(k_cache, v_cache)
+    starts, lens = [start for start, _ in requests], [rows for _, rows in requests]
+    meta = build_attention_metadata(starts, lens, tables, block_size, as_decodes=[rows > 1 for rows in lens])
+    (group,) = meta.groups
+    query = torch.randn(sum(lens), num_heads, head_dim, generator=generator).to(dtype)
+    return query, cache, group
+
+
+@pytest.fixture
+def threads(request):
+    """Runs the test with request.param intra-op threads (the kernel splits keys across them)."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
+# Ordinary decodes of 1, 15, 16, 17 and 300+ keys among verification runs of several lengths: one that
+# starts at the first key, one crossing a block boundary, a 7-row one over 330 keys followed by a decode
+# one key longer over another table (not part of the run), and 17 rows (longer than one task's run).
+MIXED = [(0, 1), (0, 3), (14, 1), (15, 1), (14, 3), (16, 1), (310, 1), (330, 7), (337, 1), (40, 17), (3, 2)]
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("head_dim", [64, 128, 36])
+@pytest.mark.parametrize("window", [None, 20])
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_decode_kernel_attends_verification_runs_among_decodes_like_the_torch_path(
+    threads, head_dim, window, alibi, dtype
+):
+    num_heads, num_kv_heads = 6, 2
+    query, cache, group = _rows_of_runs(MIXED, num_heads, num_kv_heads, head_dim, dtype, 16, seed=head_dim)
+    scale = head_dim**-0.5
+    slopes = alibi_slopes(num_heads) if alibi else None
+    expected = attend_group(group, query, query, query, cache, 16, scale, window, slopes)
+    args = (query, cache.k, cache.v, group.block_tables, group.seq_lens, 16, scale, window or 0, None, None)
+    got = kernel.paged_decode_attention_alibi(*args, slopes) if alibi else kernel.paged_decode_attention(*args)
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(got.view(expected.shape).float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [2, 3, 4], indirect=True)
+@pytest.mark.parametrize("requests", [[(1000, 1)], [(999, 7)], [(300, 1), (500, 4)], [(0, 9)]],
+                         ids=["long-row", "long-run", "two", "short-run"])  # fmt: skip
+@pytest.mark.parametrize("window", [None, 700])
+def test_decode_kernel_splits_a_long_context_across_threads_exactly(threads, requests, window):
+    """Few tasks (one sequence, one KV head) split their keys across the threads; the merged partial
+    softmax states equal the whole, windowed keys included (a chunk may hold none of a row's keys)."""
+    query, cache, group = _rows_of_runs(requests, 4, 1, 64, torch.float32, 16, seed=7)
+    scale = 64**-0.5
+    expected = attend_group(group, query, query, query, cache, 16, scale, window)
+    got = kernel.paged_decode_attention(
+        query, cache.k, cache.v, group.block_tables, group.seq_lens, 16, scale, window or 0, None, None
+    )
+    torch.testing.assert_close(got.view(expected.shape), expected, atol=1e-5, rtol=1e-5)
