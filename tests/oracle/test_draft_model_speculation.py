@@ -13,14 +13,13 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams
-from folio.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import load_model
-from folio.engine.request import Request
 from folio.spec_decode.draft_model import DraftModelProposer
+from tests.speculation import SCHEDULES, assert_same_greedy, repeating_prompts, run_waves, speculating_engine
 from tests.tiny_models import VOCAB, make_tiny_model
 
-SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}  # (token budget, blocks of 4)
 SPEC = SpeculativeConfig("draft", 3, draft_model="(loaded by the test)")
 
 
@@ -33,22 +32,8 @@ def tiny_models(tmp_path_factory):
 
 
 def _engine(target, draft, schedule: str) -> EngineCore:
-    budget, num_blocks = SCHEDULES[schedule]
-    return EngineCore(target.model, target.config, CacheConfig(block_size=4, num_blocks=num_blocks),
-                      SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
-                      torch.float32, torch.device("cpu"), SPEC if draft is not None else None,
-                      draft.model if draft is not None else None)  # fmt: skip
-
-
-def _greedy(engine: EngineCore, prompts: list[list[int]]) -> list[Request]:
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()
-    engine.step()  # an empty step tells the runner (and the draft) which requests ended
-    return requests
+    return speculating_engine(target, schedule, SPEC if draft is not None else None,
+                              draft.model if draft is not None else None)  # fmt: skip
 
 
 # (target, draft): the target drafting for itself (from a fresh copy, so nothing is shared), and a
@@ -63,15 +48,10 @@ def test_greedy_tokens_and_logprobs_equal_the_target_alone(tiny_models, tmp_path
     target = tiny_models[target_kind]
     folder = make_tiny_model(draft_kind, tmp_path / draft_kind)
     draft = load_model(folder, torch.float32, torch.device("cpu"))
-    generator = torch.Generator().manual_seed(4)
-    prompts = [torch.randint(1, VOCAB, (n,), generator=generator).tolist() for n in (16, 8, 20)]
-    plain = _greedy(_engine(target, None, "whole"), prompts)
+    prompts = repeating_prompts(4, (16, 8, 20), repeats=1)
+    plain = run_waves(_engine(target, None, "whole"), [prompts])
     engine = _engine(target, draft, schedule)
-    drafted = _greedy(engine, prompts)
-    for a, b in zip(plain, drafted, strict=True):
-        assert b.output_token_ids == a.output_token_ids
-        got, expected = ([lp.logprob for lp in r.output_logprobs] for r in (b, a))
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert_same_greedy(plain, run_waves(engine, [prompts]))
     stats = engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0
     if target_kind == draft_kind:

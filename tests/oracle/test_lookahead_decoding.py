@@ -9,14 +9,21 @@ import pytest
 import torch
 
 from folio import SamplingParams
-from folio.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.model_loader import load_model
 from folio.engine.request import Request
+from tests.speculation import (
+    GREEDY,
+    SCHEDULES,
+    assert_same_greedy,
+    repeating_prompts,
+    run_waves,
+    speculating_engine,
+)
 from tests.tiny_models import VOCAB, make_tiny_model
 
 LOOKAHEAD = SpeculativeConfig(method="lookahead", num_speculative_tokens=4, lookahead_ngram_size=3)
-SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}  # (token budget, blocks of 4)
 
 
 @pytest.fixture(scope="module", params=["llama", "qwen3"])
@@ -27,42 +34,24 @@ def tiny(request, tmp_path_factory):
 
 def _run(loaded, schedule: str, speculative: SpeculativeConfig | None, waves: list[list[list[int]]],
          params: SamplingParams) -> tuple[list[Request], EngineCore]:  # fmt: skip
-    """Each wave's prompts run together, the next wave once they have finished."""
-    budget, num_blocks = SCHEDULES[schedule]
-    engine = EngineCore(loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
-                        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
-                        torch.float32, torch.device("cpu"), speculative)  # fmt: skip
-    done: list[Request] = []
-    for wave in waves:
-        requests = [Request(str(len(done) + i), p, params) for i, p in enumerate(wave)]
-        for r in requests:
-            engine.add_request(r)
-        while engine.has_unfinished():
-            engine.step()
-        done += requests
-    assert engine.kv.pool.num_free_blocks == num_blocks
-    return done, engine
+    engine = speculating_engine(loaded, schedule, speculative)
+    return run_waves(engine, waves, params), engine
 
 
 def _prompts() -> list[list[int]]:
-    generator = torch.Generator().manual_seed(3)
     # Prompts that repeat themselves, as in the prompt lookup test: the pool then holds their n-grams.
-    return [(torch.randint(1, VOCAB, (n,), generator=generator).tolist() * 4)[: 4 * n] for n in (10, 2, 6)]
+    return repeating_prompts(3, (10, 2, 6), repeats=4)
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_tiny_models_greedy_tokens_and_logprobs_equal_without_speculation(tiny, schedule):
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
+    params = GREEDY
     # A random tiny model's text seldom repeats: the second wave, asking the first's prompts again,
     # drafts from the first wave's outputs (in the shared pool by then), which the target accepts.
     waves = [_prompts(), _prompts()]
     plain, _ = _run(tiny, schedule, None, waves, params)
     speculated, engine = _run(tiny, schedule, LOOKAHEAD, waves, params)
-    for a, b in zip(plain, speculated, strict=True):
-        assert b.output_token_ids == a.output_token_ids
-        assert [lp.token_id for lp in b.output_logprobs] == b.output_token_ids
-        got, expected = ([lp.logprob for lp in r.output_logprobs] for r in (b, a))
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert_same_greedy(plain, speculated)
     stats = engine.scheduler.spec_stats
     assert stats.num_draft_tokens > 0 and stats.num_accepted_tokens > 0  # drafts were verified, some kept
     if schedule == "preempting":

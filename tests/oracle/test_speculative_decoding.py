@@ -12,14 +12,12 @@ import pytest
 import torch
 
 from folio import LLM, SamplingParams, StructuredOutputParams
-from folio.config import CacheConfig, SchedulerConfig, SpeculativeConfig
-from folio.engine.engine_core import EngineCore
+from folio.config import SpeculativeConfig
 from folio.engine.model_loader import load_model
-from folio.engine.request import Request
-from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
+from tests.speculation import SCHEDULES, assert_same_greedy, repeating_prompts, run_waves, speculating_engine
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
 
 SPEC = SpeculativeConfig(num_speculative_tokens=3)
-SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}  # (token budget, blocks of 4)
 
 
 @pytest.fixture(scope="module", params=TINY_KINDS + NEW_ARCHITECTURE_KINDS)
@@ -29,32 +27,19 @@ def tiny(request, tmp_path_factory):
 
 
 def _greedy(loaded, schedule: str, speculative: SpeculativeConfig | None, prompts: list[list[int]], draft=None):
-    budget, num_blocks = SCHEDULES[schedule]
-    engine = EngineCore(loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
-                        SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
-                        torch.float32, torch.device("cpu"), speculative, draft)  # fmt: skip
-    params = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
-    requests = [Request(str(i), p, params) for i, p in enumerate(prompts)]
-    for r in requests:
-        engine.add_request(r)
-    while engine.has_unfinished():
-        engine.step()
-    assert engine.kv.pool.num_free_blocks == num_blocks and len(engine.runner.requests) <= len(requests)
+    engine = speculating_engine(loaded, schedule, speculative, draft)
+    requests = run_waves(engine, [prompts])
+    assert len(engine.runner.requests) == 0  # the runner forgot every finished request
     return requests, engine
 
 
 @pytest.mark.parametrize("schedule", sorted(SCHEDULES))
 def test_tiny_models_greedy_tokens_and_logprobs_equal_without_speculation(tiny, schedule):
-    generator = torch.Generator().manual_seed(3)
     # Prompts that repeat themselves, so prompt lookup finds something to propose.
-    prompts = [(torch.randint(1, VOCAB, (n,), generator=generator).tolist() * 4)[: 4 * n] for n in (10, 2, 6)]
+    prompts = repeating_prompts(3, (10, 2, 6), repeats=4)
     plain, _ = _greedy(tiny, schedule, None, prompts)
     speculated, engine = _greedy(tiny, schedule, SPEC, prompts)
-    for a, b in zip(plain, speculated, strict=True):
-        assert b.output_token_ids == a.output_token_ids
-        assert [lp.token_id for lp in b.output_logprobs] == b.output_token_ids
-        got, expected = ([lp.logprob for lp in r.output_logprobs] for r in (b, a))
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert_same_greedy(plain, speculated)
     assert engine.scheduler.spec_stats.num_draft_tokens > 0  # drafts were verified
     if schedule == "preempting":
         assert engine.scheduler.num_preemptions > 0
@@ -71,15 +56,11 @@ PROPOSERS = {
 def test_every_proposer_keeps_every_architectures_greedy_outputs(tiny, method):
     """The other proposers on every architecture (their own files cover the schedules): same tokens and
     logprobs as without speculation, with drafts verified."""
-    generator = torch.Generator().manual_seed(3)
-    prompts = [(torch.randint(1, VOCAB, (n,), generator=generator).tolist() * 4)[: 4 * n] for n in (10, 2, 6)]
+    prompts = repeating_prompts(3, (10, 2, 6), repeats=4)
     draft = load_model(tiny.path, torch.float32, torch.device("cpu")).model if method == "draft" else None
     plain, _ = _greedy(tiny, "whole", None, prompts)
     speculated, engine = _greedy(tiny, "whole", PROPOSERS[method], prompts, draft)
-    for a, b in zip(plain, speculated, strict=True):
-        assert b.output_token_ids == a.output_token_ids
-        got, expected = ([lp.logprob for lp in r.output_logprobs] for r in (b, a))
-        torch.testing.assert_close(torch.tensor(got), torch.tensor(expected), atol=1e-4, rtol=0)
+    assert_same_greedy(plain, speculated)
     assert engine.scheduler.spec_stats.num_draft_tokens > 0
 
 
