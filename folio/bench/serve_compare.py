@@ -255,29 +255,37 @@ def _sigterm_as_interrupt() -> Iterator[None]:
         signal.signal(signal.SIGTERM, previous)
 
 
+@contextmanager
+def server_session(prefix: str) -> Iterator[Path]:
+    """A temporary folder for the logs of the servers a benchmark starts, with SIGTERM stopping them too.
+    The logs are deleted at the end unless a ServerError escaped: its message names the log to read."""
+    log_dir = Path(tempfile.mkdtemp(prefix=prefix))
+    keep_logs = False
+    try:
+        with _sigterm_as_interrupt():
+            yield log_dir
+    except ServerError:
+        keep_logs = True
+        raise
+    finally:
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
+
+
 def run_compare(config: CompareConfig, command: str) -> CompareReport:
     """folio, then the peer, one at a time, each through the same `run_serve` workload."""
     check_dataset(config.workload.dataset, config.workload.dataset_path)
     specs = [folio_spec(config), PEERS[config.peer](config)]  # both before any server starts: fail fast
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    log_dir = Path(tempfile.mkdtemp(prefix="folio-serve-compare-"))
-    keep_logs = False
     runs = []
-    try:
-        with _sigterm_as_interrupt():
-            for spec in specs:
-                with running_server(spec, log_dir / f"{spec.name}.log", config.startup_timeout_s) as (url, line):
-                    print(f"folio: [{spec.name}] {line}", file=sys.stderr, flush=True)
-                    workload = replace(
-                        config.workload, base_url=url, extra_body=spec.extra_body, probe_request=spec.probe_request
-                    )
-                    runs.append(ServerRun(spec.name, line, spec.info, run_serve(workload, command, spec.name)))
-    except ServerError:
-        keep_logs = True  # the error names the log
-        raise
-    finally:
-        if not keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
+    with server_session("folio-serve-compare-") as log_dir:
+        for spec in specs:
+            with running_server(spec, log_dir / f"{spec.name}.log", config.startup_timeout_s) as (url, line):
+                print(f"folio: [{spec.name}] {line}", file=sys.stderr, flush=True)
+                workload = replace(
+                    config.workload, base_url=url, extra_body=spec.extra_body, probe_request=spec.probe_request
+                )
+                runs.append(ServerRun(spec.name, line, spec.info, run_serve(workload, command, spec.name)))
     return CompareReport(command, date, config, machine_info(), runs)
 
 

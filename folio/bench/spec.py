@@ -18,15 +18,13 @@ alone at that quantization runs too, as the draft's baseline.
 from __future__ import annotations
 
 import argparse
-import shutil
 import sys
-import tempfile
 from datetime import UTC, datetime
 from pathlib import Path
 
 from folio.bench.datasets import LengthRange
 from folio.bench.flags import add_output_dir, command_line
-from folio.bench.serve_compare import ServerError, _sigterm_as_interrupt
+from folio.bench.serve_compare import server_session
 from folio.bench.serve_workload import load_tokenizer
 from folio.bench.spec_offline import run_offline
 from folio.bench.spec_peer import PEERS, llama_specs, peer_variants, run_peer
@@ -106,19 +104,10 @@ def run_spec(config: SpecConfig, command: str) -> SpecReport:
         }
         offline_cells, loads = run_offline(config.variants, prompts, config.max_tokens, config.ignore_eos)
         cells += offline_cells
-    log_dir = Path(tempfile.mkdtemp(prefix="folio-bench-spec-"))
-    keep_logs = False
-    try:
-        with _sigterm_as_interrupt():
-            if config.served:
-                cells += run_folio_served(config, workloads, log_dir, servers)
-            cells += run_peer(config, peer_specs, workloads, log_dir, servers)
-    except ServerError:
-        keep_logs = True  # the error names the log
-        raise
-    finally:
-        if not keep_logs:
-            shutil.rmtree(log_dir, ignore_errors=True)
+    with server_session("folio-bench-spec-") as log_dir:
+        if config.served:
+            cells += run_folio_served(config, workloads, log_dir, servers)
+        cells += run_peer(config, peer_specs, workloads, log_dir, servers)
     add_speedups(cells)
     return SpecReport(command, date, config, machine_info(), cells, servers, loads)
 
