@@ -115,21 +115,8 @@ class EngineArgs:
         values = {f.name: getattr(args, f.name) for f in fields(cls) if f.name != "speculative_config"}
         speculative = None
         if args.speculative_method is not None:
-            speculative = SpeculativeConfig(
-                method=args.speculative_method,
-                num_speculative_tokens=args.num_speculative_tokens,
-                prompt_lookup_min=args.prompt_lookup_min,
-                prompt_lookup_max=args.prompt_lookup_max,
-                disable_by_batch_size=args.speculative_disable_by_batch_size,
-                suffix_max_tree_depth=args.suffix_max_tree_depth,
-                suffix_max_cached_requests=args.suffix_max_cached_requests,
-                suffix_max_spec_factor=args.suffix_max_spec_factor,
-                suffix_min_token_prob=args.suffix_min_token_prob,
-                lookahead_ngram_size=args.lookahead_ngram_size,
-                lookahead_pool_size=args.lookahead_pool_size,
-                draft_model=args.draft_model,
-                draft_quantization=args.draft_quantization,
-            )
+            options = {name: getattr(args, flag[2:].replace("-", "_")) for name, flag in _SPECULATIVE_FLAGS.items()}
+            speculative = SpeculativeConfig(method=args.speculative_method, **options)
         return cls(**values, speculative_config=speculative)
 
     def to_cli_flags(self) -> list[str]:
@@ -173,19 +160,18 @@ class EngineArgs:
         )
 
 
+# Every SpeculativeConfig option but the method (--speculative-method) and the flag that sets it; the
+# flags themselves, with their help, are declared once in add_cli_args.
+_SPECULATIVE_FLAGS = {
+    name: "--speculative-disable-by-batch-size" if name == "disable_by_batch_size" else f"--{name.replace('_', '-')}"
+    for name in (f.name for f in fields(SpeculativeConfig))
+    if name != "method"
+}
+
+
 def _speculative_flags(config: SpeculativeConfig) -> list[str]:
-    return [
-        "--speculative-method", config.method,
-        "--num-speculative-tokens", str(config.num_speculative_tokens),
-        "--prompt-lookup-min", str(config.prompt_lookup_min),
-        "--prompt-lookup-max", str(config.prompt_lookup_max),
-        "--speculative-disable-by-batch-size", str(config.disable_by_batch_size),
-        "--suffix-max-tree-depth", str(config.suffix_max_tree_depth),
-        "--suffix-max-cached-requests", str(config.suffix_max_cached_requests),
-        "--suffix-max-spec-factor", str(config.suffix_max_spec_factor),
-        "--suffix-min-token-prob", str(config.suffix_min_token_prob),
-        "--lookahead-ngram-size", str(config.lookahead_ngram_size),
-        "--lookahead-pool-size", str(config.lookahead_pool_size),
-        *(["--draft-model", config.draft_model] if config.draft_model is not None else []),
-        *(["--draft-quantization", config.draft_quantization] if config.draft_quantization is not None else []),
-    ]  # fmt: skip
+    words = ["--speculative-method", config.method]
+    for name, flag in _SPECULATIVE_FLAGS.items():
+        if (value := getattr(config, name)) is not None:
+            words += [flag, str(value)]
+    return words
