@@ -37,10 +37,9 @@ class _DraftSequence:
 
 def _common_prefix(a: list[int], b: list[int]) -> int:
     n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    if a[:n] == b[:n]:  # the usual case, the context having only grown: one C-level comparison
+        return n
+    return next(i for i in range(n) if a[i] != b[i])
 
 
 class DraftModelProposer(Proposer):
@@ -89,7 +88,7 @@ class DraftModelProposer(Proposer):
             active = [(r, s, len(r.token_ids) - 1) for r, s, _ in active]
         chunks = [(r.request_id, r.token_ids[keep:], keep, s) for r, s, keep in active]
         for (request, sequence, _), token in zip(active, self._step(chunks), strict=True):
-            sequence.token_ids = list(request.token_ids)
+            sequence.token_ids += request.token_ids[len(sequence.token_ids) :]  # it now holds them all
             drafts[request.request_id] = [token]
         # Then one decode step per further draft, over the requests that want more.
         for j in range(1, self.k):
