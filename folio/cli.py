@@ -17,7 +17,7 @@ from collections.abc import Callable
 
 from folio import __version__, commands
 from folio.bench.cli import add_bench_parser, run_bench
-from folio.engine_args import DEFAULT_MODEL, EngineArgs
+from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
 from folio.server.limits import RequestLimits
 
 
@@ -155,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
                            "the source of a `folio quantize` checkpoint")  # fmt: skip
     EngineArgs.add_cli_args(agreement)
 
+    worker = sub.add_parser("worker", help="start this host's ranks of a model split over several hosts")
+    add_parallel_args(worker, engine=False)
+    worker.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present, else cpu)")
+
     add_bench_parser(sub)
     return parser
 
@@ -170,6 +174,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "bench": run_bench,
     "eval": commands.cmd_eval,
     "quantize": commands.cmd_quantize,
+    "worker": commands.cmd_worker,
 }
 
 

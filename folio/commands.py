@@ -10,18 +10,20 @@ from pathlib import Path
 from typing import Any
 
 from folio import LLM
-from folio.config import parse_memory
+from folio.config import ParallelConfig, parse_memory
 from folio.engine_args import EngineArgs
 from folio.eval.agreement import run_agreement
 from folio.eval.perplexity import run_perplexity
 from folio.kv_calc import KV_DTYPES, WEIGHT_FORMATS, load_shape, report
 from folio.loaders.catalog import CATALOG, list_pulled, pull, resolve_model
+from folio.platform import default_device
 from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
 from folio.results import result_paths, write_json
 from folio.sampling_params import SamplingParams
 from folio.server.limits import RequestLimits
 from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
 from folio.structured.params import StructuredOutputParams
+from folio.worker.worker_host import run_worker_host
 
 
 def _llm(args: argparse.Namespace) -> LLM:
@@ -206,6 +208,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0
+
+
+def cmd_worker(args: argparse.Namespace) -> int:
+    parallel = ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr,
+                              args.master_port)  # fmt: skip
+    return run_worker_host(parallel, args.device or str(default_device()))
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:

@@ -102,6 +102,38 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
 
 
+@dataclass(frozen=True)
+class ParallelConfig:
+    """How one model is split over processes: tensor-parallel ranks, on one host or several (joined by
+    torch.distributed's rendezvous at master_addr:master_port; see docs/parallelism.md)."""
+
+    tensor_parallel_size: int = 1
+    nnodes: int = 1  # hosts taking part; this one starts ranks [node_rank * per_node, ...)
+    node_rank: int = 0
+    master_addr: str | None = None  # None: MASTER_ADDR from the environment, else loopback
+    master_port: int | None = None  # None: MASTER_PORT from the environment, else a free port (one host)
+
+    def __post_init__(self) -> None:
+        if self.tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"{self.world_size} ranks do not divide over {self.nnodes} hosts")
+
+    @property
+    def world_size(self) -> int:
+        return self.tensor_parallel_size
+
+    @property
+    def ranks_per_node(self) -> int:
+        return self.world_size // self.nnodes
+
+    @property
+    def is_parallel(self) -> bool:
+        return self.world_size > 1
+
+
 SPECULATIVE_METHODS = ("ngram", "suffix", "draft", "lookahead")
 
 

@@ -10,7 +10,14 @@ from typing import Any
 
 import torch
 
-from folio.config import SPECULATIVE_METHODS, CacheConfig, SchedulerConfig, SpeculativeConfig, parse_memory
+from folio.config import (
+    SPECULATIVE_METHODS,
+    CacheConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+    parse_memory,
+)
 
 DEFAULT_MODEL = "smollm2-135m"
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
@@ -37,6 +44,10 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
+    tensor_parallel_size: int = 1  # ranks the model is split over (processes started by the engine)
+    nnodes: int = 1  # hosts those ranks run on; the others start theirs with `folio worker`
+    master_addr: str | None = None  # the rendezvous (default MASTER_ADDR, else loopback)
+    master_port: int | None = None  # default MASTER_PORT, else a free port (one host only)
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -75,6 +86,7 @@ class EngineArgs:
             "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
             help="recompute every prompt instead of reusing the KV of prefixes seen before",
         )  # fmt: skip
+        add_parallel_args(parser.add_argument_group("parallelism (see docs/parallelism.md)"))
         spec, defaults = parser.add_argument_group("speculative decoding"), SpeculativeConfig()
         spec.add_argument(
             "--speculative-method", default=None, choices=SPECULATIVE_METHODS,
@@ -139,6 +151,9 @@ class EngineArgs:
         kwargs = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "model"}
         return kwargs
 
+    def parallel_config(self) -> ParallelConfig:
+        return ParallelConfig(self.tensor_parallel_size, self.nnodes, 0, self.master_addr, self.master_port)
+
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
             block_size=self.block_size,
@@ -158,6 +173,17 @@ class EngineArgs:
             batch_size=self.batch_size,
             batch_timeout=self.batch_timeout_ms / 1000,
         )
+
+
+def add_parallel_args(group: argparse._ArgumentGroup, engine: bool = True) -> None:
+    """The flags `folio serve|run|bench` and `folio worker` share (a worker also names its host's rank)."""
+    group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
+                       help="split the model over this many processes (heads and MLP columns per rank)")  # fmt: skip
+    group.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on (default 1)")
+    if not engine:
+        group.add_argument("--node-rank", type=int, required=True, help="this host's index among --nnodes (1, 2, ...)")
+    group.add_argument("--master-addr", default=None, help="the head host's address (default: $MASTER_ADDR)")
+    group.add_argument("--master-port", type=int, default=None, help="its rendezvous port (default: $MASTER_PORT)")
 
 
 # Every SpeculativeConfig option but the method (--speculative-method) and the flag that sets it; the

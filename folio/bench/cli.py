@@ -6,9 +6,19 @@ from __future__ import annotations
 
 import argparse
 
-from folio.bench import decode, quant_table, robustness_cli, serve, serve_compare, spec, structured, throughput
+from folio.bench import (
+    decode,
+    parallel,
+    quant_table,
+    robustness_cli,
+    serve,
+    serve_compare,
+    spec,
+    structured,
+    throughput,
+)
 
-BENCHMARKS = (throughput, serve, serve_compare, structured, decode, quant_table, robustness_cli, spec)
+BENCHMARKS = (throughput, serve, serve_compare, structured, decode, quant_table, robustness_cli, spec, parallel)
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:

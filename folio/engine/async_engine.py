@@ -33,6 +33,7 @@ from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
+from folio.worker.executor import WorkerDiedError
 
 logger = logging.getLogger("folio")
 
@@ -212,6 +213,7 @@ class AsyncEngine:
     def shutdown(self) -> None:
         self._inbox.put(None)
         self._thread.join(timeout=10)
+        self.engine.shutdown()
 
     # -- engine side (background thread) -----------------------------------------------------------
     def _run(self) -> None:
@@ -244,6 +246,8 @@ class AsyncEngine:
             if self.engine.has_unfinished():
                 try:
                     updated = self.engine.step()
+                except WorkerDiedError:  # the model itself is gone: nothing can run again
+                    raise
                 except Exception:  # not one row's fault: fail the requests in flight, keep serving
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_in_flight("the engine failed while running this request's batch")

@@ -8,7 +8,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from folio.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from folio.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from folio.distributed.tensor_parallel import TensorParallel, head_shard
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
@@ -16,7 +17,9 @@ from folio.models.base import CausalLM
 from folio.platform import default_kv_cache_memory
 from folio.spec_decode.factory import make_proposer
 from folio.structured.grammar import GrammarCompiler
+from folio.worker.executor import TensorParallelExecutor, WorkerLaunch
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
+from folio.worker.rank import WorkerSpec
 
 logger = logging.getLogger("folio")
 
@@ -32,7 +35,7 @@ class StepStats:
 class EngineCore:
     def __init__(
         self,
-        model: nn.Module,
+        model: nn.Module | None,
         model_config: ModelConfig,
         cache_config: CacheConfig,
         scheduler_config: SchedulerConfig,
@@ -40,13 +43,19 @@ class EngineCore:
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
         draft_model: CausalLM | None = None,
+        workers: WorkerLaunch | None = None,
     ) -> None:
-        bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype)
+        """`model`: the model, in this process; or None with `workers`: its ranks, started here, load it."""
+        parallel = workers.parallel if workers is not None else ParallelConfig()
+        tp = parallel.tensor_parallel_size
+        kv_heads = head_shard(model_config.num_heads, model_config.num_kv_heads, TensorParallel(0, tp)).num_kv_heads
+        # Per rank; the pool's memory is shared by all ranks (KV heads replicated over ranks count twice).
+        bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype, kv_heads)
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
         else:
             memory = cache_config.kv_cache_memory or default_kv_cache_memory(device)
-            num_blocks = memory // (bytes_per_token * cache_config.block_size)
+            num_blocks = memory // (bytes_per_token * tp * cache_config.block_size)
             if num_blocks < 1:
                 raise ValueError(
                     f"kv_cache_memory of {memory} bytes holds no block of {cache_config.block_size} tokens "
@@ -63,8 +72,16 @@ class EngineCore:
                 f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the target's "
                 f"({model_config.vocab_size}): a draft must share the target's tokenizer"
             )
-        self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
-        if speculative_config is not None:  # after the runner: a draft of the same model reads its KV cache
+        self.runner: ModelRunner | TensorParallelExecutor
+        if workers is not None:
+            spec = WorkerSpec(workers.model, dtype, workers.quantization, cache_config, num_blocks, speculative_config,
+                              parallel)  # fmt: skip
+            self.runner = TensorParallelExecutor(spec, model_config, str(device))
+        else:
+            assert model is not None, "an engine without workers runs its model in process"
+            self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
+        # After the runner: a draft of the same model reads its KV cache. Ranks build their own proposer.
+        if speculative_config is not None and isinstance(self.runner, ModelRunner):
             shared = self.runner.kv_caches if draft_model is not None and draft_model.config == model_config else None
             self.runner.proposer = make_proposer(speculative_config, draft_model, num_blocks, cache_config.block_size,
                                                  dtype, device, shared)  # fmt: skip
@@ -73,13 +90,14 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
         logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token, %s); context length %d; "
+            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
             "prefix caching %s",
             num_blocks,
             cache_config.block_size,
             self.kv.capacity_tokens,
-            num_blocks * cache_config.block_size * bytes_per_token / 2**20,
+            num_blocks * cache_config.block_size * bytes_per_token * tp / 2**20,
             bytes_per_token,
+            f" on each of {tp} ranks" if tp > 1 else "",
             cache_config.kv_cache_dtype,
             max_len,
             "on" if cache_config.enable_prefix_caching else "off",
@@ -114,6 +132,11 @@ class EngineCore:
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished
+
+    def shutdown(self) -> None:
+        """Stop the model's ranks, if it has any (an in-process model needs nothing)."""
+        if isinstance(self.runner, TensorParallelExecutor):
+            self.runner.shutdown()
 
     def step(self) -> list[Request]:
         """Run one iteration; return requests that got a new token (including ones that finished)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import replace
 from pathlib import Path
@@ -13,15 +14,16 @@ from tqdm import tqdm
 
 from folio.config import SpeculativeConfig, parse_dtype
 from folio.engine.engine_core import EngineCore
-from folio.engine.model_loader import LoadedModel, load_model
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
+from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
 from folio.structured.grammar import GrammarCompiler
+from folio.worker.executor import TensorParallelExecutor, WorkerLaunch
 
 logger = logging.getLogger("folio")
 
@@ -49,6 +51,10 @@ class LLM:
         quantization: str | None = None,
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | dict | None = None,
+        tensor_parallel_size: int = 1,
+        nnodes: int = 1,
+        master_addr: str | None = None,
+        master_port: int | None = None,
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -58,20 +64,27 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)
             else speculative_config,
+            tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, master_addr=master_addr, master_port=master_port,
         )  # fmt: skip
+        parallel = args.parallel_config()
         configure_threads()
         self.device = torch.device(device) if device else default_device()
         self.dtype = parse_dtype(dtype)
         # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
         path = resolve_model(args.model)
         logger.info("loading %s", path)
-        self.loaded: LoadedModel = load_model(path, self.dtype, self.device, quantization)
-        logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
+        self.loaded: LoadedModel
+        if parallel.is_parallel:  # the ranks load the weights; this process reads config and tokenizer
+            checkpoint = open_checkpoint(path, self.dtype, quantization)
+            self.loaded = LoadedModel(None, checkpoint.config, checkpoint.tokenizer, path, checkpoint.label, 0.0)
+        else:
+            self.loaded = load_model(path, self.dtype, self.device, quantization)
+            logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
         spec = args.speculative_config
         self.draft: LoadedModel | None = None
-        if spec is not None and spec.draft_model is not None:
+        if spec is not None and spec.draft_model is not None and not parallel.is_parallel:
             self.draft = load_model(resolve_model(spec.draft_model), self.dtype, self.device, spec.draft_quantization)
             logger.info("draft model: %s, %.1f MiB resident (%s)", self.draft.path.name,
                         self.draft.weight_bytes / 2**20, self.draft.quantization)  # fmt: skip
@@ -84,11 +97,23 @@ class LLM:
             self.device,
             args.speculative_config,
             self.draft.model if self.draft is not None else None,
+            WorkerLaunch(args.model, quantization, parallel) if parallel.is_parallel else None,
         )
+        if isinstance(self.engine.runner, TensorParallelExecutor):
+            ready = self.engine.runner.ready
+            self.loaded.shard_bytes, self.loaded.load_seconds = ready.weight_bytes, ready.load_seconds
+            logger.info("weights: %.1f MiB resident on rank 0 of %d (%s)", ready.weight_bytes / 2**20,
+                        parallel.world_size, ready.quantization)  # fmt: skip
+        # Ranks are processes: stop them when this LLM is collected or the interpreter exits.
+        self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._ids = itertools.count()
         # Offline, every request is submitted before the engine steps: a partial batch never waits.
         self.engine.scheduler.gate.flush = True
+
+    def close(self) -> None:
+        """Stop the model's ranks now (an in-process model has none; the engine is unusable after)."""
+        self._finalizer()
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> LLM:

@@ -3,6 +3,10 @@
 Either may hold its weight as 8-bit groups (`Int8Groups`, from a GGUF Q8_0 tensor): a lookup then
 dequantizes only the rows it needs, and the LM head multiplies through the int8 kernel, so the
 largest matrix of a small model never exists in 16/32 bits.
+
+Under tensor parallelism both are split along the vocabulary (each rank holds a contiguous range of
+rows): a lookup embeds the ids in this rank's range, zeroes the rest and sums over ranks; the LM
+head computes this rank's logits and gathers the rest.
 """
 
 from __future__ import annotations
@@ -11,18 +15,27 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.distributed.tensor_parallel import TensorParallel, current
 from folio.layers.linear import default_weight_loader
+from folio.layers.weight_narrowing import narrow_weight
 from folio.quant.int8 import Int8Groups
 
 
 class _QuantizableWeight(nn.Module):
-    def __init__(self, vocab_size: int, dim: int) -> None:
+    def __init__(self, vocab_size: int, dim: int, tp: TensorParallel | None = None) -> None:
         super().__init__()
-        self.weight = nn.Parameter(torch.empty(vocab_size, dim), requires_grad=False)
+        self.tp = current() if tp is None else tp
+        # Ranks hold ceil(V / ranks) rows each, the last one fewer when V does not divide.
+        self.rows_per_rank = -(-vocab_size // self.tp.size)
+        self.first_row = min(self.tp.rank * self.rows_per_rank, vocab_size)
+        self.num_rows = min(self.rows_per_rank, vocab_size - self.first_row)
+        self.vocab_size = vocab_size
+        self.weight = nn.Parameter(torch.empty(self.num_rows, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.int8: Int8Groups | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Int8Groups, shard_id: object = None) -> None:
+        loaded = narrow_weight(loaded, 0, self.first_row, self.num_rows)
         if not isinstance(loaded, Int8Groups):
             default_weight_loader(param, loaded)
             return
@@ -38,10 +51,20 @@ class _QuantizableWeight(nn.Module):
 
 
 class VocabEmbedding(_QuantizableWeight):
+    """`tp`: the group to split over; None takes the one being built (a position table passes SINGLE)."""
+
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp.size == 1:
+            return self._lookup(input_ids)
+        outside = (input_ids < self.first_row) | (input_ids >= self.first_row + self.num_rows)
+        local = (input_ids - self.first_row).masked_fill(outside, 0)
+        embedded = self._lookup(local).masked_fill(outside.unsqueeze(-1), 0)
+        return self.tp.all_reduce(embedded)
+
+    def _lookup(self, ids: torch.Tensor) -> torch.Tensor:
         if self.int8 is not None:
-            return self.int8.embedding(input_ids, self.weight.dtype)
-        return F.embedding(input_ids, self.weight)
+            return self.int8.embedding(ids, self.weight.dtype)
+        return F.embedding(ids, self.weight)
 
 
 class LMHead(nn.Module):
@@ -58,6 +81,9 @@ class LMHead(nn.Module):
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         source = self.source
-        if source.int8 is not None:
-            return source.int8.linear(hidden)
-        return F.linear(hidden, source.weight)
+        logits = source.int8.linear(hidden) if source.int8 is not None else F.linear(hidden, source.weight)
+        if source.tp.size == 1:
+            return logits
+        if source.num_rows < source.rows_per_rank:  # the last rank's short range, padded to gather
+            logits = F.pad(logits, (0, source.rows_per_rank - source.num_rows))
+        return source.tp.all_gather_last(logits)[..., : source.vocab_size]

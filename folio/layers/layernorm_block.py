@@ -10,15 +10,15 @@ from torch import nn
 from folio.config import ModelConfig
 from folio.layers.activation import get_activation
 from folio.layers.attention.metadata import AttentionMetadata
-from folio.layers.linear import Linear
 from folio.layers.norm import LayerNorm
+from folio.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 
 
 class UngatedMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.fc_in = Linear(config.hidden_size, config.intermediate_size, bias=True)
-        self.fc_out = Linear(config.intermediate_size, config.hidden_size, bias=True)
+        self.fc_in = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.fc_out = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
         self.act = get_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

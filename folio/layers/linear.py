@@ -112,9 +112,13 @@ class Linear(nn.Module):
         return self.packed.nbytes if self.packed is not None else self.weight.nbytes
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.project(x, self.bias)
+
+    def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        """x @ W.T (+ bias), through whichever form the weight is held in."""
         if self.packed is None:
-            return F.linear(x, self.weight, self.bias)
-        out = self.packed.linear(x.reshape(-1, self.in_features), self.bias)
+            return F.linear(x, self.weight, bias)
+        out = self.packed.linear(x.reshape(-1, self.in_features), bias)
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -12,13 +12,14 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.tensor_parallel import current
 from folio.kv_cache.quant import KVFormat
 from folio.layers.activation import get_gated_activation
 from folio.layers.attention.kv_tensors import LayerKV, allocate_layer_kv
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import LMHead
-from folio.layers.linear import Linear, MergedLinear
+from folio.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
 from folio.models.weights import StackedMapping, check_all_loaded, load_named_weights
 
 
@@ -28,8 +29,8 @@ class GatedMLP(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         size = config.intermediate_size
-        self.gate_up_proj = MergedLinear(config.hidden_size, {0: size, 1: size})
-        self.down_proj = Linear(size, config.hidden_size)
+        self.gate_up_proj = MergedColumnParallelLinear.even(config.hidden_size, {0: size, 1: size})
+        self.down_proj = RowParallelLinear(size, config.hidden_size)
         self.act = get_gated_activation(config.hidden_act)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -61,6 +62,7 @@ class CausalLM(nn.Module):
 
     def _finish_init(self, config: ModelConfig) -> None:
         self.config = config
+        self.tp = current()  # the group the layers were built for
         tied = self.model.embed_tokens if config.tie_word_embeddings else None
         self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
 
@@ -88,7 +90,7 @@ class CausalLM(nn.Module):
         decode step that needs the cache bound."""
         caches = []
         for layer in self.attention_layers():
-            layer_kv = allocate_layer_kv(num_slots, self.config.num_kv_heads, self.config.head_dim, dtype, fmt, device)
+            layer_kv = allocate_layer_kv(num_slots, layer.num_kv_heads, layer.head_dim, dtype, fmt, device)
             layer.bind_cache(layer_kv, block_size)
             caches.append(layer_kv)
         for module in self.modules():

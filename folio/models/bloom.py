@@ -13,13 +13,14 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.tensor_parallel import current, head_shard
 from folio.layers.attention.alibi import alibi_slopes
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
 from folio.layers.layernorm_block import LayerNormBlock
-from folio.layers.linear import Linear
 from folio.layers.norm import LayerNorm
+from folio.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from folio.models.architecture import Architecture, HFConfig
 from folio.models.base import CausalLM
 from folio.models.weights import StackedMapping
@@ -28,11 +29,13 @@ from folio.models.weights import StackedMapping
 class BloomAttention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
+        heads = head_shard(config.num_heads, config.num_heads, current())
+        self.num_heads, self.head_dim = heads.num_heads, config.head_dim
         width = config.num_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, 3 * width, bias=True)
-        self.o_proj = Linear(width, config.hidden_size, bias=True)
-        slopes = alibi_slopes(self.num_heads)
+        # The checkpoint interleaves q, k, v per head, so a rank's heads are one contiguous range of rows.
+        self.qkv_proj = ColumnParallelLinear(config.hidden_size, 3 * width, bias=True)
+        self.o_proj = RowParallelLinear(width, config.hidden_size, bias=True)
+        slopes = alibi_slopes(config.num_heads)[heads.first_head : heads.first_head + heads.num_heads]
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5, None, slopes)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:

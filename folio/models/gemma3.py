@@ -10,11 +10,12 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.tensor_parallel import current, head_shard
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
-from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
+from folio.layers.parallel_linear import RowParallelLinear, qkv_parallel
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 from folio.models.base import CausalLM, GatedMLP
@@ -37,16 +38,16 @@ def _norm(dim: int, config: ModelConfig) -> RMSNorm:
 class Gemma3Attention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = head_shard(config.num_heads, config.num_kv_heads, current())
+        self.num_heads = heads.num_heads  # this rank's (all of them with one rank)
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         self.is_sliding = config.is_sliding(layer_index)
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=config.attention_bias
-        )
-        self.o_proj = Linear(q_size, config.hidden_size)
+        self.qkv_proj = qkv_parallel(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, heads,
+                                     config.attention_bias)  # fmt: skip
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size)
         self.q_norm = _norm(self.head_dim, config)
         self.k_norm = _norm(self.head_dim, config)
         scalar = config.query_pre_attn_scalar or self.head_dim

@@ -13,12 +13,13 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.tensor_parallel import SINGLE, current, head_shard
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
 from folio.layers.layernorm_block import LayerNormBlock
-from folio.layers.linear import Linear
 from folio.layers.norm import LayerNorm
+from folio.layers.parallel_linear import RowParallelLinear, qkv_parallel
 from folio.models.architecture import Architecture, HFConfig
 from folio.models.base import CausalLM
 from folio.models.weights import StackedMapping
@@ -27,10 +28,11 @@ from folio.models.weights import StackedMapping
 class GPT2Attention(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.num_heads, self.head_dim = config.num_heads, config.head_dim
-        width = config.num_heads * config.head_dim
-        self.qkv_proj = Linear(config.hidden_size, 3 * width, bias=True)
-        self.o_proj = Linear(width, config.hidden_size, bias=True)
+        heads = head_shard(config.num_heads, config.num_heads, current())
+        self.num_heads, self.head_dim = heads.num_heads, config.head_dim
+        self.qkv_proj = qkv_parallel(config.hidden_size, self.head_dim, config.num_heads, config.num_heads, heads,
+                                     bias=True)  # fmt: skip
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size, bias=True)
         self.attn = PagedAttention(self.num_heads, self.num_heads, self.head_dim, self.head_dim**-0.5)
 
     def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -42,7 +44,7 @@ class GPT2Model(nn.Module):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_positions = VocabEmbedding(config.max_position_embeddings, config.hidden_size)
+        self.embed_positions = VocabEmbedding(config.max_position_embeddings, config.hidden_size, SINGLE)  # whole
         self.layers = nn.ModuleList(LayerNormBlock(config, GPT2Attention(config)) for _ in range(config.num_layers))
         self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
 

@@ -12,11 +12,12 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.tensor_parallel import current, head_shard
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
-from folio.layers.linear import Linear, MergedLinear
 from folio.layers.norm import RMSNorm
+from folio.layers.parallel_linear import RowParallelLinear, qkv_parallel
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
 from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 from folio.models.base import CausalLM, GatedMLP
@@ -33,15 +34,15 @@ from folio.models.decode_stack import build_decode_stack, takes_step
 class LlamaAttention(nn.Module):
     def __init__(self, config: ModelConfig, layer_index: int) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        heads = head_shard(config.num_heads, config.num_kv_heads, current())
+        self.num_heads = heads.num_heads  # this rank's (all of them with one rank)
+        self.num_kv_heads = heads.num_kv_heads
         self.head_dim = config.head_dim
         q_size = self.num_heads * self.head_dim
         kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = MergedLinear(
-            config.hidden_size, {"q": q_size, "k": kv_size, "v": kv_size}, bias=config.attention_bias
-        )
-        self.o_proj = Linear(q_size, config.hidden_size)
+        self.qkv_proj = qkv_parallel(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, heads,
+                                     config.attention_bias)  # fmt: skip
+        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size)
         window = config.sliding_window if config.is_sliding(layer_index) else None  # Mistral v0.1
         self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, self.head_dim**-0.5, window)
         self.split = (q_size, kv_size, kv_size)
@@ -122,7 +123,8 @@ class LlamaForCausalLM(CausalLM):
         self._finish_init(config)
 
     def bind_decode_stack(self, dtype: torch.dtype) -> None:
-        self.model.decode_stack = build_decode_stack(self.model, dtype)
+        if self.tp.size == 1:  # the C++ step has no collectives: a sharded model runs its Python layers
+            self.model.decode_stack = build_decode_stack(self.model, dtype)
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:

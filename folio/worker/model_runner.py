@@ -54,10 +54,13 @@ class BatchInputs:
     draft_masks: dict[str, torch.Tensor]  # request id -> [k + 1, V] bool: its grammar's masks at those rows
 
 
-def kv_bytes_per_token(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto") -> int:
-    """K and V of every layer for one token, with their scales if the cache is 8-bit."""
+def kv_bytes_per_token(
+    config: ModelConfig, dtype: torch.dtype, kv_cache_dtype: str = "auto", num_kv_heads: int | None = None
+) -> int:
+    """K and V of every layer for one token, with their scales if the cache is 8-bit; `num_kv_heads`:
+    the heads one tensor-parallel rank holds (default: all)."""
     per_head = slot_bytes_per_head(config.head_dim, dtype, kv_format(kv_cache_dtype))
-    return 2 * config.num_layers * config.num_kv_heads * per_head
+    return 2 * config.num_layers * (num_kv_heads or config.num_kv_heads) * per_head
 
 
 class ModelRunner:

@@ -15,7 +15,7 @@ import torch
 from folio import LLM, SamplingParams
 from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
-from folio.engine.model_loader import load_model
+from folio.loaders.model_loader import load_model
 from folio.spec_decode.draft_model import DraftModelProposer
 from tests.speculation import SCHEDULES, assert_same_greedy, repeating_prompts, run_waves, speculating_engine
 from tests.tiny_models import VOCAB, make_tiny_model

@@ -11,8 +11,8 @@ import torch
 from folio import SamplingParams
 from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
-from folio.engine.model_loader import load_model
 from folio.engine.request import Request
+from folio.loaders.model_loader import load_model
 from tests.speculation import (
     GREEDY,
     SCHEDULES,

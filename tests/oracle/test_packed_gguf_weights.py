@@ -10,7 +10,7 @@ import torch
 
 from folio.config import CacheConfig, SchedulerConfig
 from folio.engine.engine_core import EngineCore
-from folio.engine.model_loader import load_model
+from folio.loaders.model_loader import load_model
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.oracle.test_real_models_vs_transformers import NEW_TOKENS, PROMPTS
 

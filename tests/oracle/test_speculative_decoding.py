@@ -13,7 +13,7 @@ import torch
 
 from folio import LLM, SamplingParams, StructuredOutputParams
 from folio.config import SpeculativeConfig
-from folio.engine.model_loader import load_model
+from folio.loaders.model_loader import load_model
 from tests.speculation import SCHEDULES, assert_same_greedy, repeating_prompts, run_waves, speculating_engine
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
 

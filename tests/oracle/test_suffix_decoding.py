@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from folio.config import SpeculativeConfig
-from folio.engine.model_loader import load_model
+from folio.loaders.model_loader import load_model
 from tests.speculation import SCHEDULES, assert_same_greedy, repeating_prompts, run_waves, speculating_engine
 from tests.tiny_models import make_tiny_model
 

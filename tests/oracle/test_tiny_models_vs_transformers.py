@@ -8,7 +8,7 @@ import torch
 
 from folio.config import CacheConfig, SchedulerConfig
 from folio.engine.engine_core import EngineCore
-from folio.engine.model_loader import load_model
+from folio.loaders.model_loader import load_model
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.reference import reference_greedy
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model

@@ -26,6 +26,7 @@ RUNTIME = frozenset(
         "folio",  # folio/__init__.py: LLM, SamplingParams
         "folio.config",
         "folio.cpp_extension",
+        "folio.distributed",  # the tensor-parallel group and the rendezvous (imports no other folio package)
         "folio.engine",
         "folio.engine_args",
         "folio.kv_cache",

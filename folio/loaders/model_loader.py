@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,17 +26,19 @@ QUANTIZATIONS = (None, "none", "int8", "int4", "nf4")
 
 @dataclass
 class LoadedModel:
-    model: nn.Module
+    model: nn.Module | None  # None: tensor-parallel ranks hold it, each its shard, in their processes
     config: ModelConfig
     tokenizer: Tokenizer
     path: Path
     quantization: str  # e.g. "Q4_1" for GGUF files, "none" for 16/32-bit checkpoints
     load_seconds: float
+    shard_bytes: int = 0  # with ranks: what rank 0 holds
 
     @property
     def weight_bytes(self) -> int:
-        """Resident bytes of the weights as held (packed 4-bit layers at their packed size)."""
-        return resident_weight_bytes(self.model)
+        """Resident bytes of the weights as held (packed 4-bit layers at their packed size); with
+        ranks, rank 0's shard."""
+        return resident_weight_bytes(self.model) if self.model is not None else self.shard_bytes
 
 
 def resident_weight_bytes(model: nn.Module) -> int:
@@ -47,15 +51,22 @@ def resident_weight_bytes(model: nn.Module) -> int:
     return total + sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
 
 
-def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
-    """`quantization`: None keeps a checkpoint's quantized weights (a GGUF file's 4-bit projections and
-    Q8_0 embedding; GPTQ, AWQ and NF4 folders) where the device has a kernel for them (everything else
-    is dequantized to `dtype`); "none" dequantizes a GGUF file; "int8", "int4" and "nf4" quantize every
-    projection of an unquantized checkpoint on the fly after loading (per-channel int8; round-to-nearest
-    4-bit in groups of 32; NF4 in blocks of 64)."""
+@dataclass
+class Checkpoint:
+    """A model file opened: its config, tokenizer and format, and its weights still unread."""
+
+    path: Path
+    config: ModelConfig
+    tokenizer: Tokenizer
+    label: str
+    weights: Iterator[tuple[str, Any]]  # read lazily, tensor by tensor, as the model loads them
+
+
+def open_checkpoint(path: Path, dtype: torch.dtype, quantization: str | None = None) -> Checkpoint:
+    """Read a checkpoint's config and tokenizer; its weights are read only when iterated (an engine
+    whose ranks load the weights reads no weight in its own process)."""
     if quantization not in QUANTIZATIONS:
         raise ValueError(f"quantization must be one of {', '.join(map(str, QUANTIZATIONS))}, got {quantization!r}")
-    start = time.perf_counter()
     if path.is_file():
         gguf = GGUFFile(path)
         config = gguf_model_config(gguf)
@@ -77,13 +88,25 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     else:
         raise FileNotFoundError(f"{path} is neither a .gguf file nor a folder with config.json")
     config.eos_token_ids = sorted(set(config.eos_token_ids) | tokenizer.eos_token_ids)
+    return Checkpoint(path, config, tokenizer, label, weights)
 
+
+def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantization: str | None = None) -> LoadedModel:
+    """`quantization`: None keeps a checkpoint's quantized weights (a GGUF file's 4-bit projections and
+    Q8_0 embedding; GPTQ, AWQ and NF4 folders) where the device has a kernel for them (everything else
+    is dequantized to `dtype`); "none" dequantizes a GGUF file; "int8", "int4" and "nf4" quantize every
+    projection of an unquantized checkpoint on the fly after loading (per-channel int8; round-to-nearest
+    4-bit in groups of 32; NF4 in blocks of 64). Built inside `building(tp)`, the model holds only
+    its tensor-parallel rank's shard of every weight."""
+    start = time.perf_counter()
+    checkpoint = open_checkpoint(path, dtype, quantization)
+    config, label = checkpoint.config, checkpoint.label
     model = build_model(config, dtype, device)
-    model.load_weights(weights)
+    model.load_weights(checkpoint.weights)
     if quantization in ON_THE_FLY_METHODS:
         count = sum(m.quantize(quantization) for m in model.modules() if isinstance(m, Linear))
         label = f"{label} -> {quantization} ({count} layers, on the fly)"
-    return LoadedModel(model, config, tokenizer, path, label, time.perf_counter() - start)
+    return LoadedModel(model, config, checkpoint.tokenizer, path, label, time.perf_counter() - start)
 
 
 def build_model(config: ModelConfig, dtype: torch.dtype, device: torch.device) -> nn.Module:

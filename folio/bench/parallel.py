@@ -1,0 +1,147 @@
+"""`folio bench parallel`: one model run whole and split over ranks, side by side in one run, on the
+same cores.
+
+Each `--tensor-parallel-sizes` entry is an engine (1: in process with every core's thread; N: N ranks,
+each pinned to its share of the cores). All are loaded at once (idle ranks wait without spinning) and
+measured in turn, round after round, so the machine's drift hits each alike:
+- batch 1: one request's decode rate (tokens after the first over the time after the first);
+- batch N (`--batch`): N distinct prompts at once, output tok/s over the wall time, prefill included;
+- for split engines, rank 0's time in collectives per step (all-reduces and the logits' all-gather),
+  and its share of the step.
+Ratios are against the whole model's figure of the same round.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+from folio.bench.flags import add_output_dir, command_line
+from folio.bench.parallel_report import format_table, write_plot
+from folio.engine.llm import LLM
+from folio.engine_args import EngineArgs
+from folio.results import machine_info, result_paths, write_json
+from folio.sampling_params import SamplingParams
+from folio.worker.executor import TensorParallelExecutor
+
+TEXT = (
+    "The committee reviewed the quarterly figures, asked for the missing receipts, and agreed to meet again "
+    "after the audit. Several members noted that the travel budget had grown faster than planned, while the "
+    "maintenance line stayed flat. "
+)
+
+
+@dataclass
+class Measure:
+    batch1_decode_tok_s: list[float] = field(default_factory=list)
+    batch_output_tok_s: list[float] = field(default_factory=list)
+    comm_ms_per_step_batch1: list[float] = field(default_factory=list)
+    comm_ms_per_step_batch: list[float] = field(default_factory=list)
+    step_ms_batch1: list[float] = field(default_factory=list)
+    step_ms_batch: list[float] = field(default_factory=list)
+
+
+def add_parser(benchmarks: argparse._SubParsersAction) -> None:
+    parser = benchmarks.add_parser("parallel", help="tensor parallelism: whole vs split over ranks, same cores")
+    parser.add_argument("model", nargs="?", default="gemma3-270m")
+    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1, 2], help="engines (default 1 2)")
+    parser.add_argument("--batch", type=int, default=64, help="concurrent requests of the batched run (64)")
+    parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (128)")
+    parser.add_argument("--batch1-tokens", type=int, default=128, help="tokens generated at batch 1 (128)")
+    parser.add_argument("--batch-tokens", type=int, default=32, help="tokens generated per batched request (32)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds, each measuring every engine (3)")
+    parser.add_argument("--dtype", default="float32", help="activations: float32 or bfloat16")
+    parser.add_argument("--quantization", default=None, help="as `folio serve --quantization` (default: as stored)")
+    parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool over all ranks (1GiB)")
+    add_output_dir(parser)
+    parser.set_defaults(bench_run=run)
+
+
+def _prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
+    """Distinct prompts (their first block differs, so no prefix is shared) of `length` tokens."""
+    body = llm.tokenizer.encode(TEXT * (1 + length // 20))
+    return [(llm.tokenizer.encode(f"Record {i}:") + body)[:length] for i in range(count)]
+
+
+def _comm(llm: LLM) -> tuple[float, int]:
+    runner = llm.engine.runner
+    if isinstance(runner, TensorParallelExecutor):
+        return runner.comm_stats().seconds, runner.steps
+    return 0.0, 0
+
+
+def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any], float, float]:
+    """(wall seconds, outputs, communication ms per step, wall ms per step) of one generate call."""
+    comm0, steps0 = _comm(llm)
+    params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
+    started = time.perf_counter()
+    outputs = llm.generate(prompts, params, use_tqdm=False)
+    wall = time.perf_counter() - started
+    comm1, steps1 = _comm(llm)
+    steps = steps1 - steps0
+    return wall, outputs, (comm1 - comm0) * 1000 / steps if steps else 0.0, wall * 1000 / steps if steps else 0.0
+
+
+def _round(llm: LLM, measure: Measure, args: argparse.Namespace, prompts: list[list[int]]) -> None:
+    wall, outputs, comm_ms, step_ms = _timed(llm, prompts[:1], args.batch1_tokens)
+    metrics = outputs[0].metrics
+    decode_seconds = metrics.finish_time - metrics.first_token_time
+    measure.batch1_decode_tok_s.append((args.batch1_tokens - 1) / decode_seconds)
+    measure.comm_ms_per_step_batch1.append(comm_ms)
+    measure.step_ms_batch1.append(step_ms)
+    wall, outputs, comm_ms, step_ms = _timed(llm, prompts, args.batch_tokens)
+    measure.batch_output_tok_s.append(sum(len(o.outputs[0].token_ids) for o in outputs) / wall)
+    measure.comm_ms_per_step_batch.append(comm_ms)
+    measure.step_ms_batch.append(step_ms)
+
+
+def run(args: argparse.Namespace) -> int:
+    if 1 not in args.tensor_parallel_sizes:
+        raise ValueError("--tensor-parallel-sizes must include 1: every ratio is against the whole model")
+    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    llms: dict[str, LLM] = {}
+    for size in args.tensor_parallel_sizes:
+        engine = EngineArgs(args.model, dtype=args.dtype, quantization=args.quantization,
+                            kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch, 1),
+                            tensor_parallel_size=size)  # fmt: skip
+        llms[f"tp{size}"] = LLM.from_engine_args(engine)
+    first = next(iter(llms.values()))
+    prompts = _prompts(first, args.batch, args.prompt_tokens)
+    measures = {name: Measure() for name in llms}
+    for llm in llms.values():  # warm-up: kernels built, pages touched
+        llm.generate(prompts[:4], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)
+    try:
+        for index in range(args.rounds):
+            for name, llm in llms.items():
+                _round(llm, measures[name], args, prompts)
+                done = measures[name]
+                print(f"round {index + 1}/{args.rounds} {name}: batch 1 {done.batch1_decode_tok_s[-1]:.1f} tok/s, "
+                      f"batch {args.batch} {done.batch_output_tok_s[-1]:.1f} tok/s", flush=True)  # fmt: skip
+    finally:
+        for llm in llms.values():
+            llm.close()
+    report = _report(args, date, measures)
+    json_path, png_path = result_paths(Path(args.output_dir), "parallel", args.model, date)
+    write_json(json_path, report)
+    write_plot(png_path, report)
+    print(format_table(report))
+    print(f"wrote {json_path} and {png_path}")
+    return 0
+
+
+def _report(args: argparse.Namespace, date: str, measures: dict[str, Measure]) -> dict[str, Any]:
+    base = measures["tp1"]
+    engines = {}
+    for name, m in measures.items():
+        ratios1 = [a / b for a, b in zip(m.batch1_decode_tok_s, base.batch1_decode_tok_s, strict=True)]
+        ratios = [a / b for a, b in zip(m.batch_output_tok_s, base.batch_output_tok_s, strict=True)]
+        summary = {key: statistics.median(values) for key, values in asdict(m).items()}
+        summary |= {"batch1_ratio": statistics.median(ratios1), "batch_ratio": statistics.median(ratios)}
+        engines[name] = {"median": summary, "rounds": asdict(m)}
+    return {"benchmark": "parallel", "date_utc": date, "command": command_line(args), "model": args.model,
+            "batch": args.batch, "machine": machine_info(), "engines": engines}  # fmt: skip

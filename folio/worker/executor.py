@@ -1,0 +1,135 @@
+"""The engine's side of a tensor-parallel model: it starts this host's ranks, sends each step to rank
+0 and returns rank 0's result, and stops every rank on exit or when any of them dies.
+
+It stands where an in-process `ModelRunner` would (`execute(SchedulerOutput) -> ModelRunnerOutput`),
+so the scheduler and everything above it do not know the model is split.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import multiprocessing as mp
+from dataclasses import dataclass
+from multiprocessing.connection import wait
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from folio.config import ModelConfig, ParallelConfig
+from folio.distributed import rendezvous
+from folio.distributed.tensor_parallel import CommStats
+from folio.step.runner_output import ModelRunnerOutput
+from folio.step.scheduler_output import SchedulerOutput
+from folio.worker.rank import RankPlace, ReadyReport, WorkerSpec, run_rank
+
+logger = logging.getLogger("folio")
+STOP_SECONDS = 10.0
+
+
+@dataclass(frozen=True)
+class WorkerLaunch:
+    """What an engine needs to start ranks that load the model themselves."""
+
+    model: str  # as the user named it: each rank resolves it on its own host
+    quantization: str | None
+    parallel: ParallelConfig
+
+
+class WorkerDiedError(RuntimeError):
+    """A rank died or failed: the model cannot run another step (the engine must stop)."""
+
+
+def start_ranks(
+    spec: WorkerSpec | None, first_rank: int, count: int, world_size: int, addr: str, port: int, device: str
+) -> tuple[list[BaseProcess], Any]:
+    """Spawn ranks [first_rank, first_rank + count) of this host; rank 0 (if among them) gets `spec`
+    and the returned end of its pipe."""
+    context = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or OpenMP state
+    ours, theirs = context.Pipe() if first_rank == 0 else (None, None)
+    processes = []
+    for local in range(count):
+        rank = first_rank + local
+        place = RankPlace(rank, local, world_size, count, addr, port, device)
+        args = (place, spec, theirs) if rank == 0 else (place, None, None)
+        process = context.Process(target=run_rank, args=args, name=f"folio-rank-{rank}", daemon=True)
+        process.start()
+        processes.append(process)
+    if theirs is not None:
+        theirs.close()  # only the child holds it now: its death reads as EOF here
+    return processes, ours
+
+
+def stop_ranks(processes: list[BaseProcess]) -> None:
+    for process in processes:
+        process.join(timeout=STOP_SECONDS)
+    for process in processes:
+        if process.is_alive():
+            process.kill()
+            process.join(timeout=STOP_SECONDS)
+
+
+class TensorParallelExecutor:
+    def __init__(self, spec: WorkerSpec, config: ModelConfig, device: str) -> None:
+        self.config = config  # what callers read from an in-process runner
+        parallel = spec.parallel
+        addr, port = rendezvous.master_address(parallel.master_addr, parallel.master_port)
+        self.processes, self.conn = start_ranks(spec, 0, parallel.ranks_per_node, parallel.world_size, addr, port,
+                                                device)  # fmt: skip
+        self.stopped = False
+        self.steps = 0  # steps sent, for per-step figures
+        if parallel.nnodes > 1:
+            logger.info("waiting for %d more ranks to join at %s:%d", parallel.world_size - parallel.ranks_per_node,
+                        addr, port)  # fmt: skip
+        self.ready: ReadyReport = self._receive()
+        logger.info("%d tensor-parallel ranks ready (%d on this host)", parallel.world_size, len(self.processes))
+
+    def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.steps += 1
+        self._send(("step", out))
+        return self._receive()
+
+    def comm_stats(self) -> CommStats:
+        """Rank 0's time in collectives so far."""
+        self._send(("stats", None))
+        return self._receive()
+
+    def _send(self, message: tuple[str, Any]) -> None:
+        if self.stopped:
+            raise WorkerDiedError("the model's ranks have stopped")
+        try:
+            self.conn.send(message)
+        except OSError as exc:
+            self._fail(f"rank 0 is gone ({exc})")
+
+    def _receive(self) -> Any:
+        while True:
+            ready = wait([self.conn, *(p.sentinel for p in self.processes)])
+            if self.conn in ready:
+                try:
+                    kind, payload = self.conn.recv()
+                except EOFError:
+                    self._fail(f"rank 0 exited (code {self.processes[0].exitcode})")
+                if kind == "error":
+                    self._fail(payload)
+                return payload
+            for process in self.processes:
+                if process.sentinel in ready and process.exitcode is not None:
+                    self._fail(f"{process.name} exited (code {process.exitcode})")
+
+    def _fail(self, why: str) -> None:
+        logger.critical("tensor-parallel worker failed: %s; stopping every rank", why)
+        self.stopped = True
+        for process in self.processes:
+            if process.is_alive():
+                process.kill()
+        stop_ranks(self.processes)
+        raise WorkerDiedError(f"a tensor-parallel worker failed: {why}")
+
+    def shutdown(self) -> None:
+        if self.stopped:
+            return
+        self.stopped = True
+        with contextlib.suppress(OSError):
+            self.conn.send(("stop", None))
+        stop_ranks(self.processes)
+        self.conn.close()

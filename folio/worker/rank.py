@@ -1,0 +1,153 @@
+"""One tensor-parallel rank: it loads its shard of the model, then runs every step the engine sends.
+
+The scheduler stays single, in the engine process, and talks to rank 0 only (a pipe); rank 0
+broadcasts each step's `SchedulerOutput` (a value) to the other ranks over torch.distributed, every
+rank runs the same `ModelRunner.execute` on its shard (the collectives inside the layers keep them
+in lockstep), and rank 0 sends its `ModelRunnerOutput` back. Ranks on other hosts get everything
+they need, the spec included, from rank 0, so `folio worker` needs only the rendezvous.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import traceback
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from folio.config import CacheConfig, ParallelConfig, SpeculativeConfig
+from folio.distributed import rendezvous
+from folio.distributed.tensor_parallel import COMM, CommStats, TensorParallel, building
+from folio.loaders.catalog import resolve_model
+from folio.loaders.model_loader import load_model
+from folio.spec_decode.factory import make_proposer
+from folio.step.runner_output import ModelRunnerOutput
+from folio.worker.model_runner import ModelRunner
+
+logger = logging.getLogger("folio")
+
+
+@dataclass(frozen=True)
+class WorkerSpec:
+    """What every rank builds, as values: rank 0 hands it to the others."""
+
+    model: str  # as the user named it (a catalog name or a path), resolved on each host
+    dtype: torch.dtype
+    quantization: str | None
+    cache: CacheConfig
+    num_blocks: int
+    speculative: SpeculativeConfig | None
+    parallel: ParallelConfig
+
+
+@dataclass(frozen=True)
+class RankPlace:
+    """Where one rank runs and how it finds the others."""
+
+    rank: int
+    local_rank: int
+    world_size: int
+    local_ranks: int
+    master_addr: str
+    master_port: int
+    device: str
+
+
+@dataclass(frozen=True)
+class ReadyReport:
+    weight_bytes: int  # rank 0's shard
+    quantization: str
+    load_seconds: float
+    threads: int
+
+
+# Messages: engine -> rank 0 -> every rank ("step", SchedulerOutput) | ("stop", None) | ("keepalive",
+# None); engine -> rank 0 only ("stats", None). Rank 0 -> engine: ("ready" | "ok" | "error", payload).
+Message = tuple[str, Any]
+
+
+def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None) -> None:
+    """A rank's process: rank 0 gets `spec` and the engine's pipe; the others get both as None."""
+    rendezvous.die_with_parent()
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {place.rank} %(levelname)s %(message)s")
+    try:
+        threads = rendezvous.pin_cores(place.local_rank, place.local_ranks)
+        device = torch.device(place.device)
+        rendezvous.join(place.rank, place.world_size, place.master_addr, place.master_port, device)
+        # Objects travel on a gloo group: NCCL moves only device tensors.
+        control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
+        shared = [spec]
+        dist.broadcast_object_list(shared, src=0, group=control)
+        spec = shared[0]
+        assert spec is not None
+        runner, report = _build(spec, place, device, threads)
+        dist.barrier(group=control)
+        if conn is not None:
+            conn.send(("ready", report))
+        _serve(runner, conn, control)
+    except BaseException as exc:  # noqa: BLE001 - whatever ended this rank is reported, then it exits
+        logger.error("rank %d failed: %s", place.rank, traceback.format_exc())
+        if conn is not None:
+            with contextlib.suppress(OSError):
+                conn.send(("error", f"rank {place.rank}: {type(exc).__name__}: {exc}"))
+        os._exit(1)  # a peer may be stuck in a collective: do not wait on process-group teardown
+    # Every rank got "stop" from the same broadcast; gloo's teardown at exit aborts noisily when its
+    # peers are already gone, and there is nothing left to flush but the log.
+    logging.shutdown()
+    os._exit(0)
+
+
+def _build(spec: WorkerSpec, place: RankPlace, device: torch.device, threads: int) -> tuple[ModelRunner, ReadyReport]:
+    tp = TensorParallel(place.rank, spec.parallel.tensor_parallel_size, dist.group.WORLD)
+    with building(tp):
+        loaded = load_model(resolve_model(spec.model), spec.dtype, device, spec.quantization)
+    runner = ModelRunner(loaded.model, loaded.config, spec.cache, spec.num_blocks, spec.dtype, device, spec.speculative)
+    speculative = spec.speculative
+    if place.rank == 0 and speculative is not None:  # only rank 0's drafts reach the scheduler
+        draft = None
+        if speculative.draft_model is not None:  # whole on rank 0: built outside `building`
+            draft = load_model(resolve_model(speculative.draft_model), spec.dtype, device,
+                               speculative.draft_quantization).model  # fmt: skip
+        runner.proposer = make_proposer(speculative, draft, spec.num_blocks, spec.cache.block_size, spec.dtype,
+                                        device)  # fmt: skip
+    logger.info("rank %d of %d: %.1f MiB of weights (%s), %d threads", place.rank, place.world_size,
+                loaded.weight_bytes / 2**20, loaded.quantization, threads)  # fmt: skip
+    return runner, ReadyReport(loaded.weight_bytes, loaded.quantization, loaded.load_seconds, threads)
+
+
+def _serve(runner: ModelRunner, conn: Connection | None, control: Any) -> None:
+    while True:
+        message = _next_message(conn, control)
+        kind, payload = message
+        if kind == "stop":
+            return
+        if kind == "stats":
+            assert conn is not None
+            conn.send(("ok", CommStats(COMM.seconds, COMM.calls, COMM.bytes)))
+            continue
+        if kind != "step":
+            continue  # keepalive
+        result: ModelRunnerOutput = runner.execute(payload)
+        if conn is not None:
+            conn.send(("ok", result))
+
+
+def _next_message(conn: Connection | None, control: Any) -> Message:
+    """Rank 0 reads the engine's next message and broadcasts what the others must see."""
+    message: Message = ("keepalive", None)
+    if conn is not None:
+        try:
+            if conn.poll(rendezvous.KEEPALIVE_SECONDS):
+                message = conn.recv()
+        except EOFError:  # the engine is gone: stop every rank
+            message = ("stop", None)
+        if message[0] == "stats":
+            return message
+    shared = [message]
+    dist.broadcast_object_list(shared, src=0, group=control)
+    return shared[0]

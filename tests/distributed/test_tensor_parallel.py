@@ -1,0 +1,100 @@
+"""Tensor parallelism changes where the arithmetic runs, never the result: every architecture split
+over 2 ranks (4 where heads allow) on loopback gives the single process's greedy tokens, and its
+logprobs within 1e-4 in float32, under whole, chunked and preempting schedules."""
+
+from __future__ import annotations
+
+import json
+
+import psutil
+import pytest
+
+from folio import LLM, SamplingParams
+from folio.structured.params import StructuredOutputParams
+from tests.parallel_compare import TINY_PROMPTS, run_both
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
+
+TOLERANCE = 1e-4
+
+
+@pytest.fixture(scope="module")
+def tiny_folders(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp-tiny")
+    return {kind: make_tiny_model(kind, root / kind) for kind in TINY_KINDS + NEW_ARCHITECTURE_KINDS}
+
+
+@pytest.mark.parametrize("kind", TINY_KINDS + NEW_ARCHITECTURE_KINDS)
+def test_two_ranks_match_one_process(tiny_folders, kind):
+    result = run_both(tiny_folders[kind], TINY_PROMPTS, num_kv_blocks=64)
+    assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
+
+
+def test_four_ranks_replicate_kv_heads(tiny_folders):
+    # 4 query heads, 2 KV heads: each KV head lives on the two ranks whose query heads read it.
+    result = run_both(tiny_folders["llama"], TINY_PROMPTS, split_kwargs={"tensor_parallel_size": 4}, num_kv_blocks=64)
+    assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
+
+
+def test_chunked_prefill_and_preemption(tiny_folders):
+    prompts = [[(7 * i + j) % 300 + 1 for j in range(40 + 5 * i)] for i in range(6)]
+    params = SamplingParams(max_tokens=24, temperature=0, logprobs=3)
+    # 8-token steps chunk every prompt; 20 blocks of 16 cannot hold six 70-token sequences at once.
+    result = run_both(tiny_folders["gemma3"], prompts, params, num_kv_blocks=20, max_num_batched_tokens=8)
+    assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
+
+
+def test_seeded_sampling_and_parallel_samples(tiny_folders):
+    params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, logprobs=2),
+              SamplingParams(max_tokens=16, temperature=0.7, seed=5, n=2, logprobs=2)]  # fmt: skip
+    reference = LLM(tiny_folders["qwen2"], num_kv_blocks=64).generate(TINY_PROMPTS[:2], params, use_tqdm=False)
+    split = LLM(tiny_folders["qwen2"], num_kv_blocks=64, tensor_parallel_size=2)
+    try:
+        got = split.generate(TINY_PROMPTS[:2], params, use_tqdm=False)
+    finally:
+        split.close()
+    for a, b in zip(reference, got, strict=True):
+        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+
+
+def test_a_size_that_does_not_split_the_heads_names_the_valid_ones(tiny_folders):
+    before = len(psutil.Process().children(recursive=True))
+    with pytest.raises(ValueError, match=r"valid sizes for this model: 1, 2, 4"):
+        LLM(tiny_folders["llama"], num_kv_blocks=64, tensor_parallel_size=3)
+    assert len(psutil.Process().children(recursive=True)) == before  # refused before any rank started
+
+
+def test_gemma3_270m_dense_matches(gemma3_gguf):
+    # The GGUF file dequantized to float32: only the order of the sums differs.
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    result = run_both(gemma3_gguf, prompts, kv_cache_memory="64MiB", quantization="none")
+    assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
+
+
+def test_gemma3_270m_kept_formats_match_greedy(gemma3_gguf):
+    # Q4_K/Q6_K kept quantized, each rank holding its rows or columns of the blocks. The 4-bit kernel
+    # rounds activations to 8 bits, so an ulp of difference in a reduced sum can move one rounding step:
+    # greedy tokens stay equal and logprobs stay close, not within float32 rounding.
+    prompts = ["The capital of France is", "def fibonacci(n):"]
+    result = run_both(gemma3_gguf, prompts, kv_cache_memory="64MiB")
+    assert result.same_tokens and result.max_logprob_diff < 2e-2, result
+
+
+def test_smollm2_on_three_ranks_with_structured_output_and_speculation(smollm2_gguf):
+    # 9 query heads and 3 KV heads split 3 ways; rank 0 drafts (prompt lookup) and the scheduler
+    # compiles the grammar, so both work unchanged on a split model.
+    properties = {"city": {"enum": ["Paris", "London", "Rome"]}, "capital": {"type": "boolean"}}
+    schema = {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
+    params = [
+        SamplingParams(max_tokens=120, temperature=0, structured_output=StructuredOutputParams(json=schema)),
+        SamplingParams(max_tokens=40, temperature=0, logprobs=2),
+    ]
+    prompts = ["Describe Paris as JSON:", "Repeat after me: one two three four five, one two three four five, one"]
+    spec = {"method": "ngram", "num_speculative_tokens": 4}
+    reference = LLM(smollm2_gguf, kv_cache_memory="64MiB").generate(prompts, params, use_tqdm=False)
+    split = LLM(smollm2_gguf, kv_cache_memory="64MiB", tensor_parallel_size=3, speculative_config=spec)
+    try:
+        got = split.generate(prompts, params, use_tqdm=False)
+    finally:
+        split.close()
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
+    json.loads(got[0].outputs[0].text)
