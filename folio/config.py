@@ -102,6 +102,9 @@ class SchedulerConfig:
             raise ValueError("scheduler limits must be positive")
 
 
+CPU_COLLECTIVES = ("shm", "gloo")
+
+
 @dataclass(frozen=True)
 class ParallelConfig:
     """How one model is split over processes: tensor-parallel ranks, on one host or several (joined by
@@ -112,12 +115,18 @@ class ParallelConfig:
     node_rank: int = 0
     master_addr: str | None = None  # None: MASTER_ADDR from the environment, else loopback
     master_port: int | None = None  # None: MASTER_PORT from the environment, else a free port (one host)
+    # Ranks all on one CPU host: "shm" exchanges through shared memory, "gloo" through loopback TCP.
+    cpu_collectives: str = "shm"
 
     def __post_init__(self) -> None:
         if self.tensor_parallel_size < 1:
             raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
+        if self.cpu_collectives not in CPU_COLLECTIVES:
+            raise ValueError(
+                f"cpu_collectives must be one of {', '.join(CPU_COLLECTIVES)}, got {self.cpu_collectives!r}"
+            )
         if self.world_size % self.nnodes:
             raise ValueError(f"{self.world_size} ranks do not divide over {self.nnodes} hosts")
 

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from folio.config import (
+    CPU_COLLECTIVES,
     SPECULATIVE_METHODS,
     CacheConfig,
     ParallelConfig,
@@ -48,6 +49,7 @@ class EngineArgs:
     nnodes: int = 1  # hosts those ranks run on; the others start theirs with `folio worker`
     master_addr: str | None = None  # the rendezvous (default MASTER_ADDR, else loopback)
     master_port: int | None = None  # default MASTER_PORT, else a free port (one host only)
+    cpu_collectives: str = "shm"  # ranks on one CPU host: shared memory, or gloo over loopback
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -152,7 +154,8 @@ class EngineArgs:
         return kwargs
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.nnodes, 0, self.master_addr, self.master_port)
+        return ParallelConfig(self.tensor_parallel_size, self.nnodes, 0, self.master_addr, self.master_port,
+                              self.cpu_collectives)  # fmt: skip
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -184,6 +187,10 @@ def add_parallel_args(group: argparse._ArgumentGroup, engine: bool = True) -> No
         group.add_argument("--node-rank", type=int, required=True, help="this host's index among --nnodes (1, 2, ...)")
     group.add_argument("--master-addr", default=None, help="the head host's address (default: $MASTER_ADDR)")
     group.add_argument("--master-port", type=int, default=None, help="its rendezvous port (default: $MASTER_PORT)")
+    if engine:
+        group.add_argument("--cpu-collectives", default="shm", choices=CPU_COLLECTIVES,
+                           help="ranks all on one CPU host reduce through shared memory (shm, default) or gloo "
+                           "over loopback TCP")  # fmt: skip
 
 
 # Every SpeculativeConfig option but the method (--speculative-method) and the flag that sets it; the

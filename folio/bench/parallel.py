@@ -1,8 +1,9 @@
 """`folio bench parallel`: one model run whole and split over ranks, side by side in one run, on the
 same cores.
 
-Each `--tensor-parallel-sizes` entry is an engine (1: in process with every core's thread; N: N ranks,
-each pinned to its share of the cores). All are loaded at once (idle ranks wait without spinning) and
+Each `--engines` entry is an engine: tp1 in process with a thread per core; tpN as N ranks, each
+pinned to its share of the cores, exchanging through shared memory (tpN-gloo: through gloo over
+loopback TCP, the transport between hosts). All are loaded at once (idle ranks wait without spinning) and
 measured in turn, round after round, so the machine's drift hits each alike:
 - batch 1: one request's decode rate (tokens after the first over the time after the first);
 - batch N (`--batch`): N distinct prompts at once, output tok/s over the wall time, prefill included;
@@ -49,7 +50,8 @@ class Measure:
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser("parallel", help="tensor parallelism: whole vs split over ranks, same cores")
     parser.add_argument("model", nargs="?", default="gemma3-270m")
-    parser.add_argument("--tensor-parallel-sizes", type=int, nargs="+", default=[1, 2], help="engines (default 1 2)")
+    parser.add_argument("--engines", nargs="+", default=["tp1", "tp2", "tp2-gloo"],
+                        help="tp1, tpN (shared memory) or tpN-gloo (default: tp1 tp2 tp2-gloo)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=64, help="concurrent requests of the batched run (64)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (128)")
     parser.add_argument("--batch1-tokens", type=int, default=128, help="tokens generated at batch 1 (128)")
@@ -62,6 +64,14 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser.set_defaults(bench_run=run)
 
 
+def parse_engine(name: str) -> tuple[int, str]:
+    """ "tp2" -> (2, "shm"), "tp2-gloo" -> (2, "gloo")."""
+    size, _, transport = name.removeprefix("tp").partition("-")
+    if not name.startswith("tp") or not size.isdigit() or int(size) < 1 or transport not in ("", "gloo"):
+        raise ValueError(f"--engines: {name!r} is not tp1, tpN or tpN-gloo")
+    return int(size), transport or "shm"
+
+
 def _prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
     """Distinct prompts (their first block differs, so no prefix is shared) of `length` tokens."""
     body = llm.tokenizer.encode(TEXT * (1 + length // 20))
@@ -69,10 +79,10 @@ def _prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
 
 
 def _comm(llm: LLM) -> tuple[float, int]:
+    """(rank 0's seconds in collectives, steps that ran the model) so far."""
     runner = llm.engine.runner
-    if isinstance(runner, TensorParallelExecutor):
-        return runner.comm_stats().seconds, runner.steps
-    return 0.0, 0
+    comm = runner.comm_stats().seconds if isinstance(runner, TensorParallelExecutor) else 0.0
+    return comm, llm.engine.num_steps
 
 
 def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any], float, float]:
@@ -101,15 +111,16 @@ def _round(llm: LLM, measure: Measure, args: argparse.Namespace, prompts: list[l
 
 
 def run(args: argparse.Namespace) -> int:
-    if 1 not in args.tensor_parallel_sizes:
-        raise ValueError("--tensor-parallel-sizes must include 1: every ratio is against the whole model")
+    engines = {name: parse_engine(name) for name in args.engines}
+    if "tp1" not in engines:
+        raise ValueError("--engines must include tp1: every ratio is against the whole model")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     llms: dict[str, LLM] = {}
-    for size in args.tensor_parallel_sizes:
+    for name, (size, collectives) in engines.items():
         engine = EngineArgs(args.model, dtype=args.dtype, quantization=args.quantization,
                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch, 1),
-                            tensor_parallel_size=size)  # fmt: skip
-        llms[f"tp{size}"] = LLM.from_engine_args(engine)
+                            tensor_parallel_size=size, cpu_collectives=collectives)  # fmt: skip
+        llms[name] = LLM.from_engine_args(engine)
     first = next(iter(llms.values()))
     prompts = _prompts(first, args.batch, args.prompt_tokens)
     measures = {name: Measure() for name in llms}

@@ -4,7 +4,8 @@ A layer learns its rank and group size when it is constructed (`building(tp)` sc
 model is built for; outside it the group is one rank), so a draft model built beside a sharded
 target stays whole. With one rank every collective is the identity and costs nothing.
 
-Collectives run on torch.distributed: gloo on CPU, NCCL on CUDA. Their wall time is counted in
+Collectives run on torch.distributed (gloo on CPU, NCCL on CUDA), or, between ranks on one CPU
+host, through shared memory (shm_reduce.py). Their wall time is counted in
 `COMM` so that a benchmark can report the share of a step spent communicating.
 """
 
@@ -18,6 +19,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from folio.distributed.shm_reduce import SharedMemoryReducer
 
 
 @dataclass
@@ -42,6 +45,8 @@ class TensorParallel:
     rank: int = 0
     size: int = 1
     group: Any = field(default=None, compare=False)  # a torch.distributed ProcessGroup when size > 1
+    # Ranks on one CPU host exchange through shared memory instead (shm_reduce.py); None: the group.
+    shared: SharedMemoryReducer | None = field(default=None, compare=False)
 
     def split(self, total: int, what: str) -> tuple[int, int]:
         """(first index, count) of this rank's even share of `total` items."""
@@ -55,7 +60,10 @@ class TensorParallel:
         if self.size == 1:
             return x
         started = time.perf_counter()
-        dist.all_reduce(x, group=self.group)
+        if self.shared is not None:
+            self.shared.all_reduce(x)
+        else:
+            dist.all_reduce(x, group=self.group)
         COMM.add(started, x)
         return x
 
@@ -65,10 +73,14 @@ class TensorParallel:
             return x
         started = time.perf_counter()
         x = x.contiguous()
-        parts = [torch.empty_like(x) for _ in range(self.size)]
-        dist.all_gather(parts, x, group=self.group)
+        if self.shared is not None:
+            joined = self.shared.all_gather_last(x)
+        else:
+            parts = [torch.empty_like(x) for _ in range(self.size)]
+            dist.all_gather(parts, x, group=self.group)
+            joined = torch.cat(parts, dim=-1)
         COMM.add(started, x)
-        return torch.cat(parts, dim=-1)
+        return joined
 
 
 SINGLE = TensorParallel()

@@ -88,6 +88,7 @@ class EngineCore:
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
+        self.num_steps = 0  # steps that ran the model, for per-step figures
         self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
@@ -147,4 +148,5 @@ class EngineCore:
         result = self.runner.execute(out)  # an empty step still tells the runner which requests ended
         if out.is_empty:
             return []
+        self.num_steps += 1
         return self.scheduler.update_from_output(out, result)

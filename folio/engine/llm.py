@@ -55,6 +55,7 @@ class LLM:
         nnodes: int = 1,
         master_addr: str | None = None,
         master_port: int | None = None,
+        cpu_collectives: str = "shm",
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -65,6 +66,7 @@ class LLM:
             speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)
             else speculative_config,
             tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, master_addr=master_addr, master_port=master_port,
+            cpu_collectives=cpu_collectives,
         )  # fmt: skip
         parallel = args.parallel_config()
         configure_threads()

@@ -76,7 +76,6 @@ class TensorParallelExecutor:
         self.processes, self.conn = start_ranks(spec, 0, parallel.ranks_per_node, parallel.world_size, addr, port,
                                                 device)  # fmt: skip
         self.stopped = False
-        self.steps = 0  # steps sent, for per-step figures
         if parallel.nnodes > 1:
             logger.info("waiting for %d more ranks to join at %s:%d", parallel.world_size - parallel.ranks_per_node,
                         addr, port)  # fmt: skip
@@ -84,7 +83,6 @@ class TensorParallelExecutor:
         logger.info("%d tensor-parallel ranks ready (%d on this host)", parallel.world_size, len(self.processes))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        self.steps += 1
         self._send(("step", out))
         return self._receive()
 

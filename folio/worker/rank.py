@@ -22,6 +22,7 @@ import torch.distributed as dist
 
 from folio.config import CacheConfig, ParallelConfig, SpeculativeConfig
 from folio.distributed import rendezvous
+from folio.distributed.shm_reduce import SharedMemoryReducer
 from folio.distributed.tensor_parallel import COMM, CommStats, TensorParallel, building
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import load_model
@@ -85,7 +86,7 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None)
         dist.broadcast_object_list(shared, src=0, group=control)
         spec = shared[0]
         assert spec is not None
-        runner, report = _build(spec, place, device, threads)
+        runner, report = _build(spec, place, device, threads, control)
         dist.barrier(group=control)
         if conn is not None:
             conn.send(("ready", report))
@@ -102,8 +103,29 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None)
     os._exit(0)
 
 
-def _build(spec: WorkerSpec, place: RankPlace, device: torch.device, threads: int) -> tuple[ModelRunner, ReadyReport]:
-    tp = TensorParallel(place.rank, spec.parallel.tensor_parallel_size, dist.group.WORLD)
+def _shared_memory(
+    spec: WorkerSpec, place: RankPlace, device: torch.device, control: Any
+) -> SharedMemoryReducer | None:
+    """The shared-memory exchange, when every rank is on this CPU host and it was not turned off."""
+    parallel = spec.parallel
+    if device.type != "cpu" or parallel.nnodes > 1 or parallel.cpu_collectives != "shm":
+        return None
+    reducer = SharedMemoryReducer(0, place.world_size) if place.rank == 0 else None
+    name = [reducer.name if reducer is not None else None]
+    dist.broadcast_object_list(name, src=0, group=control)
+    if reducer is None:
+        reducer = SharedMemoryReducer(place.rank, place.world_size, name[0])
+    dist.barrier(group=control)
+    if place.rank == 0:
+        reducer.unlink()  # every rank holds it now; the name goes, the memory stays until the last exits
+    return reducer
+
+
+def _build(
+    spec: WorkerSpec, place: RankPlace, device: torch.device, threads: int, control: Any
+) -> tuple[ModelRunner, ReadyReport]:
+    shared = _shared_memory(spec, place, device, control)
+    tp = TensorParallel(place.rank, spec.parallel.tensor_parallel_size, dist.group.WORLD, shared)
     with building(tp):
         loaded = load_model(resolve_model(spec.model), spec.dtype, device, spec.quantization)
     runner = ModelRunner(loaded.model, loaded.config, spec.cache, spec.num_blocks, spec.dtype, device, spec.speculative)

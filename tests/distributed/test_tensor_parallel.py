@@ -29,6 +29,13 @@ def test_two_ranks_match_one_process(tiny_folders, kind):
     assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
 
 
+def test_gloo_collectives_match_too(tiny_folders):
+    # Ranks on one host exchange through shared memory by default; gloo is the path between hosts.
+    split = {"tensor_parallel_size": 2, "cpu_collectives": "gloo"}
+    result = run_both(tiny_folders["gemma3"], TINY_PROMPTS, split_kwargs=split, num_kv_blocks=64)
+    assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
+
+
 def test_four_ranks_replicate_kv_heads(tiny_folders):
     # 4 query heads, 2 KV heads: each KV head lives on the two ranks whose query heads read it.
     result = run_both(tiny_folders["llama"], TINY_PROMPTS, split_kwargs={"tensor_parallel_size": 4}, num_kv_blocks=64)

@@ -1,0 +1,40 @@
+"""`folio bench parallel` end to end on a tiny model: every engine measured, ratios against tp1, the
+communication per step reported for the split ones."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from folio.bench.parallel import parse_engine
+from folio.cli import main
+from tests.tiny_models import make_tiny_model
+
+pytest.importorskip("matplotlib")
+
+
+def test_parallel_bench_end_to_end(tmp_path, capsys):
+    model = make_tiny_model("llama", tmp_path / "llama")
+    out_dir = tmp_path / "results"
+    code = main(["bench", "parallel", str(model), "--engines", "tp1", "tp2", "tp2-gloo", "--rounds", "1",
+                 "--batch", "4", "--prompt-tokens", "16", "--batch1-tokens", "8", "--batch-tokens", "4",
+                 "--kv-cache-memory", "16MiB", "--output-dir", str(out_dir)])  # fmt: skip
+    assert code == 0
+    [json_file] = list(out_dir.glob("parallel_*.json"))
+    assert json_file.with_suffix(".png").exists()
+    report = json.loads(json_file.read_text())
+    engines = report["engines"]
+    assert list(engines) == ["tp1", "tp2", "tp2-gloo"]
+    assert engines["tp1"]["median"]["batch1_ratio"] == 1.0
+    for name in ("tp2", "tp2-gloo"):
+        median = engines[name]["median"]
+        assert median["batch1_decode_tok_s"] > 0 and median["batch_output_tok_s"] > 0
+        assert 0 < median["comm_ms_per_step_batch1"] < median["step_ms_batch1"]
+    assert "tp2-gloo" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name", ["tp", "tp0", "pp2", "tp2-nccl"])
+def test_an_unknown_engine_is_refused(name):
+    with pytest.raises(ValueError, match="--engines"):
+        parse_engine(name)
