@@ -32,6 +32,7 @@ class _QuantizableWeight(nn.Module):
         self.vocab_size = vocab_size
         self.weight = nn.Parameter(torch.empty(self.num_rows, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
+        self.weight.loads_slices = True  # narrows a lazy tensor to its rows before reading it
         self.int8: Int8Groups | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Int8Groups, shard_id: object = None) -> None:

@@ -30,6 +30,7 @@ class ColumnParallelLinear(Linear):
         start, size = self.tp.split(out_features, "output features")
         super().__init__(in_features, size, bias)
         self.first_row = start
+        _loads_slices(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
         super().weight_loader(param, narrow_weight(loaded, 0, self.first_row, self.out_features), shard_id)
@@ -46,6 +47,7 @@ class MergedColumnParallelLinear(MergedLinear):
         super().__init__(in_features, {shard_id: local for shard_id, (_, _, local) in parts.items()}, bias)
         self.tp = current()
         self.parts = parts
+        _loads_slices(self)
 
     @classmethod
     def even(cls, in_features: int, sizes: dict[object, int], bias: bool = False) -> MergedColumnParallelLinear:
@@ -71,17 +73,24 @@ class RowParallelLinear(Linear):
         start, size = self.tp.split(in_features, "input features")
         super().__init__(size, out_features, bias)
         self.first_column = start
+        _loads_slices(self)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard_id: object = None) -> None:
-        if param is self.weight:
-            loaded = narrow_weight(loaded, 1, self.first_column, self.in_features)
-        super().weight_loader(param, loaded, shard_id)
+        # Columns of the weight; the bias (one dim) is whole, only read if it is lazy.
+        super().weight_loader(param, narrow_weight(loaded, 1, self.first_column, self.in_features), shard_id)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
             return super().forward(x)
         out = self.tp.all_reduce(self.project(x, None))
         return out if self.bias is None else out + self.bias
+
+
+def _loads_slices(layer: Linear) -> None:
+    """Its loader narrows lazy checkpoint tensors itself (narrow_weight), reading only its slice."""
+    for param in (layer.weight, layer.bias):
+        if param is not None:
+            param.loads_slices = True
 
 
 def qkv_parallel(

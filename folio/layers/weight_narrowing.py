@@ -9,7 +9,7 @@ double-quantized scales run across rows, so a slice of it is dequantized (see do
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 
@@ -17,8 +17,25 @@ from folio.quant.int4 import Int4Groups
 from folio.quant.int8 import ChannelInt8, Int8Groups
 
 
+@runtime_checkable
+class LazyWeight(Protocol):
+    """A checkpoint tensor not read yet (a GGUF tensor's memory-mapped blocks): a rank narrows it
+    first and reads only its slice."""
+
+    shape: tuple[int, ...]
+
+    def narrow(self, dim: int, start: int, size: int) -> LazyWeight: ...
+
+    def load(self) -> Any:
+        """The slice as a dense tensor or quantized groups, as an eager loader would have given it."""
+
+
 def narrow_weight(loaded: Any, dim: int, start: int, size: int) -> Any:
-    """`loaded` restricted to [start, start + size) along `dim` (0: output rows, 1: input columns)."""
+    """`loaded` restricted to [start, start + size) along `dim` (0: output rows, 1: input columns); a
+    lazy weight is read now, only that slice of it."""
+    if isinstance(loaded, LazyWeight):
+        inside = dim < len(loaded.shape) and (start, size) != (0, loaded.shape[dim])
+        return (loaded.narrow(dim, start, size) if inside else loaded).load()
     if dim >= len(loaded.shape):  # e.g. a bias of a row-parallel layer: not split
         return loaded
     if start == 0 and size == loaded.shape[dim]:

@@ -10,9 +10,10 @@ from __future__ import annotations
 
 import re
 from collections.abc import Iterator
+from dataclasses import dataclass, replace
 
 import torch
-from gguf import GGMLQuantizationType
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from folio.config import ModelConfig
 from folio.loaders.gguf_file import GGUFFile, GGUFTensor
@@ -71,43 +72,78 @@ def _rope_heads(name: str, layout: GGUFLayout, config: ModelConfig) -> int | Non
     return config.num_kv_heads if ".attn_k." in name else None
 
 
-def _as_int4(tensor: GGUFTensor, name: str, layout: GGUFLayout, config: ModelConfig) -> Int4Groups | None:
+def _as_int4(tensor: GGUFTensor, name: str, heads: int | None) -> Int4Groups | None:
     """A projection weight whose format maps exactly onto 4-bit groups, kept that way; else None."""
     if name.startswith("token_embd") or tensor.ggml_type not in INT4_FORMATS:
         return None
     groups = int4_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
-    heads = _rope_heads(name, layout, config)
     return groups if groups is None or heads is None else groups.rows(_rope_row_order(groups.shape[0], heads))
 
 
-def _as_int8(tensor: GGUFTensor, name: str, layout: GGUFLayout, config: ModelConfig) -> Int8Groups | None:
+def _as_int8(tensor: GGUFTensor, heads: int | None) -> Int8Groups | None:
     """A weight in a symmetric 5- to 8-bit format (Q8_0, Q6_K, Q5_0), kept as 8-bit groups; else None."""
     if tensor.ggml_type not in INT8_FORMATS:
         return None
     groups = int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
-    heads = _rope_heads(name, layout, config)
     return groups if groups is None or heads is None else groups.rows(_rope_row_order(groups.shape[0], heads))
 
 
-def iter_gguf_weights(
-    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = True
-) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups]]:
-    """(Hugging Face name, weight) for every tensor. With `keep_quantized`, projection weights in a
-    4-bit format come as Int4Groups and weights in Q8_0, Q6_K or Q5_0 (projections, embedding, LM head)
-    as Int8Groups, for the layers to keep quantized; everything else is dequantized."""
-    layout = gguf_layout(gguf)
-    for name, tensor in gguf.tensors.items():
-        target = hf_name(name, layout)
-        groups = None
-        if keep_quantized:
-            groups = _as_int4(tensor, name, layout, config) or _as_int8(tensor, name, layout, config)
-        if groups is not None:
-            yield target, groups
-            continue
+@dataclass(frozen=True)
+class GGUFWeight:
+    """One GGUF tensor, read when `load` is called: a tensor-parallel rank `narrow`s it to its rows or
+    columns first (on the format's block boundaries), so it reads and unpacks only its slice."""
+
+    tensor: GGUFTensor
+    name: str  # the GGUF name
+    rope_heads: int | None  # heads in these rows whose llama.cpp permutation is undone on load
+    norm_offset: float
+    keep_quantized: bool
+    dtype: torch.dtype
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.tensor.shape
+
+    def narrow(self, dim: int, start: int, size: int) -> GGUFWeight:
+        rows, cols = self.tensor.shape
+        block_size, type_size = GGML_QUANT_SIZES[self.tensor.ggml_type]
+        raw = self.tensor.data.reshape(rows, cols // block_size, type_size)
+        heads = self.rope_heads
+        if dim == 0:
+            if heads is not None:
+                per_head = rows // heads
+                if start % per_head or size % per_head:
+                    raise ValueError(f"{self.name}: rows [{start}, {start + size}) split a rotary head")
+                heads = size // per_head
+            raw, shape = raw[start : start + size], (size, cols)
+        else:
+            if start % block_size or size % block_size:
+                raise ValueError(f"{self.name}: columns [{start}, {start + size}) split its blocks of {block_size}")
+            raw, shape = raw[:, start // block_size : (start + size) // block_size], (rows, size)
+        return replace(self, tensor=GGUFTensor(self.name, shape, self.tensor.ggml_type, raw), rope_heads=heads)
+
+    def load(self) -> torch.Tensor | Int4Groups | Int8Groups:
+        tensor, heads = self.tensor, self.rope_heads
+        if self.keep_quantized:
+            groups = _as_int4(tensor, self.name, heads) or _as_int8(tensor, heads)
+            if groups is not None:
+                return groups
         weight = dequantize_tensor(tensor, dtype=torch.float32)
-        heads = _rope_heads(name, layout, config)
         if heads is not None:
             weight = _unpermute_rope_rows(weight, heads)
-        elif layout.norm_offset and name.endswith("norm.weight"):
-            weight = weight - layout.norm_offset
-        yield target, weight.to(dtype)
+        elif self.norm_offset and self.name.endswith("norm.weight"):
+            weight = weight - self.norm_offset
+        return weight.to(self.dtype)
+
+
+def iter_gguf_weights(
+    gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = True, lazy: bool = False
+) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups | GGUFWeight]]:
+    """(Hugging Face name, weight) for every tensor. With `keep_quantized`, projection weights in a
+    4-bit format come as Int4Groups and weights in Q8_0, Q6_K or Q5_0 (projections, embedding, LM head)
+    as Int8Groups, for the layers to keep quantized; everything else is dequantized. With `lazy`, 2-D
+    tensors come unread (`GGUFWeight`) for tensor-parallel layers to narrow before reading."""
+    layout = gguf_layout(gguf)
+    for name, tensor in gguf.tensors.items():
+        weight = GGUFWeight(tensor, name, _rope_heads(name, layout, config), layout.norm_offset, keep_quantized, dtype)
+        yield hf_name(name, layout), weight if lazy and len(tensor.shape) == 2 else weight.load()

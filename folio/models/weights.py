@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from folio.layers.linear import default_weight_loader
+from folio.layers.weight_narrowing import LazyWeight
 from folio.quant.int4 import Int4Groups
 from folio.quant.int8 import Int8Groups
 
@@ -35,6 +36,8 @@ def load_named_weights(
         if param is None:
             raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
         loader = getattr(param, "weight_loader", default_weight_loader)
+        if isinstance(tensor, LazyWeight) and not getattr(param, "loads_slices", False):
+            tensor = tensor.load()  # a loader that takes the whole tensor
         # Quantized groups go to the layer as they are; it keeps them or widens them itself.
         loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor, shard_id)
         loaded.add(target)
