@@ -1,8 +1,9 @@
 """All-reduce and all-gather through shared memory, for ranks on one CPU host.
 
-Over loopback TCP a gloo collective costs ~1.7 ms on this machine whatever its size, and a split
-model runs two per layer per step: more than the layer's arithmetic at small batches. vLLM's CPU
-backend reduces through shared memory for the same reason; this is the same idea in torch.
+Over loopback TCP a gloo collective of a batch-1 step took ~1.7 ms on this machine (`folio bench
+parallel`, docs/benchmarks.md), and a split model runs two per layer per step: more than the layer's
+arithmetic at small batches. vLLM's CPU backend reduces through shared memory for the same reason;
+this is the same idea in torch.
 
 Layout of the segment: one 64-byte flag per rank (the number of the last collective it has written),
 then, for each of two parities, one slot per rank of `SLOT_BYTES`. A collective writes this rank's
@@ -85,11 +86,10 @@ class SharedMemoryReducer:
         """Sum over ranks, in place."""
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
         for chunk in self._chunks(flat):
-            parts = self._exchange(chunk)
-            total = parts[0].clone()
+            parts = self._exchange(chunk)  # this rank's part is in its slot: `chunk` may be overwritten
+            chunk.copy_(parts[0])
             for part in parts[1:]:
-                total += part
-            chunk.copy_(total)
+                chunk += part
         if flat.data_ptr() != x.data_ptr():
             x.copy_(flat.view_as(x))
         return x
