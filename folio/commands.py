@@ -211,8 +211,14 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_worker(args: argparse.Namespace) -> int:
-    parallel = ParallelConfig(args.tensor_parallel_size, args.nnodes, args.node_rank, args.master_addr,
-                              args.master_port)  # fmt: skip
+    parallel = ParallelConfig(
+        tensor_parallel_size=args.tensor_parallel_size,
+        pipeline_parallel_size=args.pipeline_parallel_size,
+        nnodes=args.nnodes,
+        node_rank=args.node_rank,
+        master_addr=args.master_addr,
+        master_port=args.master_port,
+    )
     return run_worker_host(parallel, args.device or str(default_device()))
 
 

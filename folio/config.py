@@ -107,20 +107,29 @@ CPU_COLLECTIVES = ("shm", "gloo")
 
 @dataclass(frozen=True)
 class ParallelConfig:
-    """How one model is split over processes: tensor-parallel ranks, on one host or several (joined by
-    torch.distributed's rendezvous at master_addr:master_port; see docs/parallelism.md)."""
+    """How one model is split over processes: tensor-parallel ranks within each of the pipeline's
+    stages, on one host or several (joined by torch.distributed's rendezvous at master_addr:master_port;
+    see docs/parallelism.md). Global rank = stage * tensor_parallel_size + rank within the stage."""
 
     tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
     nnodes: int = 1  # hosts taking part; this one starts ranks [node_rank * per_node, ...)
     node_rank: int = 0
     master_addr: str | None = None  # None: MASTER_ADDR from the environment, else loopback
     master_port: int | None = None  # None: MASTER_PORT from the environment, else a free port (one host)
     # Ranks all on one CPU host: "shm" exchanges through shared memory, "gloo" through loopback TCP.
     cpu_collectives: str = "shm"
+    # Pieces a pipeline splits each step into, so that its stages overlap; None: two per stage.
+    pipeline_micro_batches: int | None = None
+    # Layers per stage; None: balanced by weight, the LM head counted (pipeline_parallel.py).
+    pipeline_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        if self.tensor_parallel_size < 1:
-            raise ValueError(f"tensor_parallel_size must be at least 1, got {self.tensor_parallel_size}")
+        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
+            raise ValueError(f"pipeline_micro_batches must be at least 1, got {self.pipeline_micro_batches}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         if self.cpu_collectives not in CPU_COLLECTIVES:
@@ -132,7 +141,11 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size
+
+    @property
+    def micro_batches(self) -> int:
+        return self.pipeline_micro_batches or 2 * self.pipeline_parallel_size
 
     @property
     def ranks_per_node(self) -> int:

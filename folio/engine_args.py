@@ -45,7 +45,10 @@ class EngineArgs:
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
-    tensor_parallel_size: int = 1  # ranks the model is split over (processes started by the engine)
+    tensor_parallel_size: int = 1  # ranks each layer is split over (processes started by the engine)
+    pipeline_parallel_size: int = 1  # stages the layers are split into, each of tensor_parallel_size ranks
+    pipeline_micro_batches: int | None = None  # pieces of each step a pipeline overlaps (None: 2 per stage)
+    pipeline_layers: str | None = None  # layers per stage, "9,9"; None: balanced by weight
     nnodes: int = 1  # hosts those ranks run on; the others start theirs with `folio worker`
     master_addr: str | None = None  # the rendezvous (default MASTER_ADDR, else loopback)
     master_port: int | None = None  # default MASTER_PORT, else a free port (one host only)
@@ -154,8 +157,16 @@ class EngineArgs:
         return kwargs
 
     def parallel_config(self) -> ParallelConfig:
-        return ParallelConfig(self.tensor_parallel_size, self.nnodes, 0, self.master_addr, self.master_port,
-                              self.cpu_collectives)  # fmt: skip
+        return ParallelConfig(
+            tensor_parallel_size=self.tensor_parallel_size,
+            pipeline_parallel_size=self.pipeline_parallel_size,
+            nnodes=self.nnodes,
+            master_addr=self.master_addr,
+            master_port=self.master_port,
+            cpu_collectives=self.cpu_collectives,
+            pipeline_micro_batches=self.pipeline_micro_batches,
+            pipeline_layers=parse_layer_counts(self.pipeline_layers),
+        )
 
     def cache_config(self) -> CacheConfig:
         return CacheConfig(
@@ -178,10 +189,22 @@ class EngineArgs:
         )
 
 
+def parse_layer_counts(text: str | None) -> tuple[int, ...] | None:
+    """ "9,9" -> (9, 9)."""
+    if text is None:
+        return None
+    try:
+        return tuple(int(part) for part in text.split(","))
+    except ValueError:
+        raise ValueError(f"--pipeline-layers must be comma-separated layer counts such as 9,9, got {text!r}") from None
+
+
 def add_parallel_args(group: argparse._ArgumentGroup, engine: bool = True) -> None:
     """The flags `folio serve|run|bench` and `folio worker` share (a worker also names its host's rank)."""
     group.add_argument("--tensor-parallel-size", "-tp", type=int, default=1,
-                       help="split the model over this many processes (heads and MLP columns per rank)")  # fmt: skip
+                       help="split each layer over this many processes (heads and MLP columns per rank)")  # fmt: skip
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
+                       help="split the layers into this many stages of --tensor-parallel-size processes")  # fmt: skip
     group.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on (default 1)")
     if not engine:
         group.add_argument("--node-rank", type=int, required=True, help="this host's index among --nnodes (1, 2, ...)")
@@ -191,6 +214,12 @@ def add_parallel_args(group: argparse._ArgumentGroup, engine: bool = True) -> No
         group.add_argument("--cpu-collectives", default="shm", choices=CPU_COLLECTIVES,
                            help="ranks all on one CPU host reduce through shared memory (shm, default) or gloo "
                            "over loopback TCP")  # fmt: skip
+        group.add_argument("--pipeline-layers", default=None,
+                           help="layers per pipeline stage, e.g. 9,9 (default: balanced by weight, the LM head "
+                           "counted)")  # fmt: skip
+        group.add_argument("--pipeline-micro-batches", type=int, default=None,
+                           help="pieces a pipeline splits each step into so that its stages overlap (default: 2 "
+                           "per stage)")  # fmt: skip
 
 
 # Every SpeculativeConfig option but the method (--speculative-method) and the flag that sets it; the

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from folio.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
@@ -17,7 +18,7 @@ from folio.models.base import CausalLM
 from folio.platform import default_kv_cache_memory
 from folio.spec_decode.factory import make_proposer
 from folio.structured.grammar import GrammarCompiler
-from folio.worker.executor import TensorParallelExecutor, WorkerLaunch
+from folio.worker.executor import SplitModelExecutor, WorkerLaunch
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 from folio.worker.rank import WorkerSpec
 
@@ -48,8 +49,11 @@ class EngineCore:
         """`model`: the model, in this process; or None with `workers`: its ranks, started here, load it."""
         parallel = workers.parallel if workers is not None else ParallelConfig()
         tp = parallel.tensor_parallel_size
+        # Refuse a split the model cannot take before any rank starts.
         kv_heads = head_shard(model_config.num_heads, model_config.num_kv_heads, TensorParallel(0, tp)).num_kv_heads
-        # Per rank; the pool's memory is shared by all ranks (KV heads replicated over ranks count twice).
+        stages = partition_layers(model_config, parallel.pipeline_parallel_size, parallel.pipeline_layers)
+        # Every layer's KV on one tensor-parallel rank; a pipeline stage holds its layers' share. The
+        # pool's memory is shared by all ranks (KV heads replicated over ranks count twice).
         bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype, kv_heads)
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
@@ -72,11 +76,11 @@ class EngineCore:
                 f"the draft model's vocabulary ({draft_model.config.vocab_size} tokens) is not the target's "
                 f"({model_config.vocab_size}): a draft must share the target's tokenizer"
             )
-        self.runner: ModelRunner | TensorParallelExecutor
+        self.runner: ModelRunner | SplitModelExecutor
         if workers is not None:
             spec = WorkerSpec(workers.model, dtype, workers.quantization, cache_config, num_blocks, speculative_config,
                               parallel)  # fmt: skip
-            self.runner = TensorParallelExecutor(spec, model_config, str(device))
+            self.runner = SplitModelExecutor(spec, model_config, str(device))
         else:
             assert model is not None, "an engine without workers runs its model in process"
             self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
@@ -85,6 +89,8 @@ class EngineCore:
             shared = self.runner.kv_caches if draft_model is not None and draft_model.config == model_config else None
             self.runner.proposer = make_proposer(speculative_config, draft_model, num_blocks, cache_config.block_size,
                                                  dtype, device, shared)  # fmt: skip
+        if len(stages) > 1:
+            logger.info("pipeline stages hold layers %s", ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
@@ -98,7 +104,7 @@ class EngineCore:
             self.kv.capacity_tokens,
             num_blocks * cache_config.block_size * bytes_per_token * tp / 2**20,
             bytes_per_token,
-            f" on each of {tp} ranks" if tp > 1 else "",
+            f" over {tp} tensor-parallel ranks" if tp > 1 else "",
             cache_config.kv_cache_dtype,
             max_len,
             "on" if cache_config.enable_prefix_caching else "off",
@@ -136,7 +142,7 @@ class EngineCore:
 
     def shutdown(self) -> None:
         """Stop the model's ranks, if it has any (an in-process model needs nothing)."""
-        if isinstance(self.runner, TensorParallelExecutor):
+        if isinstance(self.runner, SplitModelExecutor):
             self.runner.shutdown()
 
     def step(self) -> list[Request]:

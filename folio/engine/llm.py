@@ -23,7 +23,7 @@ from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
 from folio.sampling_params import SamplingParams
 from folio.structured.grammar import GrammarCompiler
-from folio.worker.executor import TensorParallelExecutor, WorkerLaunch
+from folio.worker.executor import SplitModelExecutor, WorkerLaunch
 
 logger = logging.getLogger("folio")
 
@@ -52,6 +52,9 @@ class LLM:
         kv_cache_dtype: str = "auto",
         speculative_config: SpeculativeConfig | dict | None = None,
         tensor_parallel_size: int = 1,
+        pipeline_parallel_size: int = 1,
+        pipeline_micro_batches: int | None = None,
+        pipeline_layers: str | Sequence[int] | None = None,  # layers per stage: "9,9" or (9, 9)
         nnodes: int = 1,
         master_addr: str | None = None,
         master_port: int | None = None,
@@ -65,8 +68,11 @@ class LLM:
             kv_cache_dtype=kv_cache_dtype,
             speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)
             else speculative_config,
-            tensor_parallel_size=tensor_parallel_size, nnodes=nnodes, master_addr=master_addr, master_port=master_port,
-            cpu_collectives=cpu_collectives,
+            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            pipeline_micro_batches=pipeline_micro_batches,
+            pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
+            else ",".join(map(str, pipeline_layers)),
+            nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
         )  # fmt: skip
         parallel = args.parallel_config()
         configure_threads()
@@ -101,7 +107,7 @@ class LLM:
             self.draft.model if self.draft is not None else None,
             WorkerLaunch(args.model, quantization, parallel) if parallel.is_parallel else None,
         )
-        if isinstance(self.engine.runner, TensorParallelExecutor):
+        if isinstance(self.engine.runner, SplitModelExecutor):
             ready = self.engine.runner.ready
             self.loaded.shard_bytes, self.loaded.load_seconds = ready.weight_bytes, ready.load_seconds
             logger.info("weights: %.1f MiB resident on rank 0 of %d (%s)", ready.weight_bytes / 2**20,

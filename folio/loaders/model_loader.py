@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
+from folio.distributed.pipeline_parallel import current_stage
 from folio.distributed.tensor_parallel import current as current_tp
 from folio.layers.linear import ON_THE_FLY_METHODS, Linear
 from folio.loaders.gguf_file import GGUFFile
@@ -71,9 +72,10 @@ def open_checkpoint(path: Path, dtype: torch.dtype, quantization: str | None = N
     if path.is_file():
         gguf = GGUFFile(path)
         config = gguf_model_config(gguf)
-        # A tensor-parallel rank reads only its slice of each tensor (the layers narrow them).
-        weights = iter_gguf_weights(gguf, config, dtype, keep_quantized=quantization is None,
-                                    lazy=current_tp().size > 1)  # fmt: skip
+        # A tensor-parallel rank reads only its slice of each tensor (the layers narrow them), and a
+        # pipeline stage only its layers' tensors.
+        split = current_tp().size > 1 or current_stage().size > 1
+        weights = iter_gguf_weights(gguf, config, dtype, keep_quantized=quantization is None, lazy=split)
         tokenizer = Tokenizer.from_gguf(gguf)
         label = gguf.quantization_summary()
     elif (path / "config.json").exists():

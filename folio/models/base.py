@@ -20,6 +20,7 @@ from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import LMHead
 from folio.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+from folio.models.staged import HeldElsewhere, StageCarry
 from folio.models.weights import StackedMapping, check_all_loaded, load_named_weights
 
 
@@ -63,11 +64,19 @@ class CausalLM(nn.Module):
     def _finish_init(self, config: ModelConfig) -> None:
         self.config = config
         self.tp = current()  # the group the layers were built for
-        tied = self.model.embed_tokens if config.tie_word_embeddings else None
-        self.lm_head = LMHead(config.vocab_size, config.hidden_size, tied_to=tied)
+        self.stage = self.model.stage  # the pipeline stage it was built for
+        # A last stage that is not the first holds the tied embedding's rows as its own head.
+        tied = self.model.embed_tokens if config.tie_word_embeddings and self.stage.is_first else None
+        self.lm_head: nn.Module = (
+            LMHead(config.vocab_size, config.hidden_size, tied_to=tied) if self.stage.is_last else HeldElsewhere()
+        )
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        return self.model(input_ids, positions, meta)
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        carried: StageCarry | None = None,
+    ) -> torch.Tensor | StageCarry:  # fmt: skip
+        """The final hidden states; on a pipeline stage before the last, what the next one continues from."""
+        return self.model(input_ids, positions, meta, carried)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = self.lm_head(hidden).float()
@@ -80,7 +89,8 @@ class CausalLM(nn.Module):
         """Once the KV cache is bound: set up a compiled decode step if the model has one."""
 
     def attention_layers(self) -> list[PagedAttention]:
-        return [layer.self_attn.attn for layer in self.model.layers]
+        """This stage's (every layer's, for a whole model)."""
+        return [layer.self_attn.attn for layer in self.model.held_layers()]
 
     def bind_kv_cache(
         self, num_slots: int, block_size: int, dtype: torch.dtype, fmt: KVFormat | None, device: torch.device
@@ -100,8 +110,20 @@ class CausalLM(nn.Module):
         return caches
 
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        skip = ("lm_head.",) if self.config.tie_word_embeddings else ()
+        tied = self.config.tie_word_embeddings
+        # Parts other pipeline stages hold: their tensors are skipped unread (a lazy GGUF tensor never is).
+        elsewhere = tuple(f"{name}." for name, module in self.named_modules() if isinstance(module, HeldElsewhere))
+        head_owns_embedding = tied and self.stage.is_last and not self.stage.is_first
         rename = self.checkpoint_rename
-        renamed = (pair for pair in (rename(name, tensor) for name, tensor in weights) if pair is not None)
-        loaded = load_named_weights(self, renamed, self.stacked_params, skip_prefixes=skip)
+
+        def renamed_pairs() -> Iterable[tuple[str, torch.Tensor]]:
+            for name, tensor in weights:
+                pair = rename(name, tensor)
+                if pair is None or (tied and pair[0].startswith("lm_head.")):  # the embedding is the head
+                    continue
+                if head_owns_embedding and pair[0].startswith("model.embed_tokens."):
+                    pair = pair[0].replace("model.embed_tokens.", "lm_head.", 1), pair[1]
+                yield pair
+
+        loaded = load_named_weights(self, renamed_pairs(), self.stacked_params, skip_prefixes=elsewhere)
         check_all_loaded(self, loaded)

@@ -23,6 +23,7 @@ from folio.layers.norm import LayerNorm
 from folio.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
 from folio.models.architecture import Architecture, HFConfig
 from folio.models.base import CausalLM
+from folio.models.staged import StagedBody
 from folio.models.weights import StackedMapping
 
 
@@ -44,18 +45,25 @@ class BloomAttention(nn.Module):
         return self.o_proj(self.attn(q, k, v, meta))
 
 
-class BloomModel(nn.Module):
+class BloomModel(StagedBody):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.embed_norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
-        self.layers = nn.ModuleList(LayerNormBlock(config, BloomAttention(config)) for _ in range(config.num_layers))
-        self.norm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = self.on_first(lambda: VocabEmbedding(config.vocab_size, config.hidden_size))
+        self.embed_norm = self.on_first(lambda: LayerNorm(config.hidden_size, config.rms_norm_eps))
+        self.layers = self.build_layers(config, lambda i: LayerNormBlock(config, BloomAttention(config)))
+        self.norm = self.on_last(lambda: LayerNorm(config.hidden_size, config.rms_norm_eps))
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
-        hidden = self.embed_norm(self.embed_tokens(input_ids))
-        for layer in self.layers:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_norm(self.embed_tokens(input_ids))
+
+    def run_layers(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, None]:
+        for layer in self.held_layers():
             hidden = layer(hidden, meta)
+        return hidden, None
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(hidden)
 
 

@@ -67,7 +67,7 @@ def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> Any | None:
     return stack
 
 
-def takes_step(stack: Any | None, hidden: torch.Tensor, meta: AttentionMetadata) -> bool:
+def takes_step(stack: Any | None, num_tokens: int, meta: AttentionMetadata) -> bool:
     """Whether this step is one the stack runs: decodes only, within the 4-bit kernel's rows."""
     groups = meta.groups
-    return stack is not None and len(groups) == 1 and groups[0].is_decode and hidden.shape[0] <= DOT_MAX_ROWS
+    return stack is not None and len(groups) == 1 and groups[0].is_decode and num_tokens <= DOT_MAX_ROWS

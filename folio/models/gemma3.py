@@ -27,6 +27,7 @@ from folio.models.config_readers import (
     hf_common_fields,
     scaling_or_none,
 )
+from folio.models.staged import StagedBody
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -81,13 +82,13 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp_out)
 
 
-class Gemma3Model(nn.Module):
+class Gemma3Model(StagedBody):
     def __init__(self, config: ModelConfig) -> None:
         super().__init__()
         self.config = config
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(Gemma3DecoderLayer(config, i) for i in range(config.num_layers))
-        self.norm = _norm(config.hidden_size, config)
+        self.embed_tokens = self.on_first(lambda: VocabEmbedding(config.vocab_size, config.hidden_size))
+        self.layers = self.build_layers(config, lambda i: Gemma3DecoderLayer(config, i))
+        self.norm = self.on_last(lambda: _norm(config.hidden_size, config))
         self.rotary_global = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
@@ -96,15 +97,22 @@ class Gemma3Model(nn.Module):
         )
         self.embed_scale = config.hidden_size**0.5
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
         # The reference rounds the scale to the activation dtype before multiplying.
-        hidden = hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+        return hidden * torch.tensor(self.embed_scale, dtype=hidden.dtype)
+
+    def run_layers(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, None]:
         rope_global = self.rotary_global.cos_sin(positions, hidden.dtype)
         rope_local = self.rotary_local.cos_sin(positions, hidden.dtype)
-        for layer in self.layers:
+        for layer in self.held_layers():
             rope = rope_local if layer.self_attn.is_sliding else rope_global
             hidden = layer(hidden, rope, meta)
+        return hidden, None
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         return self.norm(hidden)
 
 

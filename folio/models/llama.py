@@ -29,6 +29,7 @@ from folio.models.config_readers import (
     hf_common_fields,
 )
 from folio.models.decode_stack import build_decode_stack, takes_step
+from folio.models.staged import StageCarry, StagedBody
 
 
 class LlamaAttention(nn.Module):
@@ -85,32 +86,47 @@ class LlamaDecoderLayer(nn.Module):
         return self.mlp(hidden), residual
 
 
-class LlamaModel(nn.Module):
+class LlamaModel(StagedBody):
     """`attention`: the layers' attention module (a variant such as Qwen3's QK-norm one subclasses it)."""
+
+    carries_residual = True
 
     def __init__(self, config: ModelConfig, attention: type[LlamaAttention] = LlamaAttention) -> None:
         super().__init__()
-        self.embed_tokens = VocabEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(LlamaDecoderLayer(config, i, attention) for i in range(config.num_layers))
-        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.embed_tokens = self.on_first(lambda: VocabEmbedding(config.vocab_size, config.hidden_size))
+        self.layers = self.build_layers(config, lambda i: LlamaDecoderLayer(config, i, attention))
+        self.norm = self.on_last(lambda: RMSNorm(config.hidden_size, config.rms_norm_eps))
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.decode_stack: Any | None = None  # the C++ decode step, once the KV cache is bound
+        self.decode_stack: Any | None = None  # the C++ decode step, once the KV cache is bound (whole models)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        carried: StageCarry | None = None,
+    ) -> torch.Tensor | StageCarry:  # fmt: skip
+        if not takes_step(self.decode_stack, input_ids.shape[0], meta):
+            return super().forward(input_ids, positions, meta, carried)
         hidden = self.embed_tokens(input_ids)
+        cos, sin = (t.view(t.shape[0], -1) for t in self.rotary.cos_sin(positions, hidden.dtype))
+        group = meta.groups[0]
+        hidden, residual = self.decode_stack.forward(
+            hidden, cos, sin, meta.slot_mapping, group.block_tables, group.seq_lens
+        )
+        return self.norm.add_and_norm(hidden, residual)[0]
+
+    def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
+    def run_layers(
+        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
         rope = self.rotary.cos_sin(positions, hidden.dtype)
-        if takes_step(self.decode_stack, hidden, meta):
-            cos, sin = (t.view(t.shape[0], -1) for t in rope)
-            group = meta.groups[0]
-            hidden, residual = self.decode_stack.forward(
-                hidden, cos, sin, meta.slot_mapping, group.block_tables, group.seq_lens
-            )
-            return self.norm.add_and_norm(hidden, residual)[0]
-        residual = None
-        for layer in self.layers:
+        for layer in self.held_layers():
             hidden, residual = layer(hidden, residual, rope, meta)
+        return hidden, residual
+
+    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
         if residual is None:  # no layers
             return self.norm(hidden)
         return self.norm.add_and_norm(hidden, residual)[0]
@@ -123,7 +139,7 @@ class LlamaForCausalLM(CausalLM):
         self._finish_init(config)
 
     def bind_decode_stack(self, dtype: torch.dtype) -> None:
-        if self.tp.size == 1:  # the C++ step has no collectives: a sharded model runs its Python layers
+        if self.tp.size == 1 and self.stage.size == 1:  # the C++ step runs whole models only
             self.model.decode_stack = build_decode_stack(self.model, dtype)
 
 

@@ -1,5 +1,6 @@
-"""The engine's side of a tensor-parallel model: it starts this host's ranks, sends each step to rank
-0 and returns rank 0's result, and stops every rank on exit or when any of them dies.
+"""The engine's side of a split model (tensor and/or pipeline parallel): it starts this host's ranks,
+sends each step to rank 0 and returns the step's result, and stops every rank on exit or when any of
+them dies.
 
 It stands where an in-process `ModelRunner` would (`execute(SchedulerOutput) -> ModelRunnerOutput`),
 so the scheduler and everything above it do not know the model is split.
@@ -68,7 +69,7 @@ def stop_ranks(processes: list[BaseProcess]) -> None:
             process.join(timeout=STOP_SECONDS)
 
 
-class TensorParallelExecutor:
+class SplitModelExecutor:
     def __init__(self, spec: WorkerSpec, config: ModelConfig, device: str) -> None:
         self.config = config  # what callers read from an in-process runner
         parallel = spec.parallel
@@ -80,7 +81,7 @@ class TensorParallelExecutor:
             logger.info("waiting for %d more ranks to join at %s:%d", parallel.world_size - parallel.ranks_per_node,
                         addr, port)  # fmt: skip
         self.ready: ReadyReport = self._receive()
-        logger.info("%d tensor-parallel ranks ready (%d on this host)", parallel.world_size, len(self.processes))
+        logger.info("%d ranks ready (%d on this host)", parallel.world_size, len(self.processes))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         self._send(("step", out))
@@ -115,13 +116,13 @@ class TensorParallelExecutor:
                     self._fail(f"{process.name} exited (code {process.exitcode})")
 
     def _fail(self, why: str) -> None:
-        logger.critical("tensor-parallel worker failed: %s; stopping every rank", why)
+        logger.critical("a rank of the split model failed: %s; stopping every rank", why)
         self.stopped = True
         for process in self.processes:
             if process.is_alive():
                 process.kill()
         stop_ranks(self.processes)
-        raise WorkerDiedError(f"a tensor-parallel worker failed: {why}")
+        raise WorkerDiedError(f"a rank of the split model failed: {why}")
 
     def shutdown(self) -> None:
         if self.stopped:

@@ -27,6 +27,7 @@ from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
 from folio.structured.grammar import unpack_bitmask
 from folio.worker.draft_verification import verify_drafts
+from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.request_states import RequestStates
 from folio.worker.row_sampling import SampleSpec, sample_rows
 
@@ -73,8 +74,11 @@ class ModelRunner:
         dtype: torch.dtype,
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
+        micro_batches: int = 1,
     ) -> None:
+        """`micro_batches`: how many pieces a pipeline stage splits a step into (unused whole)."""
         self.model = model
+        self.micro_batches = micro_batches
         self.config = config
         self.block_size = cache.block_size
         self.num_blocks = num_blocks
@@ -176,9 +180,18 @@ class ModelRunner:
             layer_kv.copy_blocks(src, dst, self.block_size)
 
     @torch.inference_mode()
-    def forward(self, inputs: BatchInputs) -> torch.Tensor:
-        """Hidden states for every scheduled token, [T, hidden]."""
-        return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+    def forward(self, inputs: BatchInputs, out: SchedulerOutput) -> torch.Tensor | None:
+        """Hidden states for every scheduled token, [T, hidden]; None on a pipeline stage before the
+        last (it sent its part on)."""
+        stage = self.model.stage
+        if stage.size == 1:
+            return self.model(inputs.input_ids, inputs.positions, inputs.meta)
+        spans = [Span(c.start_position, c.num_tokens, self.requests[c.request_id].block_ids, c.num_draft_tokens > 0)
+                 for c in out.scheduled]  # fmt: skip
+        batches = micro_batches(spans, self.micro_batches, self.block_size, self.device)
+        parts = 2 if self.model.model.carries_residual else 1
+        return run_stage(self.model, stage, inputs.input_ids, inputs.positions, batches,
+                         (parts, self.config.hidden_size), self.dtype)  # fmt: skip
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -195,7 +208,9 @@ class ModelRunner:
         inputs = self.prepare(out)
         if out.block_copies:
             self.copy_blocks(list(out.block_copies))
-        hidden = self.forward(inputs)
+        hidden = self.forward(inputs, out)
+        if hidden is None:  # the last pipeline stage reports the step
+            return ModelRunnerOutput()
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         accepted, accepted_logprobs, choices, failed = self._verify_drafts(hidden, inputs)
         tokens: dict[str, int] = {}

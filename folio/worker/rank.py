@@ -1,9 +1,11 @@
-"""One tensor-parallel rank: it loads its shard of the model, then runs every step the engine sends.
+"""One rank of a split model: it loads its shard (its stage's layers, its columns of them), then runs
+every step the engine sends.
 
 The scheduler stays single, in the engine process, and talks to rank 0 only (a pipe); rank 0
 broadcasts each step's `SchedulerOutput` (a value) to the other ranks over torch.distributed, every
-rank runs the same `ModelRunner.execute` on its shard (the collectives inside the layers keep them
-in lockstep), and rank 0 sends its `ModelRunnerOutput` back. Ranks on other hosts get everything
+rank runs the same `ModelRunner.execute` on its shard (the collectives inside the layers keep a
+stage's ranks in lockstep; hidden states flow from stage to stage), and the last stage's first rank
+(rank 0 itself without a pipeline) has its `ModelRunnerOutput` sent back. Ranks on other hosts get everything
 they need, the spec included, from rank 0, so `folio worker` needs only the rendezvous.
 """
 
@@ -22,8 +24,9 @@ import torch.distributed as dist
 
 from folio.config import CacheConfig, ParallelConfig, SpeculativeConfig
 from folio.distributed import rendezvous
-from folio.distributed.shm_reduce import SharedMemoryReducer
-from folio.distributed.tensor_parallel import COMM, CommStats, TensorParallel, building
+from folio.distributed.pipeline_parallel import building_stage
+from folio.distributed.tensor_parallel import COMM, CommStats, building
+from folio.distributed.topology import join_groups, output_rank
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import load_model
 from folio.spec_decode.factory import make_proposer
@@ -90,7 +93,8 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None)
         dist.barrier(group=control)
         if conn is not None:
             conn.send(("ready", report))
-        _serve(runner, conn, control)
+        reporter = output_rank(spec.parallel.tensor_parallel_size, spec.parallel.pipeline_parallel_size)
+        _serve(runner, conn, control, reporter)
     except BaseException as exc:  # noqa: BLE001 - whatever ended this rank is reported, then it exits
         logger.error("rank %d failed: %s", place.rank, traceback.format_exc())
         if conn is not None:
@@ -103,46 +107,46 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None)
     os._exit(0)
 
 
-def _shared_memory(
-    spec: WorkerSpec, place: RankPlace, device: torch.device, control: Any
-) -> SharedMemoryReducer | None:
-    """The shared-memory exchange, when every rank is on this CPU host and it was not turned off."""
-    parallel = spec.parallel
-    if device.type != "cpu" or parallel.nnodes > 1 or parallel.cpu_collectives != "shm":
-        return None
-    reducer = SharedMemoryReducer(0, place.world_size) if place.rank == 0 else None
-    name = [reducer.name if reducer is not None else None]
-    dist.broadcast_object_list(name, src=0, group=control)
-    if reducer is None:
-        reducer = SharedMemoryReducer(place.rank, place.world_size, name[0])
-    dist.barrier(group=control)
-    if place.rank == 0:
-        reducer.unlink()  # every rank holds it now; the name goes, the memory stays until the last exits
-    return reducer
-
-
 def _build(
     spec: WorkerSpec, place: RankPlace, device: torch.device, threads: int, control: Any
 ) -> tuple[ModelRunner, ReadyReport]:
-    shared = _shared_memory(spec, place, device, control)
-    tp = TensorParallel(place.rank, spec.parallel.tensor_parallel_size, dist.group.WORLD, shared)
-    with building(tp):
+    parallel = spec.parallel
+    # Ranks on one CPU host exchange through shared memory unless told to use gloo.
+    shm = device.type == "cpu" and parallel.nnodes == 1 and parallel.cpu_collectives == "shm"
+    role = join_groups(place.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, control, shm,
+                       parallel.pipeline_layers)  # fmt: skip
+    with building(role.tp), building_stage(role.stage):
         loaded = load_model(resolve_model(spec.model), spec.dtype, device, spec.quantization)
-    runner = ModelRunner(loaded.model, loaded.config, spec.cache, spec.num_blocks, spec.dtype, device, spec.speculative)
+    runner = ModelRunner(loaded.model, loaded.config, spec.cache, spec.num_blocks, spec.dtype, device, spec.speculative,
+                         parallel.micro_batches)  # fmt: skip
     speculative = spec.speculative
-    if place.rank == 0 and speculative is not None:  # only rank 0's drafts reach the scheduler
+    if role.reports and speculative is not None:  # only the reporting rank's drafts reach the scheduler
         draft = None
         if speculative.draft_model is not None:  # whole on rank 0: built outside `building`
             draft = load_model(resolve_model(speculative.draft_model), spec.dtype, device,
                                speculative.draft_quantization).model  # fmt: skip
         runner.proposer = make_proposer(speculative, draft, spec.num_blocks, spec.cache.block_size, spec.dtype,
                                         device)  # fmt: skip
-    logger.info("rank %d of %d: %.1f MiB of weights (%s), %d threads", place.rank, place.world_size,
-                loaded.weight_bytes / 2**20, loaded.quantization, threads)  # fmt: skip
+    logger.info("rank %d of %d (stage %d, tensor-parallel rank %d): %.1f MiB of weights (%s), %d threads",
+                place.rank, place.world_size, role.stage.stage, role.tp.rank, loaded.weight_bytes / 2**20,
+                loaded.quantization, threads)  # fmt: skip
     return runner, ReadyReport(loaded.weight_bytes, loaded.quantization, loaded.load_seconds, threads)
 
 
-def _serve(runner: ModelRunner, conn: Connection | None, control: Any) -> None:
+def _forward_result(result: ModelRunnerOutput | None, reporter: int, control: Any) -> ModelRunnerOutput | None:
+    """Rank `reporter`'s result, handed to rank 0 (every other rank returns what it had)."""
+    rank = dist.get_rank()
+    if rank == reporter:
+        dist.send_object_list([result], dst=0, group=control)
+    elif rank == 0:
+        received: list[ModelRunnerOutput | None] = [None]
+        dist.recv_object_list(received, src=reporter, group=control)
+        return received[0]
+    return result
+
+
+def _serve(runner: ModelRunner, conn: Connection | None, control: Any, reporter: int) -> None:
+    """`reporter`: the rank whose result is the step's (rank 0 unless the model is a pipeline)."""
     while True:
         message = _next_message(conn, control)
         kind, payload = message
@@ -155,6 +159,8 @@ def _serve(runner: ModelRunner, conn: Connection | None, control: Any) -> None:
         if kind != "step":
             continue  # keepalive
         result: ModelRunnerOutput = runner.execute(payload)
+        if reporter != 0:  # the last pipeline stage sampled: its result goes to rank 0, then the engine
+            result = _forward_result(result, reporter, control)
         if conn is not None:
             conn.send(("ok", result))
 

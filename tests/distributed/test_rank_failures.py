@@ -29,8 +29,10 @@ def chat_model(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tp-chat") / "llama")
 
 
-def test_a_rank_killed_mid_run_fails_the_call_and_leaves_no_process(chat_model):
-    llm = LLM(chat_model, num_kv_blocks=64, tensor_parallel_size=2)
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+def test_a_rank_killed_mid_run_fails_the_call_and_leaves_no_process(chat_model, split):
+    # Under a pipeline, rank 1 is the last stage: rank 0 waits on its hidden states' receiver.
+    llm = LLM(chat_model, num_kv_blocks=64, **split)
     ranks = list(llm.engine.runner.processes)
     rank_processes = [psutil.Process(p.pid) for p in ranks]
     stream = llm.stream([1, 2, 3], SamplingParams(max_tokens=200, ignore_eos=True, temperature=0))
@@ -75,4 +77,4 @@ def test_a_served_split_model_answers_503_and_exits_non_zero_when_a_rank_dies(ch
         if process.poll() is None:
             process.kill()
         stderr = process.communicate()[1]
-    assert "tensor-parallel worker failed" in stderr, stderr
+    assert "a rank of the split model failed" in stderr, stderr
