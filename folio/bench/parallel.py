@@ -1,14 +1,16 @@
 """`folio bench parallel`: one model run whole and split over ranks, side by side in one run, on the
 same cores.
 
-Each `--engines` entry is an engine: tp1 in process with a thread per core; tpN as N ranks, each
-pinned to its share of the cores, exchanging through shared memory (tpN-gloo: through gloo over
-loopback TCP, the transport between hosts). All are loaded at once (idle ranks wait without spinning) and
+Each `--engines` entry is an engine: tp1 in process with a thread per core; tpN as N tensor-parallel
+ranks, each pinned to its share of the cores, exchanging through shared memory (tpN-gloo: through
+gloo over loopback TCP, the transport between hosts); ppM as M pipeline stages (hidden states sent
+with gloo); tpNxppM both, N x M ranks. All are loaded at once (idle ranks wait without spinning) and
 measured in turn, round after round, so the machine's drift hits each alike:
 - batch 1: one request's decode rate (tokens after the first over the time after the first);
-- batch N (`--batch`): N distinct prompts at once, output tok/s over the wall time, prefill included;
-- for split engines, rank 0's time in collectives per step (all-reduces and the logits' all-gather),
-  and its share of the step.
+- batch N (`--batch`): N distinct prompts at once, output tok/s over the wall time, prefill included
+  (prefix caching is off, so each round prefills the same prompts again);
+- for split engines, rank 0's time per step in collectives (all-reduces and the logits' all-gather)
+  and in waiting on its sends to the next stage, with the bytes it moved, and its share of the step.
 Ratios are against the whole model's figure of the same round.
 """
 
@@ -28,7 +30,7 @@ from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
 from folio.results import machine_info, result_paths, write_json
 from folio.sampling_params import SamplingParams
-from folio.worker.executor import TensorParallelExecutor
+from folio.worker.executor import SplitModelExecutor
 
 TEXT = (
     "The committee reviewed the quarterly figures, asked for the missing receipts, and agreed to meet again "
@@ -43,15 +45,17 @@ class Measure:
     batch_output_tok_s: list[float] = field(default_factory=list)
     comm_ms_per_step_batch1: list[float] = field(default_factory=list)
     comm_ms_per_step_batch: list[float] = field(default_factory=list)
+    comm_kib_per_step_batch1: list[float] = field(default_factory=list)
+    comm_kib_per_step_batch: list[float] = field(default_factory=list)
     step_ms_batch1: list[float] = field(default_factory=list)
     step_ms_batch: list[float] = field(default_factory=list)
 
 
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
-    parser = benchmarks.add_parser("parallel", help="tensor parallelism: whole vs split over ranks, same cores")
+    parser = benchmarks.add_parser("parallel", help="tensor and pipeline parallelism: whole vs split, same cores")
     parser.add_argument("model", nargs="?", default="gemma3-270m")
-    parser.add_argument("--engines", nargs="+", default=["tp1", "tp2", "tp2-gloo"],
-                        help="tp1, tpN (shared memory) or tpN-gloo (default: tp1 tp2 tp2-gloo)")  # fmt: skip
+    parser.add_argument("--engines", nargs="+", default=["tp1", "tp2", "pp2"],
+                        help="tp1, tpN (shared memory), tpN-gloo, ppM, tpNxppM (default: tp1 tp2 pp2)")  # fmt: skip
     parser.add_argument("--batch", type=int, default=64, help="concurrent requests of the batched run (64)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="tokens per prompt (128)")
     parser.add_argument("--batch1-tokens", type=int, default=128, help="tokens generated at batch 1 (128)")
@@ -60,16 +64,34 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument("--dtype", default="float32", help="activations: float32 or bfloat16")
     parser.add_argument("--quantization", default=None, help="as `folio serve --quantization` (default: as stored)")
     parser.add_argument("--kv-cache-memory", default="1GiB", help="KV pool over all ranks (1GiB)")
+    parser.add_argument("--micro-batches", type=int, default=None,
+                        help="pieces a pipeline splits each step into (default: 2 per stage)")  # fmt: skip
+    parser.add_argument("--pipeline-layers", default=None,
+                        help="layers per stage of pipelined engines, e.g. 9,9 (default: by weight)")  # fmt: skip
     add_output_dir(parser)
     parser.set_defaults(bench_run=run)
 
 
-def parse_engine(name: str) -> tuple[int, str]:
-    """ "tp2" -> (2, "shm"), "tp2-gloo" -> (2, "gloo")."""
-    size, _, transport = name.removeprefix("tp").partition("-")
-    if not name.startswith("tp") or not size.isdigit() or int(size) < 1 or transport not in ("", "gloo"):
-        raise ValueError(f"--engines: {name!r} is not tp1, tpN or tpN-gloo")
-    return int(size), transport or "shm"
+@dataclass(frozen=True)
+class Split:
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    cpu_collectives: str = "shm"
+
+
+def parse_engine(name: str) -> Split:
+    """ "tp2" -> Split(2, 1, "shm"), "tp2-gloo" -> Split(2, 1, "gloo"), "tp2xpp2" -> Split(2, 2, "shm")."""
+    sizes, _, transport = name.partition("-")
+    found: dict[str, int] = {}
+    for part in sizes.split("x"):
+        kind, size = part[:2], part[2:]
+        if kind not in ("tp", "pp") or kind in found or not size.isdigit() or int(size) < 1:
+            break
+        found[kind] = int(size)
+    else:
+        if transport in ("", "gloo"):
+            return Split(found.get("tp", 1), found.get("pp", 1), transport or "shm")
+    raise ValueError(f"--engines: {name!r} is not tp1, tpN, tpN-gloo, ppM or tpNxppM")
 
 
 def _prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
@@ -78,48 +100,64 @@ def _prompts(llm: LLM, count: int, length: int) -> list[list[int]]:
     return [(llm.tokenizer.encode(f"Record {i}:") + body)[:length] for i in range(count)]
 
 
-def _comm(llm: LLM) -> tuple[float, int]:
-    """(rank 0's seconds in collectives, steps that ran the model) so far."""
+@dataclass(frozen=True)
+class Timed:
+    wall: float
+    outputs: list[Any]
+    comm_ms_per_step: float
+    comm_kib_per_step: float
+    step_ms: float
+
+
+def _comm(llm: LLM) -> tuple[float, int, int]:
+    """(rank 0's seconds communicating, bytes it moved, steps that ran the model) so far."""
     runner = llm.engine.runner
-    comm = runner.comm_stats().seconds if isinstance(runner, TensorParallelExecutor) else 0.0
-    return comm, llm.engine.num_steps
+    stats = runner.comm_stats() if isinstance(runner, SplitModelExecutor) else None
+    return (stats.seconds, stats.bytes, llm.engine.num_steps) if stats else (0.0, 0, llm.engine.num_steps)
 
 
-def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> tuple[float, list[Any], float, float]:
-    """(wall seconds, outputs, communication ms per step, wall ms per step) of one generate call."""
-    comm0, steps0 = _comm(llm)
+def _timed(llm: LLM, prompts: list[list[int]], max_tokens: int) -> Timed:
+    seconds0, bytes0, steps0 = _comm(llm)
     params = SamplingParams(max_tokens=max_tokens, temperature=0, ignore_eos=True)
     started = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=False)
     wall = time.perf_counter() - started
-    comm1, steps1 = _comm(llm)
-    steps = steps1 - steps0
-    return wall, outputs, (comm1 - comm0) * 1000 / steps if steps else 0.0, wall * 1000 / steps if steps else 0.0
+    seconds1, bytes1, steps1 = _comm(llm)
+    steps = max(steps1 - steps0, 1)
+    return Timed(wall, outputs, (seconds1 - seconds0) * 1000 / steps, (bytes1 - bytes0) / 1024 / steps,
+                 wall * 1000 / steps)  # fmt: skip
 
 
 def _round(llm: LLM, measure: Measure, args: argparse.Namespace, prompts: list[list[int]]) -> None:
-    wall, outputs, comm_ms, step_ms = _timed(llm, prompts[:1], args.batch1_tokens)
-    metrics = outputs[0].metrics
+    one = _timed(llm, prompts[:1], args.batch1_tokens)
+    metrics = one.outputs[0].metrics
     decode_seconds = metrics.finish_time - metrics.first_token_time
     measure.batch1_decode_tok_s.append((args.batch1_tokens - 1) / decode_seconds)
-    measure.comm_ms_per_step_batch1.append(comm_ms)
-    measure.step_ms_batch1.append(step_ms)
-    wall, outputs, comm_ms, step_ms = _timed(llm, prompts, args.batch_tokens)
-    measure.batch_output_tok_s.append(sum(len(o.outputs[0].token_ids) for o in outputs) / wall)
-    measure.comm_ms_per_step_batch.append(comm_ms)
-    measure.step_ms_batch.append(step_ms)
+    measure.comm_ms_per_step_batch1.append(one.comm_ms_per_step)
+    measure.comm_kib_per_step_batch1.append(one.comm_kib_per_step)
+    measure.step_ms_batch1.append(one.step_ms)
+    many = _timed(llm, prompts, args.batch_tokens)
+    measure.batch_output_tok_s.append(sum(len(o.outputs[0].token_ids) for o in many.outputs) / many.wall)
+    measure.comm_ms_per_step_batch.append(many.comm_ms_per_step)
+    measure.comm_kib_per_step_batch.append(many.comm_kib_per_step)
+    measure.step_ms_batch.append(many.step_ms)
 
 
 def run(args: argparse.Namespace) -> int:
     engines = {name: parse_engine(name) for name in args.engines}
-    if "tp1" not in engines:
+    if engines.get("tp1") != Split():
         raise ValueError("--engines must include tp1: every ratio is against the whole model")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     llms: dict[str, LLM] = {}
-    for name, (size, collectives) in engines.items():
+    for name, split in engines.items():
         engine = EngineArgs(args.model, dtype=args.dtype, quantization=args.quantization,
                             kv_cache_memory=args.kv_cache_memory, max_num_seqs=max(args.batch, 1),
-                            tensor_parallel_size=size, cpu_collectives=collectives)  # fmt: skip
+                            enable_prefix_caching=False,  # every round prefills its prompts anew
+                            tensor_parallel_size=split.tensor_parallel_size,
+                            pipeline_parallel_size=split.pipeline_parallel_size,
+                            pipeline_micro_batches=args.micro_batches,
+                            pipeline_layers=args.pipeline_layers if split.pipeline_parallel_size > 1 else None,
+                            cpu_collectives=split.cpu_collectives)  # fmt: skip
         llms[name] = LLM.from_engine_args(engine)
     first = next(iter(llms.values()))
     prompts = _prompts(first, args.batch, args.prompt_tokens)
@@ -155,4 +193,6 @@ def _report(args: argparse.Namespace, date: str, measures: dict[str, Measure]) -
         summary |= {"batch1_ratio": statistics.median(ratios1), "batch_ratio": statistics.median(ratios)}
         engines[name] = {"median": summary, "rounds": asdict(m)}
     return {"benchmark": "parallel", "date_utc": date, "command": command_line(args), "model": args.model,
-            "batch": args.batch, "machine": machine_info(), "engines": engines}  # fmt: skip
+            "batch": args.batch, "micro_batches": args.micro_batches, "pipeline_layers": args.pipeline_layers,
+            "machine": machine_info(),
+            "engines": engines}  # fmt: skip

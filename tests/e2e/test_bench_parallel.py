@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from folio.bench.parallel import parse_engine
+from folio.bench.parallel import Split, parse_engine
 from folio.cli import main
 from tests.tiny_models import make_tiny_model
 
@@ -17,7 +17,7 @@ pytest.importorskip("matplotlib")
 def test_parallel_bench_end_to_end(tmp_path, capsys):
     model = make_tiny_model("llama", tmp_path / "llama")
     out_dir = tmp_path / "results"
-    code = main(["bench", "parallel", str(model), "--engines", "tp1", "tp2", "tp2-gloo", "--rounds", "1",
+    code = main(["bench", "parallel", str(model), "--engines", "tp1", "tp2", "tp2-gloo", "pp2", "--rounds", "1",
                  "--batch", "4", "--prompt-tokens", "16", "--batch1-tokens", "8", "--batch-tokens", "4",
                  "--kv-cache-memory", "16MiB", "--output-dir", str(out_dir)])  # fmt: skip
     assert code == 0
@@ -25,16 +25,26 @@ def test_parallel_bench_end_to_end(tmp_path, capsys):
     assert json_file.with_suffix(".png").exists()
     report = json.loads(json_file.read_text())
     engines = report["engines"]
-    assert list(engines) == ["tp1", "tp2", "tp2-gloo"]
+    assert list(engines) == ["tp1", "tp2", "tp2-gloo", "pp2"]
     assert engines["tp1"]["median"]["batch1_ratio"] == 1.0
-    for name in ("tp2", "tp2-gloo"):
+    for name in ("tp2", "tp2-gloo", "pp2"):
         median = engines[name]["median"]
         assert median["batch1_decode_tok_s"] > 0 and median["batch_output_tok_s"] > 0
         assert 0 < median["comm_ms_per_step_batch1"] < median["step_ms_batch1"]
+        assert median["comm_kib_per_step_batch"] > 0
+    # A pipeline's stage 0 sends each token's hidden state and residual: at least [2, 1, 64] float32 a step.
+    assert engines["pp2"]["median"]["comm_kib_per_step_batch1"] >= 2 * 64 * 4 / 1024
     assert "tp2-gloo" in capsys.readouterr().out
 
 
-@pytest.mark.parametrize("name", ["tp", "tp0", "pp2", "tp2-nccl"])
+@pytest.mark.parametrize("name", ["tp", "tp0", "pp", "tp2xtp2", "pp2x", "tp2-nccl", "dp2"])
 def test_an_unknown_engine_is_refused(name):
     with pytest.raises(ValueError, match="--engines"):
         parse_engine(name)
+
+
+def test_engine_names():
+    assert parse_engine("tp1") == Split()
+    assert parse_engine("tp2-gloo") == Split(2, 1, "gloo")
+    assert parse_engine("pp2") == Split(1, 2)
+    assert parse_engine("tp2xpp2") == Split(2, 2)
