@@ -117,5 +117,10 @@ class SamplingParams:
         return self.temperature == 0.0
 
     @property
+    def plain_greedy(self) -> bool:
+        """Greedy with nothing that reads or changes the logits first: the token is the raw argmax."""
+        return self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
+
+    @property
     def has_penalties(self) -> bool:
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0

@@ -87,8 +87,10 @@ class SharedMemoryReducer:
         flat = x.view(-1) if x.is_contiguous() else x.contiguous().view(-1)
         for chunk in self._chunks(flat):
             parts = self._exchange(chunk)  # this rank's part is in its slot: `chunk` may be overwritten
-            chunk.copy_(parts[0])
-            for part in parts[1:]:
+            if len(parts) == 1:
+                continue
+            torch.add(parts[0], parts[1], out=chunk)  # one pass: the sum written where the result goes
+            for part in parts[2:]:
                 chunk += part
         if flat.data_ptr() != x.data_ptr():
             x.copy_(flat.view_as(x))
@@ -96,11 +98,24 @@ class SharedMemoryReducer:
 
     def all_gather_last(self, x: torch.Tensor) -> torch.Tensor:
         """Every rank's `x` joined along the last dimension, in rank order."""
-        flat = x.contiguous().view(-1)
-        gathered = [torch.empty_like(flat) for _ in range(self.world_size)]
-        offset = 0
-        for chunk in self._chunks(flat):
-            for rank, part in enumerate(self._exchange(chunk)):
-                gathered[rank][offset : offset + chunk.numel()].copy_(part)
-            offset += chunk.numel()
-        return torch.cat([g.view_as(x) for g in gathered], dim=-1)
+        x = x.contiguous()
+        width = x.shape[-1]
+        rows = x.view(-1, width)
+        joined = torch.empty(rows.shape[0], self.world_size, width, dtype=x.dtype)
+        rows_per_chunk = SLOT_BYTES // max(1, width * x.element_size())
+        if rows_per_chunk == 0:  # a row larger than a slot: gather flat, then lay the parts side by side
+            parts = [torch.empty_like(rows) for _ in range(self.world_size)]
+            offset = 0
+            for chunk in self._chunks(rows.view(-1)):
+                for rank, part in enumerate(self._exchange(chunk)):
+                    parts[rank].view(-1)[offset : offset + chunk.numel()].copy_(part)
+                offset += chunk.numel()
+            for rank, part in enumerate(parts):
+                joined[:, rank].copy_(part)
+        else:  # whole rows per chunk, each rank's copied straight to its place in the result
+            for first in range(0, rows.shape[0], rows_per_chunk):
+                block = rows[first : first + rows_per_chunk]
+                for rank, part in enumerate(self._exchange(block.reshape(-1))):
+                    joined[first : first + block.shape[0], rank].copy_(part.view_as(block))
+        return joined.view(*x.shape[:-1], self.world_size * width)
+

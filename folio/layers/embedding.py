@@ -80,9 +80,14 @@ class LMHead(nn.Module):
     def source(self) -> _QuantizableWeight:
         return self.tied_to if self.tied_to is not None else self.own
 
+    def local_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """The logits of this rank's vocabulary range (all of it when whole), [N, num_rows]."""
+        source = self.source
+        return source.int8.linear(hidden) if source.int8 is not None else F.linear(hidden, source.weight)
+
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         source = self.source
-        logits = source.int8.linear(hidden) if source.int8 is not None else F.linear(hidden, source.weight)
+        logits = self.local_logits(hidden)
         if source.tp.size == 1:
             return logits
         if source.num_rows < source.rows_per_rank:  # the last rank's short range, padded to gather

@@ -20,6 +20,7 @@ from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import LMHead
 from folio.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+from folio.layers.split_argmax import local_best, pick_best
 from folio.models.staged import HeldElsewhere, StageCarry
 from folio.models.weights import StackedMapping, check_all_loaded, load_named_weights
 
@@ -79,11 +80,20 @@ class CausalLM(nn.Module):
         return self.model(input_ids, positions, meta, carried)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.lm_head(hidden).float()
+        return self._soft_capped(self.lm_head(hidden).float())
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's argmax of `compute_logits(hidden)` [N], and whether the row's logits were all
+        finite [N] bool, without gathering a split vocabulary: each rank takes its range's best, and
+        the ranks exchange three numbers a row instead of N x V / ranks logits."""
+        local = self._soft_capped(self.lm_head.local_logits(hidden).float())
+        mine = local_best(local, self.lm_head.source.first_row)
+        every = self.tp.all_gather_last(mine).view(-1, self.tp.size, 3)
+        return pick_best(every)
+
+    def _soft_capped(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.config.final_logit_softcapping
-        if cap:
-            logits = torch.tanh(logits / cap) * cap
-        return logits
+        return torch.tanh(logits / cap) * cap if cap else logits
 
     def bind_decode_stack(self, dtype: torch.dtype) -> None:
         """Once the KV cache is bound: set up a compiled decode step if the model has one."""

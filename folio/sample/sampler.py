@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from folio.layers.finite_rows import nonfinite_rows, rows_without_finite
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs
 from folio.sample.penalties import PenaltyBatch
@@ -141,8 +142,9 @@ def sample(logits: torch.Tensor, batch: SamplingBatch) -> SamplerOutput:
 def row_problems(logits: torch.Tensor, adjusted: torch.Tensor) -> list[str | None]:
     """Rows whose draw means nothing: the model's logits hold NaN or infinity (argmax of NaN is
     arbitrary), or the masks left no token with a finite logit."""
-    not_finite = ~torch.isfinite(logits).all(dim=-1)
-    none_left = ~torch.isfinite(adjusted).any(dim=-1)
+    not_finite = nonfinite_rows(logits)
+    # A row with no finite logit has a non-finite one: when nothing adjusted them, that says it all.
+    none_left = torch.zeros_like(not_finite) if adjusted is logits else rows_without_finite(adjusted)
     if not bool((not_finite | none_left).any()):
         return [None] * logits.shape[0]
     return [

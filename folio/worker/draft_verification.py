@@ -29,8 +29,7 @@ def verify_drafts(
     """logits [k + 1, V] (raw, float) at the positions of the last token and each draft; `allowed`
     [k + 1, V]: structured output's masks at those rows (the drafts were cut to what the grammar takes)."""
     params = state.sampling_params
-    plain_greedy = params.greedy and not params.has_penalties and not params.logit_bias and params.logprobs is None
-    if plain_greedy and allowed is None and bool(torch.isfinite(logits).all()):
+    if params.plain_greedy and allowed is None and bool(torch.isfinite(logits.sum())):  # one pass: see row_problems
         # Nothing adjusts these rows (filters keep the argmax): the target's choices are the raw argmax.
         choices = logits.argmax(dim=-1).tolist()
         return Verified(verify_greedy(choices, draft_ids), None, choices)

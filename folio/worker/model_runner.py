@@ -216,7 +216,10 @@ class ModelRunner:
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         candidates: dict[str, BeamCandidates] = {}
-        if inputs.logits_rows:
+        if inputs.logits_rows and self._all_plain_greedy(inputs):
+            tokens, not_finite = self._greedy(hidden, inputs)
+            failed |= not_finite
+        elif inputs.logits_rows:
             # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
             logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
             if self.logits_observer is not None:
@@ -238,6 +241,25 @@ class ModelRunner:
             accepted_logprobs=accepted_logprobs,
             draft_token_ids=self._propose(out, tokens, accepted, choices),
         )
+
+    def _all_plain_greedy(self, inputs: BatchInputs) -> bool:
+        """Whether every sampled row's token is its raw argmax and nothing else reads its logits."""
+        if self.logits_observer is not None:
+            return False
+        return all(s.sampling_params.plain_greedy and s.allowed is None and not s.num_beam_candidates
+                   for s in inputs.samplers)  # fmt: skip
+
+    def _greedy(self, hidden: torch.Tensor, inputs: BatchInputs) -> tuple[dict[str, int], dict[str, str]]:
+        """The argmax of each sampled row, without a sampling batch (or, split, a gathered vocabulary),
+        and the rows that fail because their logits were not finite."""
+        chosen, finite = self.model.greedy_tokens(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
+        tokens, failed = {}, {}
+        for request_id, token, ok in zip(inputs.sampled_ids, chosen.tolist(), finite.tolist(), strict=True):
+            if ok:
+                tokens[request_id] = token
+            else:
+                failed[request_id] = "the model's logits were not finite"
+        return tokens, failed
 
     def _verify_drafts(
         self, hidden: torch.Tensor, inputs: BatchInputs

@@ -11,7 +11,7 @@ import pytest
 
 from folio import LLM, SamplingParams
 from folio.structured.params import StructuredOutputParams
-from tests.parallel_compare import TINY_PROMPTS, run_both
+from tests.parallel_compare import GREEDY, TINY_PROMPTS, run_both
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
 
 TOLERANCE = 1e-4
@@ -27,6 +27,20 @@ def tiny_folders(tmp_path_factory):
 def test_two_ranks_match_one_process(tiny_folders, kind):
     result = run_both(tiny_folders[kind], TINY_PROMPTS, num_kv_blocks=64)
     assert result.same_tokens and result.max_logprob_diff < TOLERANCE, result
+
+
+@pytest.mark.parametrize(("kind", "size"), [("gemma3", 2), ("llama", 4)])
+def test_plain_greedy_takes_each_ranks_best_token(tiny_folders, kind, size):
+    # Without logprobs the ranks exchange their vocabulary range's best token, not the logits: the
+    # tokens equal those the reference samples from its whole logits (logprobs force that path).
+    params = SamplingParams(max_tokens=12, temperature=0)
+    reference = LLM(tiny_folders[kind], num_kv_blocks=64).generate(TINY_PROMPTS, GREEDY, use_tqdm=False)
+    split = LLM(tiny_folders[kind], num_kv_blocks=64, tensor_parallel_size=size)
+    try:
+        got = split.generate(TINY_PROMPTS, params, use_tqdm=False)
+    finally:
+        split.close()
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
 
 
 def test_gloo_collectives_match_too(tiny_folders):

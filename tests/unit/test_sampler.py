@@ -1,8 +1,10 @@
 from __future__ import annotations
 
+import math
+
 import torch
 
-from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p
+from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, row_problems
 from folio.sample.sampler import sample_tokens as sample
 from folio.sampling_params import SamplingParams
 
@@ -71,3 +73,21 @@ def test_logit_bias_is_added_before_sampling_but_not_to_logprobs():
     out = sample_with_logprobs(logits, _batch(params))
     assert out.token_ids[0] == 7 and out.token_ids[1] != best[1] and out.token_ids[2] == best[2]
     assert out.logprobs[0].logprob == torch.log_softmax(logits[0], -1)[7].item()
+
+
+def test_row_problems_are_exact_where_a_row_sum_overflows_or_cancels():
+    """The one-reduction screen flags rows whose sum or max is not finite; the exact test then decides."""
+    big = torch.full((1, 4), 3e38)  # finite terms whose sum overflows: not a problem
+    mixed = torch.tensor([[math.inf, -math.inf, 0.0, 1.0]])  # the sum is NaN: a problem
+    plus_inf_only = torch.tensor([[math.inf, 0.0, 0.0, 0.0]])
+    clean = torch.randn(1, 4)
+    logits = torch.cat([big, mixed, plus_inf_only, clean])
+    assert row_problems(logits, logits) == [None, "the model's logits were not finite",
+                                            "the model's logits were not finite", None]  # fmt: skip
+    adjusted = logits.clone()
+    adjusted[0, :3] = -math.inf  # one finite logit left, whose max is +3e38: allowed
+    adjusted[3] = -math.inf
+    assert row_problems(logits, adjusted)[0] is None
+    assert row_problems(logits, adjusted)[3] == "no token was allowed"
+    with_inf_max = torch.tensor([[math.inf, -math.inf, -math.inf, -math.inf]])
+    assert row_problems(torch.zeros(1, 4), with_inf_max) == ["no token was allowed"]  # no finite logit left

@@ -25,6 +25,10 @@ def _rank(rank: int, name: str, results) -> None:
         gathered = reducer.all_gather_last(_part(rank, step, numel).view(1, -1)[:, :9])
         expected = torch.cat([_part(r, step, numel).view(1, -1)[:, :9] for r in range(2)], dim=-1)
         checks.append(torch.equal(gathered, expected))
+    for shape in [(40, 131072), (3, SLOT_BYTES // 4 + 9), (0, 5)]:  # many chunks of rows; a row over a slot; none
+        mine = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
+        expected = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(2)], -1)
+        checks.append(torch.equal(reducer.all_gather_last(mine), expected))
     results.put((rank, checks))
 
 
@@ -39,4 +43,4 @@ def test_two_ranks_reduce_and_gather_exactly():
     for process in ranks:
         process.join(timeout=30)
     owner.unlink()
-    assert got == {0: [True] * 2 * len(SIZES), 1: [True] * 2 * len(SIZES)}
+    assert got == {0: [True] * (2 * len(SIZES) + 3), 1: [True] * (2 * len(SIZES) + 3)}

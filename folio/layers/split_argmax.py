@@ -1,0 +1,25 @@
+"""Greedy tokens from a vocabulary split over tensor-parallel ranks, without gathering the logits:
+each rank reduces its range to one (best value, token id, finite?) triple per row, and the triples of
+every rank decide. Gathering 64 rows of Gemma 3's 262,144 logits moves 67 MB a step; the triples 1.5 KB.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.layers.finite_rows import nonfinite_rows
+
+
+def local_best(local: torch.Tensor, first_row: int) -> torch.Tensor:
+    """[N, 3] float64 for each row of one rank's logits [N, rows]: its best value, that token's id
+    (`first_row` + the first maximal column, as argmax takes) and 1.0 if the row is not all finite."""
+    best, index = local.max(dim=-1)
+    return torch.stack([best.double(), (index + first_row).double(), nonfinite_rows(local).double()], dim=-1)
+
+
+def pick_best(every: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Every rank's `local_best` [N, ranks, 3] -> the argmax over the whole vocabulary [N] and whether
+    each row's logits were all finite [N] bool. Ties go to the lower rank: its token ids come first."""
+    winner = every[:, :, 0].max(dim=1).indices
+    tokens = every[torch.arange(every.shape[0]), winner, 1].long()
+    return tokens, ~every[:, :, 2].bool().any(dim=1)

@@ -1,0 +1,39 @@
+"""A split vocabulary's argmax: each rank's best over its rows, merged, equals the argmax over the
+whole row, ties included, and a row with a non-finite logit on any rank is reported."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from folio.layers.split_argmax import local_best, pick_best
+
+
+def _merged(logits: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    per_rank = -(-logits.shape[1] // ranks)  # ceil(V / ranks) rows each, the last rank fewer
+    parts = [local_best(logits[:, r * per_rank : (r + 1) * per_rank], r * per_rank) for r in range(ranks)]
+    return pick_best(torch.stack(parts, dim=1))
+
+
+@pytest.mark.parametrize("ranks", [1, 2, 3, 4])
+def test_merged_argmax_equals_the_whole_rows(ranks):
+    logits = torch.randn(9, 10, generator=torch.Generator().manual_seed(ranks))
+    logits[1, [2, 7]] = 5.0  # a tie across ranks: the first index wins
+    logits[2, [3, 4]] = 6.0  # a tie inside one rank (or across, as the split falls)
+    logits[3] = 1.0  # every token tied
+    logits[4, :] = -math.inf
+    logits[4, 9] = 0.0  # the best is the last rank's last row
+    tokens, finite = _merged(logits, ranks)
+    assert torch.equal(tokens, logits.argmax(dim=-1))
+    assert finite.tolist() == [row != 4 for row in range(9)]  # -inf is not finite
+
+
+def test_non_finite_rows_are_reported_from_any_rank():
+    logits = torch.zeros(3, 8)
+    logits[0, 7] = math.nan  # on the last rank, not where the best is
+    logits[1, 0] = math.inf
+    tokens, finite = _merged(logits, 2)
+    assert finite.tolist() == [False, False, True]
+    assert tokens[2] == 0
