@@ -214,6 +214,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(
         tensor_parallel_size=args.tensor_parallel_size,
         pipeline_parallel_size=args.pipeline_parallel_size,
+        context_parallel_size=args.context_parallel_size,
         nnodes=args.nnodes,
         node_rank=args.node_rank,
         master_addr=args.master_addr,

@@ -113,6 +113,8 @@ class ParallelConfig:
 
     tensor_parallel_size: int = 1
     pipeline_parallel_size: int = 1
+    # Ranks each sequence's tokens (and KV cache) are split over, every rank holding the whole model.
+    context_parallel_size: int = 1
     nnodes: int = 1  # hosts taking part; this one starts ranks [node_rank * per_node, ...)
     node_rank: int = 0
     master_addr: str | None = None  # None: MASTER_ADDR from the environment, else loopback
@@ -125,9 +127,11 @@ class ParallelConfig:
     pipeline_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size"):
+        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.context_parallel_size > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
+            raise ValueError("context parallelism does not combine with tensor or pipeline parallelism yet")
         if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
             raise ValueError(f"pipeline_micro_batches must be at least 1, got {self.pipeline_micro_batches}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
@@ -141,7 +145,7 @@ class ParallelConfig:
 
     @property
     def world_size(self) -> int:
-        return self.tensor_parallel_size * self.pipeline_parallel_size
+        return self.tensor_parallel_size * self.pipeline_parallel_size * self.context_parallel_size
 
     @property
     def micro_batches(self) -> int:

@@ -47,6 +47,7 @@ class EngineArgs:
     speculative_config: SpeculativeConfig | None = None  # None: no speculative decoding
     tensor_parallel_size: int = 1  # ranks each layer is split over (processes started by the engine)
     pipeline_parallel_size: int = 1  # stages the layers are split into, each of tensor_parallel_size ranks
+    context_parallel_size: int = 1  # ranks each sequence's tokens and KV cache are split over (whole model each)
     pipeline_micro_batches: int | None = None  # pieces of each step a pipeline overlaps (None: 2 per stage)
     pipeline_layers: str | None = None  # layers per stage, "9,9"; None: balanced by weight
     nnodes: int = 1  # hosts those ranks run on; the others start theirs with `folio worker`
@@ -160,6 +161,7 @@ class EngineArgs:
         return ParallelConfig(
             tensor_parallel_size=self.tensor_parallel_size,
             pipeline_parallel_size=self.pipeline_parallel_size,
+            context_parallel_size=self.context_parallel_size,
             nnodes=self.nnodes,
             master_addr=self.master_addr,
             master_port=self.master_port,
@@ -205,6 +207,9 @@ def add_parallel_args(group: argparse._ArgumentGroup, engine: bool = True) -> No
                        help="split each layer over this many processes (heads and MLP columns per rank)")  # fmt: skip
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1,
                        help="split the layers into this many stages of --tensor-parallel-size processes")  # fmt: skip
+    group.add_argument("--context-parallel-size", "-cp", type=int, default=1,
+                       help="split each sequence's tokens and KV cache over this many processes, each holding the "
+                       "whole model (long prompts: C times the context, prefill divided C ways)")  # fmt: skip
     group.add_argument("--nnodes", type=int, default=1, help="hosts the ranks run on (default 1)")
     if not engine:
         group.add_argument("--node-rank", type=int, required=True, help="this host's index among --nnodes (1, 2, ...)")

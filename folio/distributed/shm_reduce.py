@@ -119,3 +119,31 @@ class SharedMemoryReducer:
                     joined[first : first + block.shape[0], rank].copy_(part.view_as(block))
         return joined.view(*x.shape[:-1], self.world_size * width)
 
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Every rank's `x` (the same shape on each), stacked in rank order: [ranks, *x.shape]."""
+        flat = x.contiguous().view(-1)
+        joined = torch.empty(self.world_size, flat.numel(), dtype=x.dtype)
+        offset = 0
+        for chunk in self._chunks(flat):
+            for rank, part in enumerate(self._exchange(chunk)):
+                joined[rank, offset : offset + chunk.numel()].copy_(part)
+            offset += chunk.numel()
+        return joined.view(self.world_size, *x.shape)
+
+    def all_to_all_rows(self, x: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+        """Every rank publishes all rows of `x` [T, F] (the same shape on each) and reads back only the
+        rows `mine` (sorted row indices) of each: [ranks, len(mine), F]. Nothing else is copied."""
+        x = x.contiguous()
+        width = x.shape[1]
+        out = torch.empty(self.world_size, mine.numel(), width, dtype=x.dtype)
+        rows_per_chunk = max(1, SLOT_BYTES // max(1, width * x.element_size()))
+        if rows_per_chunk * width * x.element_size() > SLOT_BYTES:  # a row larger than a slot
+            every = self.all_gather(x)
+            return every[:, mine]
+        for first in range(0, x.shape[0], rows_per_chunk):
+            block = x[first : first + rows_per_chunk]
+            lo, hi = torch.searchsorted(mine, torch.tensor([first, first + block.shape[0]])).tolist()
+            for rank, part in enumerate(self._exchange(block.reshape(-1))):
+                if hi > lo:
+                    out[rank, lo:hi] = part.view_as(block)[mine[lo:hi] - first]
+        return out

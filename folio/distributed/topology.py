@@ -1,4 +1,5 @@
-"""Where a rank sits in a model split both ways: its pipeline stage and its tensor-parallel group.
+"""Where a rank sits in a split model: its pipeline stage and its tensor-parallel group, or its place
+among the ranks a context is split over.
 
 Global rank = stage * tp_size + tp_rank (vLLM's order): the ranks of a stage are neighbours, so on
 several hosts a stage's collectives stay within a host whenever a host holds whole stages, and only
@@ -12,6 +13,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from folio.distributed.context_parallel import ContextParallel
 from folio.distributed.pipeline_parallel import PipelineStage
 from folio.distributed.shm_reduce import SharedMemoryReducer
 from folio.distributed.tensor_parallel import TensorParallel
@@ -21,16 +23,24 @@ from folio.distributed.tensor_parallel import TensorParallel
 class RankRole:
     tp: TensorParallel
     stage: PipelineStage
+    context: ContextParallel = ContextParallel()
 
     @property
     def reports(self) -> bool:
         """Whether this rank sends the step's result (the last stage's first rank)."""
-        return self.stage.is_last and self.tp.rank == 0
+        return self.stage.is_last and self.tp.rank == 0 and self.context.rank == 0
 
 
 def output_rank(tp_size: int, pp_size: int) -> int:
     """The global rank whose sampled tokens are the step's result."""
     return (pp_size - 1) * tp_size
+
+
+def join_context(rank: int, cp_size: int, control: Any, use_shared_memory: bool) -> RankRole:
+    """A rank of a context split over every rank (the whole model on each)."""
+    shared = _shared_memory(rank, cp_size, 0, control) if use_shared_memory else None
+    context = ContextParallel(rank, cp_size, dist.group.WORLD, shared)
+    return RankRole(TensorParallel(), PipelineStage(), context)
 
 
 def join_groups(

@@ -52,8 +52,15 @@ class EngineCore:
         # Refuse a split the model cannot take before any rank starts.
         kv_heads = head_shard(model_config.num_heads, model_config.num_kv_heads, TensorParallel(0, tp)).num_kv_heads
         stages = partition_layers(model_config, parallel.pipeline_parallel_size, parallel.pipeline_layers)
+        cp = parallel.context_parallel_size
+        if cache_config.block_size % cp:
+            raise ValueError(
+                f"a context-parallel size of {cp} needs a block size that divides by it (each rank holds "
+                f"block_size / {cp} tokens of every block); the block size is {cache_config.block_size}"
+            )
         # Every layer's KV on one tensor-parallel rank; a pipeline stage holds its layers' share. The
-        # pool's memory is shared by all ranks (KV heads replicated over ranks count twice).
+        # pool's memory is shared by all ranks (KV heads replicated over ranks count twice). Context-
+        # parallel ranks hold every token once between them: the pool's tokens need no factor.
         bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype, kv_heads)
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
@@ -104,7 +111,7 @@ class EngineCore:
             self.kv.capacity_tokens,
             num_blocks * cache_config.block_size * bytes_per_token * tp / 2**20,
             bytes_per_token,
-            f" over {tp} tensor-parallel ranks" if tp > 1 else "",
+            f" over {tp} tensor-parallel ranks" if tp > 1 else f", {cp} context-parallel ranks" if cp > 1 else "",
             cache_config.kv_cache_dtype,
             max_len,
             "on" if cache_config.enable_prefix_caching else "off",

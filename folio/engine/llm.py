@@ -53,6 +53,7 @@ class LLM:
         speculative_config: SpeculativeConfig | dict | None = None,
         tensor_parallel_size: int = 1,
         pipeline_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         pipeline_micro_batches: int | None = None,
         pipeline_layers: str | Sequence[int] | None = None,  # layers per stage: "9,9" or (9, 9)
         nnodes: int = 1,
@@ -69,6 +70,7 @@ class LLM:
             speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)
             else speculative_config,
             tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
+            context_parallel_size=context_parallel_size,
             pipeline_micro_batches=pipeline_micro_batches,
             pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
             else ",".join(map(str, pipeline_layers)),

@@ -70,4 +70,5 @@ def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> Any | None:
 def takes_step(stack: Any | None, num_tokens: int, meta: AttentionMetadata) -> bool:
     """Whether this step is one the stack runs: decodes only, within the 4-bit kernel's rows."""
     groups = meta.groups
-    return stack is not None and len(groups) == 1 and groups[0].is_decode and num_tokens <= DOT_MAX_ROWS
+    whole = meta.context is None  # a split context attends across ranks, which the stack cannot
+    return stack is not None and whole and len(groups) == 1 and groups[0].is_decode and num_tokens <= DOT_MAX_ROWS

@@ -9,15 +9,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import torch
 from torch import nn
 
 from folio.config import CacheConfig, ModelConfig, SpeculativeConfig
+from folio.distributed.context_parallel import ContextParallel
 from folio.kv_cache.quant import kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
-from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.outputs import TokenLogprob
 from folio.sample.beam_candidates import top_candidates
 from folio.sample.logprobs import gather_logprobs
@@ -25,11 +24,12 @@ from folio.spec_decode.draft_length import next_draft_length
 from folio.spec_decode.proposer import DraftRequest, Proposer
 from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
-from folio.structured.grammar import unpack_bitmask
+from folio.worker.batch_inputs import BatchInputs, prepare_batch
+from folio.worker.context_step import run_split_context, split_over_ranks
 from folio.worker.draft_verification import verify_drafts
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.request_states import RequestStates
-from folio.worker.row_sampling import SampleSpec, sample_rows
+from folio.worker.row_sampling import sample_rows
 
 logger = logging.getLogger("folio")
 
@@ -38,21 +38,6 @@ logger = logging.getLogger("folio")
 LogitsObserver = Callable[[str, list[int], torch.Tensor], None]
 # A verification, for the proposer: the drafts checked and the target's greedy choice at each row.
 DraftsChecked = tuple[list[int], list[int]]
-
-
-@dataclass
-class BatchInputs:
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    meta: AttentionMetadata
-    logits_rows: list[int]  # row in [T] of each request that samples this step (a fork repeats its parent's)
-    sampled_ids: list[str]  # request ids, aligned with logits_rows
-    samplers: list[SampleSpec]  # sampling settings, aligned with logits_rows
-    prompt_rows: list[int]  # rows in [T] whose next prompt token is scored (prompt_logprobs)
-    prompt_targets: list[int]  # that next prompt token, aligned with prompt_rows
-    prompt_scored: dict[str, tuple[int, int]]  # request id -> its slice of prompt_rows
-    draft_rows: dict[str, tuple[int, int]]  # request id -> (first row in [T], drafts): k drafts verify on k + 1 rows
-    draft_masks: dict[str, torch.Tensor]  # request id -> [k + 1, V] bool: its grammar's masks at those rows
 
 
 def kv_bytes_per_token(
@@ -75,12 +60,17 @@ class ModelRunner:
         device: torch.device,
         speculative_config: SpeculativeConfig | None = None,
         micro_batches: int = 1,
+        context: ContextParallel | None = None,
     ) -> None:
-        """`micro_batches`: how many pieces a pipeline stage splits a step into (unused whole)."""
+        """`micro_batches`: how many pieces a pipeline stage splits a step into (unused whole);
+        `context`: the ranks the context is split over (each holds every block's positions p with
+        p % ranks == its rank: block_size / ranks slots of each block)."""
         self.model = model
         self.micro_batches = micro_batches
         self.config = config
         self.block_size = cache.block_size
+        self.context = context if context is not None and context.size > 1 else None
+        self.slots_per_block = self.block_size // (self.context.size if self.context is not None else 1)
         self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
@@ -90,86 +80,12 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
-        self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * self.block_size, self.block_size, dtype,
-                                                            fmt, device)  # fmt: skip
+        slots = self.slots_per_block
+        self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * slots, slots, dtype, fmt, device)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         """Flatten the step's chunks into one batch; `self.requests` must already hold this step's update."""
-        input_ids: list[int] = []
-        positions: list[int] = []
-        logits_rows: list[int] = []
-        sampled_ids: list[str] = []
-        samplers: list[SampleSpec] = []
-        prompt_rows: list[int] = []
-        prompt_targets: list[int] = []
-        prompt_scored: dict[str, tuple[int, int]] = {}
-        draft_rows: dict[str, tuple[int, int]] = {}
-        draft_masks: dict[str, torch.Tensor] = {}
-        allowed = self._allowed_by_request(out)
-        for chunk in out.scheduled:
-            state = self.requests[chunk.request_id]
-            first_row, start, end = len(input_ids), chunk.start_position, chunk.start_position + chunk.num_tokens
-            input_ids.extend(chunk.token_ids)
-            positions.extend(range(start, end))
-            if state.sampling_params.prompt_logprobs is not None:
-                last = min(end, state.num_prompt_tokens - 1)  # the last prompt token predicts no prompt token
-                if last > start:
-                    prompt_scored[chunk.request_id] = (len(prompt_rows), len(prompt_rows) + last - start)
-                    prompt_rows.extend(range(first_row, first_row + last - start))
-                    prompt_targets.extend(state.token_ids[start + 1 : last + 1])
-            if not chunk.needs_sample:
-                continue
-            if chunk.num_draft_tokens:  # verified on their own rows (draft_verification.py), not sampled
-                draft_rows[chunk.request_id] = (len(input_ids) - 1 - chunk.num_draft_tokens, chunk.num_draft_tokens)
-                if (mask := allowed.get(chunk.request_id)) is not None:
-                    draft_masks[chunk.request_id] = mask
-                continue
-            for request_id in (chunk.request_id, *chunk.fork_ids):  # forks sample from their parent's row
-                sampler = self.requests[request_id]
-                logits_rows.append(len(input_ids) - 1)
-                sampled_ids.append(request_id)
-                beams = chunk.num_beam_candidates if request_id == chunk.request_id else 0
-                # Only penalties read the tokens: copying a long context every step for nothing is waste.
-                penalized = sampler.sampling_params.has_penalties
-                prompt_ids = sampler.prompt_token_ids if penalized else []
-                output_ids = sampler.output_token_ids if penalized else []
-                mask = allowed.get(request_id)
-                samplers.append(
-                    SampleSpec(sampler.sampling_params, sampler.generator, prompt_ids, output_ids, beams,
-                               None if mask is None else mask[0])
-                )  # fmt: skip
-        meta = build_attention_metadata(
-            [c.start_position for c in out.scheduled],
-            [c.num_tokens for c in out.scheduled],
-            [self.requests[c.request_id].block_ids for c in out.scheduled],
-            self.block_size,
-            self.device,
-            as_decodes=[c.num_draft_tokens > 0 for c in out.scheduled],
-        )
-        return BatchInputs(
-            input_ids=torch.tensor(input_ids, dtype=torch.long, device=self.device),
-            positions=torch.tensor(positions, dtype=torch.long, device=self.device),
-            meta=meta,
-            logits_rows=logits_rows,
-            sampled_ids=sampled_ids,
-            samplers=samplers,
-            prompt_rows=prompt_rows,
-            prompt_targets=prompt_targets,
-            prompt_scored=prompt_scored,
-            draft_rows=draft_rows,
-            draft_masks=draft_masks,
-        )
-
-    def _allowed_by_request(self, out: SchedulerOutput) -> dict[str, torch.Tensor]:
-        """Each constrained request's [rows, V] bool masks, unpacked from the step's grammar bitmask: one
-        row, or k + 1 for a request verifying k drafts."""
-        if out.grammar_bitmask is None:
-            return {}
-        allowed = unpack_bitmask(out.grammar_bitmask.bits, self.config.vocab_size)
-        rows: dict[str, list[int]] = {}
-        for row, request_id in enumerate(out.grammar_bitmask.request_ids):
-            rows.setdefault(request_id, []).append(row)
-        return {request_id: allowed[found] for request_id, found in rows.items()}
+        return prepare_batch(out, self.requests, self.config.vocab_size, self.block_size, self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -177,13 +93,20 @@ class ModelRunner:
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
         for layer_kv in self.kv_caches:
-            layer_kv.copy_blocks(src, dst, self.block_size)
+            layer_kv.copy_blocks(src, dst, self.slots_per_block)
 
     @torch.inference_mode()
     def forward(self, inputs: BatchInputs, out: SchedulerOutput) -> torch.Tensor | None:
-        """Hidden states for every scheduled token, [T, hidden]; None on a pipeline stage before the
+        """Hidden states for every scheduled token, [T, hidden] (with the context split over ranks,
+        only the rows whose logits the step needs are filled); None on a pipeline stage before the
         last (it sent its part on)."""
         stage = self.model.stage
+        if self.context is not None:
+            tables = [self.requests[c.request_id].block_ids for c in out.scheduled for _ in range(c.num_tokens)]
+            scored = {*inputs.logits_rows, *inputs.prompt_rows}
+            scored.update(row for first, k in inputs.draft_rows.values() for row in range(first, first + k + 1))
+            return run_split_context(self.model, self.context, inputs.input_ids, inputs.positions, inputs.meta, tables,
+                                     self.block_size, list(scored))  # fmt: skip
         if stage.size == 1:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         spans = [Span(c.start_position, c.num_tokens, self.requests[c.request_id].block_ids, c.num_draft_tokens > 0)
@@ -195,7 +118,23 @@ class ModelRunner:
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        if self.context is not None:  # every rank has the rows: each computes its share of them
+            tail = (self.config.vocab_size,)
+            return split_over_ranks(self.context, hidden, self.model.compute_logits, tail, torch.float32)
         return self.model.compute_logits(hidden)
+
+    def greedy_tokens(self, hidden: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The model's `greedy_tokens` (argmax [N], all finite [N] bool), its rows dealt out over the
+        ranks of a split context."""
+        if self.context is None:
+            return self.model.greedy_tokens(hidden)
+
+        def packed(rows: torch.Tensor) -> torch.Tensor:
+            tokens, finite = self.model.greedy_tokens(rows)
+            return torch.stack([tokens.double(), finite.double()], dim=-1)
+
+        both = split_over_ranks(self.context, hidden, packed, (2,), torch.float64)
+        return both[:, 0].long(), both[:, 1].bool()
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
@@ -252,7 +191,7 @@ class ModelRunner:
     def _greedy(self, hidden: torch.Tensor, inputs: BatchInputs) -> tuple[dict[str, int], dict[str, str]]:
         """The argmax of each sampled row, without a sampling batch (or, split, a gathered vocabulary),
         and the rows that fail because their logits were not finite."""
-        chosen, finite = self.model.greedy_tokens(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
+        chosen, finite = self.greedy_tokens(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
         tokens, failed = {}, {}
         for request_id, token, ok in zip(inputs.sampled_ids, chosen.tolist(), finite.tolist(), strict=True):
             if ok:

@@ -26,7 +26,7 @@ from folio.config import CacheConfig, ParallelConfig, SpeculativeConfig
 from folio.distributed import rendezvous
 from folio.distributed.pipeline_parallel import building_stage
 from folio.distributed.tensor_parallel import COMM, CommStats, building
-from folio.distributed.topology import join_groups, output_rank
+from folio.distributed.topology import join_context, join_groups, output_rank
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import load_model
 from folio.spec_decode.factory import make_proposer
@@ -113,12 +113,15 @@ def _build(
     parallel = spec.parallel
     # Ranks on one CPU host exchange through shared memory unless told to use gloo.
     shm = device.type == "cpu" and parallel.nnodes == 1 and parallel.cpu_collectives == "shm"
-    role = join_groups(place.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, control, shm,
-                       parallel.pipeline_layers)  # fmt: skip
+    if parallel.context_parallel_size > 1:
+        role = join_context(place.rank, parallel.context_parallel_size, control, shm)
+    else:
+        role = join_groups(place.rank, parallel.tensor_parallel_size, parallel.pipeline_parallel_size, control, shm,
+                           parallel.pipeline_layers)  # fmt: skip
     with building(role.tp), building_stage(role.stage):
         loaded = load_model(resolve_model(spec.model), spec.dtype, device, spec.quantization)
     runner = ModelRunner(loaded.model, loaded.config, spec.cache, spec.num_blocks, spec.dtype, device, spec.speculative,
-                         parallel.micro_batches)  # fmt: skip
+                         parallel.micro_batches, role.context)  # fmt: skip
     speculative = spec.speculative
     if role.reports and speculative is not None:  # only the reporting rank's drafts reach the scheduler
         draft = None
@@ -127,9 +130,9 @@ def _build(
                                speculative.draft_quantization).model  # fmt: skip
         runner.proposer = make_proposer(speculative, draft, spec.num_blocks, spec.cache.block_size, spec.dtype,
                                         device)  # fmt: skip
-    logger.info("rank %d of %d (stage %d, tensor-parallel rank %d): %.1f MiB of weights (%s), %d threads",
-                place.rank, place.world_size, role.stage.stage, role.tp.rank, loaded.weight_bytes / 2**20,
-                loaded.quantization, threads)  # fmt: skip
+    logger.info("rank %d of %d (stage %d, tensor-parallel rank %d, context-parallel rank %d): %.1f MiB of weights "
+                "(%s), %d threads", place.rank, place.world_size, role.stage.stage, role.tp.rank, role.context.rank,
+                loaded.weight_bytes / 2**20, loaded.quantization, threads)  # fmt: skip
     return runner, ReadyReport(loaded.weight_bytes, loaded.quantization, loaded.load_seconds, threads)
 
 

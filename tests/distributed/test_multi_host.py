@@ -1,7 +1,8 @@
 """Two "hosts" on loopback: the head runs the engine and rank 0, a `folio worker` process started on
 its own (as it would be on another machine) joins through MASTER_ADDR/MASTER_PORT as rank 1 and gets
-the model and its settings from rank 0. Split by tensor or by pipeline (one stage per host, hidden
-states crossing the "network"), outputs equal the single process's."""
+the model and its settings from rank 0. Split by tensor, by pipeline (one stage per host, hidden
+states crossing the "network") or by context (each host holding every other token's keys, queries
+and partial attention crossing), outputs equal the single process's."""
 
 from __future__ import annotations
 
@@ -17,7 +18,7 @@ from tests.parallel_compare import GREEDY, TINY_PROMPTS, compare
 from tests.tiny_models import make_tiny_model
 
 
-@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size"])
+@pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "--context-parallel-size"])
 def test_a_worker_host_joins_through_the_rendezvous(tmp_path, flag):
     model = make_tiny_model("qwen2", tmp_path / "qwen2")
     port = free_port()

@@ -29,7 +29,8 @@ def chat_model(tmp_path_factory):
     return make_tiny_chat_model(tmp_path_factory.mktemp("tp-chat") / "llama")
 
 
-@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2}], ids=["tp2", "pp2"])
+@pytest.mark.parametrize("split", [{"tensor_parallel_size": 2}, {"pipeline_parallel_size": 2},
+                                   {"context_parallel_size": 2}], ids=["tp2", "pp2", "cp2"])  # fmt: skip
 def test_a_rank_killed_mid_run_fails_the_call_and_leaves_no_process(chat_model, split):
     # Under a pipeline, rank 1 is the last stage: rank 0 waits on its hidden states' receiver.
     llm = LLM(chat_model, num_kv_blocks=64, **split)

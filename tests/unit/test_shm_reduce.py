@@ -29,6 +29,11 @@ def _rank(rank: int, name: str, results) -> None:
         mine = torch.randn(shape, generator=torch.Generator().manual_seed(rank))
         expected = torch.cat([torch.randn(shape, generator=torch.Generator().manual_seed(r)) for r in range(2)], -1)
         checks.append(torch.equal(reducer.all_gather_last(mine), expected))
+    rows = torch.randn(50, SLOT_BYTES // 4 // 20, generator=torch.Generator().manual_seed(rank))  # 3 chunks
+    every = [torch.randn(rows.shape, generator=torch.Generator().manual_seed(r)) for r in range(2)]
+    checks.append(torch.equal(reducer.all_gather(rows), torch.stack(every)))
+    mine = torch.arange(rank, 50, 2)  # interleaved rows, as context parallelism owns them
+    checks.append(torch.equal(reducer.all_to_all_rows(rows, mine), torch.stack([e[mine] for e in every])))
     results.put((rank, checks))
 
 
@@ -43,4 +48,4 @@ def test_two_ranks_reduce_and_gather_exactly():
     for process in ranks:
         process.join(timeout=30)
     owner.unlink()
-    assert got == {0: [True] * (2 * len(SIZES) + 3), 1: [True] * (2 * len(SIZES) + 3)}
+    assert got == {0: [True] * (2 * len(SIZES) + 5), 1: [True] * (2 * len(SIZES) + 5)}

@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from folio import ops
+from folio.layers.attention.context_attention import attend_split_context
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata
 from folio.layers.attention.torch_paged import attend_group
@@ -49,6 +50,8 @@ class PagedAttention(nn.Module):
         cache = self.cache
         if cache is None:
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
+        if meta.context is not None:  # the context split over ranks: each holds some of every sequence's keys
+            return attend_split_context(q, k, v, meta, cache, self.scale, self.sliding_window, self.alibi_slopes)
         cache.write(k, v, meta.slot_mapping)
         kernel_ok = self.decode_kernel is not None and (cache.fmt is not None or q.dtype == cache.k.dtype)
         groups = meta.groups

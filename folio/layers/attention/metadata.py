@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from folio.distributed.context_parallel import ContextSplit
 from folio.layers.attention.alibi import alibi_bias
 
 
@@ -75,6 +76,8 @@ class AttentionMetadata:
     slot_mapping: torch.Tensor  # [T] cache slot each new token's K/V is written to
     groups: list[AttentionGroup]
     num_tokens: int
+    # With the context split over ranks: this rank's rows and slots (the groups cover every rank's rows).
+    context: ContextSplit | None = None
 
 
 def build_attention_metadata(
