@@ -201,7 +201,9 @@ def run(args: argparse.Namespace) -> int:
             for name, llm in llms.items():
                 _round(llm, measures[name], args, prompts, long_prompt)
                 done = measures[name]
-                long = f", {len(long_prompt)}-token prefill {done.long_prefill_tok_s[-1]:.1f} tok/s" * bool(long_prompt)
+                long = (
+                    f", {len(long_prompt)}-token prefill {done.long_prefill_tok_s[-1]:.1f} tok/s" if long_prompt else ""
+                )
                 print(f"round {index + 1}/{args.rounds} {name}: batch 1 {done.batch1_decode_tok_s[-1]:.1f} tok/s, "
                       f"batch {args.batch} {done.batch_output_tok_s[-1]:.1f} tok/s{long}", flush=True)  # fmt: skip
     finally:

@@ -31,11 +31,6 @@ class RankRole:
         return self.stage.is_last and self.tp.rank == 0 and self.context.rank == 0
 
 
-def output_rank(tp_size: int, pp_size: int) -> int:
-    """The global rank whose sampled tokens are the step's result."""
-    return (pp_size - 1) * tp_size
-
-
 def join_context(rank: int, cp_size: int, control: Any, use_shared_memory: bool) -> RankRole:
     """A rank of a context split over every rank (the whole model on each)."""
     shared = _shared_memory(rank, cp_size, 0, control) if use_shared_memory else None

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
+from collections import deque
 from dataclasses import dataclass
 
 import torch
@@ -17,8 +19,9 @@ from folio.kv_cache.manager import KVCacheManager
 from folio.models.base import CausalLM
 from folio.platform import default_kv_cache_memory
 from folio.spec_decode.factory import make_proposer
+from folio.step.scheduler_output import SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
-from folio.worker.executor import SplitModelExecutor, WorkerLaunch
+from folio.worker.executor import SplitModelExecutor, WorkerDiedError, WorkerLaunch
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 from folio.worker.rank import WorkerSpec
 
@@ -98,6 +101,10 @@ class EngineCore:
                                                  dtype, device, shared)  # fmt: skip
         if len(stages) > 1:
             logger.info("pipeline stages hold layers %s", ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
+        # A pipeline of P stages keeps up to P steps in flight (disjoint requests): stage 0 starts the
+        # next step while the later stages finish this one. Steps leave in the order they entered.
+        self.max_steps_in_flight = parallel.pipeline_parallel_size if workers is not None else 1
+        self.in_flight: deque[SchedulerOutput] = deque()
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
@@ -145,20 +152,50 @@ class EngineCore:
         return self.scheduler.abort_request(request_id, reason)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished
+        return self.scheduler.has_unfinished or bool(self.in_flight)
 
     def shutdown(self) -> None:
         """Stop the model's ranks, if it has any (an in-process model needs nothing)."""
         if isinstance(self.runner, SplitModelExecutor):
+            with contextlib.suppress(WorkerDiedError):
+                while self.in_flight:  # the ranks finish what they were given before they stop
+                    self._collect()
             self.runner.shutdown()
 
     def step(self) -> list[Request]:
-        """Run one iteration; return requests that got a new token (including ones that finished)."""
+        """Run one iteration; return requests that got a new token (including ones that finished).
+        With steps in flight, an iteration starts a step and returns what the oldest one produced
+        once as many steps as the pipeline holds are under way (or nothing new could start)."""
         out = self.scheduler.schedule()
+        if self.max_steps_in_flight == 1:
+            self._record(out)
+            result = self.runner.execute(out)  # an empty step still tells the runner which requests ended
+            if out.is_empty:
+                return []
+            self.num_steps += 1
+            return self.scheduler.update_from_output(out, result)
+        started = not out.is_empty or bool(out.finished_request_ids)
+        if started:
+            assert isinstance(self.runner, SplitModelExecutor)
+            self._record(out)
+            self.runner.submit(out)
+            self.in_flight.append(out)
+        elif not self.in_flight:
+            self._record(out)  # nothing runs and nothing could start: the scheduler is waiting
+        if self.in_flight and (len(self.in_flight) >= self.max_steps_in_flight or not started):
+            return self._collect()
+        return []
+
+    def _record(self, out: SchedulerOutput) -> None:
         self.last_step = StepStats(
             out.num_batched_tokens, len(self.scheduler.running), len(self.scheduler.waiting), len(out.preempted_ids)
         )
-        result = self.runner.execute(out)  # an empty step still tells the runner which requests ended
+
+    def _collect(self) -> list[Request]:
+        """The oldest step in flight: its result applied."""
+        assert isinstance(self.runner, SplitModelExecutor)
+        out = self.in_flight.popleft()
+        result = self.runner.collect()
         if out.is_empty:
             return []
         self.num_steps += 1

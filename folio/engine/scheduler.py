@@ -52,6 +52,9 @@ class Scheduler(BeamScheduling):
         self.num_preemptions = 0
         self.spec_stats = SpecDecodeStats()
         self.runner_view = RunnerView()  # what the runner holds, so each step sends only changes
+        # Requests in a step whose result has not come back (a pipeline runs several steps at once):
+        # they get no tokens and are never preempted until it does.
+        self.in_flight: set[str] = set()
 
     # -- queue management --------------------------------------------------------------------------
     def add_request(self, request: Request, forks: list[Request] | None = None) -> None:
@@ -92,9 +95,10 @@ class Scheduler(BeamScheduling):
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request_id)
+        self.kv.free(request_id)  # an in-flight step may still write them: ranks run steps in order
         self.runner_view.finished(request_id)
         self.gate.leave(request_id)
+        self.in_flight.discard(request_id)
         if not request.is_finished:
             request.finish(reason)
         return request
@@ -128,7 +132,7 @@ class Scheduler(BeamScheduling):
         index = 0
         while index < len(self.running) and budget > 0:
             request = self.running[index]
-            if self._is_parked(request):
+            if self._is_parked(request) or request.request_id in self.in_flight:
                 index += 1
                 continue
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
@@ -141,7 +145,7 @@ class Scheduler(BeamScheduling):
             request.spec_token_ids = drafts
             num_new += len(drafts)
             while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
-                victim = max(self.running[index:], key=_queue_order)  # maybe this request itself
+                victim = max(self._preemptible(self.running[index:]), key=_queue_order)  # maybe this request itself
                 self.running.remove(victim)
                 self._preempt(victim)
                 preempted.append(victim)
@@ -151,6 +155,9 @@ class Scheduler(BeamScheduling):
             budget -= num_new
             index += 1
         return budget
+
+    def _preemptible(self, requests: list[Request]) -> list[Request]:
+        return [r for r in requests if r.request_id not in self.in_flight]
 
     def _schedule_waiting(self, budget: int, chosen: list[tuple[Request, int]], preempted: list[Request]) -> None:
         self.gate.maybe_form(self.waiting, time.monotonic())
@@ -199,6 +206,8 @@ class Scheduler(BeamScheduling):
                     num_draft_tokens=len(drafts),
                 )
             )
+        self.in_flight.update(c.request_id for c in chunks)
+        self.in_flight.update(fork_id for c in chunks for fork_id in c.fork_ids)
         return SchedulerOutput(
             new_requests=tuple(new_requests),
             scheduled=tuple(chunks),
@@ -288,15 +297,15 @@ class Scheduler(BeamScheduling):
         """While the most urgent waiting request outranks a running one and lacks a sequence slot or
         the blocks for its first chunk, preempt the least urgent running request for it."""
         victims: list[Request] = []
-        while self.waiting and self.running:
-            head, worst = self.waiting[0], self.running[-1]
+        while self.waiting and (candidates := self._preemptible(self.running)):
+            head, worst = self.waiting[0], candidates[-1]
             if worst.priority <= head.priority:
                 break
             chunk = min(head.num_tokens - head.num_computed_tokens, budget)
             has_slot = len(self.running) < self.config.max_num_seqs
             if has_slot and self.kv.blocks_needed(chunk) <= self.kv.pool.num_free_blocks:
                 break
-            self.running.pop()
+            self.running.remove(worst)
             self._preempt(worst)
             victims.append(worst)
         return victims
@@ -312,8 +321,10 @@ class Scheduler(BeamScheduling):
         sampled, failed, logprobs = result.sampled_token_ids, result.failed, result.logprobs
         now = time.monotonic()
         for item in output.scheduled:
+            self.in_flight.discard(item.request_id)
+            self.in_flight.difference_update(item.fork_ids)
             request = self.requests.get(item.request_id)
-            if request is None:  # a beam whose group failed earlier in this loop
+            if request is None:  # aborted since, or a beam whose group failed earlier in this loop
                 continue
             accepted = result.accepted_token_ids.get(request.request_id)
             # With drafts, only the KV of the last token and of the accepted drafts is kept.

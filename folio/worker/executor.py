@@ -77,6 +77,7 @@ class SplitModelExecutor:
         self.processes, self.conn = start_ranks(spec, 0, parallel.ranks_per_node, parallel.world_size, addr, port,
                                                 device)  # fmt: skip
         self.stopped = False
+        self.pending = 0  # steps sent whose results have not been read
         if parallel.nnodes > 1:
             logger.info("waiting for %d more ranks to join at %s:%d", parallel.world_size - parallel.ranks_per_node,
                         addr, port)  # fmt: skip
@@ -84,11 +85,24 @@ class SplitModelExecutor:
         logger.info("%d ranks ready (%d on this host)", parallel.world_size, len(self.processes))
 
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
+        self.submit(out)
+        return self.collect()
+
+    def submit(self, out: SchedulerOutput) -> None:
+        """Start a step; results come back in the order steps were submitted (`collect`)."""
         self._send(("step", out))
-        return self._receive()
+        self.pending += 1
+
+    def collect(self) -> ModelRunnerOutput:
+        """The oldest submitted step's result (waits for it)."""
+        assert self.pending, "no step is in flight"
+        result = self._receive()
+        self.pending -= 1
+        return result
 
     def comm_stats(self) -> CommStats:
-        """Rank 0's time in collectives so far."""
+        """Rank 0's time in collectives so far (between steps: none may be in flight)."""
+        assert not self.pending, "comm_stats with steps in flight would read a step's result as the answer"
         self._send(("stats", None))
         return self._receive()
 

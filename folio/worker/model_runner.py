@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,6 +76,7 @@ class ModelRunner:
         self.dtype = dtype
         self.device = device
         self.requests = RequestStates()
+        self.in_transit: list[tuple[Any, torch.Tensor]] = []  # a pipeline stage's sends to the next stage
         self.speculative_config = speculative_config
         # Set by the engine once this runner's KV cache exists (a draft of the same model reads it).
         self.proposer: Proposer | None = None
@@ -114,7 +116,7 @@ class ModelRunner:
         batches = micro_batches(spans, self.micro_batches, self.block_size, self.device)
         parts = 2 if self.model.model.carries_residual else 1
         return run_stage(self.model, stage, inputs.input_ids, inputs.positions, batches,
-                         (parts, self.config.hidden_size), self.dtype)  # fmt: skip
+                         (parts, self.config.hidden_size), self.dtype, self.in_transit)  # fmt: skip
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -79,11 +80,16 @@ def run_stage(
     batches: list[MicroBatch],
     carry_shape: tuple[int, int],
     dtype: torch.dtype,
+    in_transit: list[tuple[Any, torch.Tensor]],
 ) -> torch.Tensor | None:
     """This stage's part of the step: the final hidden states [T, hidden] on the last stage, None on
-    the others (their results went to the next stage). `carry_shape`: (tensors per carry, hidden)."""
+    the others (their results went to the next stage). `carry_shape`: (tensors per carry, hidden).
+
+    `in_transit`: this stage's sends not yet received, kept across steps (each tensor must outlive its
+    send). They are not waited for: with steps in flight the next stage may still be on the previous
+    step, and waiting here would hold this stage back until it caught up."""
+    in_transit[:] = [(work, packed) for work, packed in in_transit if not work.is_completed()]
     finished: list[torch.Tensor] = []
-    sending: list[tuple[object, torch.Tensor]] = []
     parts, hidden_size = carry_shape
     for batch in batches:
         ids, pos = input_ids[batch.rows], positions[batch.rows]
@@ -96,9 +102,7 @@ def run_stage(
             continue
         packed = result.packed()
         assert packed.dtype == dtype and packed.shape[0] == parts, "a stage's carry is not what the next expects"
-        sending.append((stage.send(packed), packed))  # the tensor must outlive its send
-    for work, packed in sending:
         started = time.perf_counter()
-        work.wait()
-        COMM.add(started, packed)
+        in_transit.append((stage.send(packed), packed))
+        COMM.add(started, packed)  # the bytes, and the time to post them
     return torch.cat(finished) if stage.is_last else None

@@ -1,12 +1,13 @@
 """One rank of a split model: it loads its shard (its stage's layers, its columns of them), then runs
 every step the engine sends.
 
-The scheduler stays single, in the engine process, and talks to rank 0 only (a pipe); rank 0
-broadcasts each step's `SchedulerOutput` (a value) to the other ranks over torch.distributed, every
-rank runs the same `ModelRunner.execute` on its shard (the collectives inside the layers keep a
-stage's ranks in lockstep; hidden states flow from stage to stage), and the last stage's first rank
-(rank 0 itself without a pipeline) has its `ModelRunnerOutput` sent back. Ranks on other hosts get everything
-they need, the spec included, from rank 0, so `folio worker` needs only the rendezvous.
+The scheduler stays single, in the engine process, and talks to rank 0 only (a pipe); each step's
+`SchedulerOutput` (a value) reaches every rank through the relay (step_relay.py: stage to stage, and
+within a stage by broadcast), every rank runs the same `ModelRunner.execute` on its shard (the
+collectives inside the layers keep a stage's ranks in lockstep; hidden states flow from stage to
+stage), and the last stage's first rank (rank 0 itself without a pipeline) has its
+`ModelRunnerOutput` sent back. Ranks on other hosts get everything they need, the spec included,
+from rank 0, so `folio worker` needs only the rendezvous.
 """
 
 from __future__ import annotations
@@ -26,12 +27,12 @@ from folio.config import CacheConfig, ParallelConfig, SpeculativeConfig
 from folio.distributed import rendezvous
 from folio.distributed.pipeline_parallel import building_stage
 from folio.distributed.tensor_parallel import COMM, CommStats, building
-from folio.distributed.topology import join_context, join_groups, output_rank
+from folio.distributed.topology import join_context, join_groups
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import load_model
 from folio.spec_decode.factory import make_proposer
-from folio.step.runner_output import ModelRunnerOutput
 from folio.worker.model_runner import ModelRunner
+from folio.worker.step_relay import StepRelay
 
 logger = logging.getLogger("folio")
 
@@ -70,11 +71,6 @@ class ReadyReport:
     threads: int
 
 
-# Messages: engine -> rank 0 -> every rank ("step", SchedulerOutput) | ("stop", None) | ("keepalive",
-# None); engine -> rank 0 only ("stats", None). Rank 0 -> engine: ("ready" | "ok" | "error", payload).
-Message = tuple[str, Any]
-
-
 def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None) -> None:
     """A rank's process: rank 0 gets `spec` and the engine's pipe; the others get both as None."""
     rendezvous.die_with_parent()
@@ -90,18 +86,20 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None)
         spec = shared[0]
         assert spec is not None
         runner, report = _build(spec, place, device, threads, control)
+        parallel = spec.parallel
+        stage_size = parallel.tensor_parallel_size * parallel.context_parallel_size
+        relay = StepRelay(place.rank, stage_size, parallel.pipeline_parallel_size, conn)
         dist.barrier(group=control)
         if conn is not None:
-            conn.send(("ready", report))
-        reporter = output_rank(spec.parallel.tensor_parallel_size, spec.parallel.pipeline_parallel_size)
-        _serve(runner, conn, control, reporter)
+            relay.answer(("ready", report))
+        _serve(runner, relay)
     except BaseException as exc:  # noqa: BLE001 - whatever ended this rank is reported, then it exits
         logger.error("rank %d failed: %s", place.rank, traceback.format_exc())
         if conn is not None:
             with contextlib.suppress(OSError):
                 conn.send(("error", f"rank {place.rank}: {type(exc).__name__}: {exc}"))
         os._exit(1)  # a peer may be stuck in a collective: do not wait on process-group teardown
-    # Every rank got "stop" from the same broadcast; gloo's teardown at exit aborts noisily when its
+    # Every rank got "stop" through the relay; gloo's teardown at exit aborts noisily when its
     # peers are already gone, and there is nothing left to flush but the log.
     logging.shutdown()
     os._exit(0)
@@ -136,49 +134,13 @@ def _build(
     return runner, ReadyReport(loaded.weight_bytes, loaded.quantization, loaded.load_seconds, threads)
 
 
-def _forward_result(result: ModelRunnerOutput | None, reporter: int, control: Any) -> ModelRunnerOutput | None:
-    """Rank `reporter`'s result, handed to rank 0 (every other rank returns what it had)."""
-    rank = dist.get_rank()
-    if rank == reporter:
-        dist.send_object_list([result], dst=0, group=control)
-    elif rank == 0:
-        received: list[ModelRunnerOutput | None] = [None]
-        dist.recv_object_list(received, src=reporter, group=control)
-        return received[0]
-    return result
-
-
-def _serve(runner: ModelRunner, conn: Connection | None, control: Any, reporter: int) -> None:
-    """`reporter`: the rank whose result is the step's (rank 0 unless the model is a pipeline)."""
+def _serve(runner: ModelRunner, relay: StepRelay) -> None:
     while True:
-        message = _next_message(conn, control)
-        kind, payload = message
+        kind, payload = relay.next_message()
         if kind == "stop":
+            relay.stop()
             return
         if kind == "stats":
-            assert conn is not None
-            conn.send(("ok", CommStats(COMM.seconds, COMM.calls, COMM.bytes)))
-            continue
-        if kind != "step":
-            continue  # keepalive
-        result: ModelRunnerOutput = runner.execute(payload)
-        if reporter != 0:  # the last pipeline stage sampled: its result goes to rank 0, then the engine
-            result = _forward_result(result, reporter, control)
-        if conn is not None:
-            conn.send(("ok", result))
-
-
-def _next_message(conn: Connection | None, control: Any) -> Message:
-    """Rank 0 reads the engine's next message and broadcasts what the others must see."""
-    message: Message = ("keepalive", None)
-    if conn is not None:
-        try:
-            if conn.poll(rendezvous.KEEPALIVE_SECONDS):
-                message = conn.recv()
-        except EOFError:  # the engine is gone: stop every rank
-            message = ("stop", None)
-        if message[0] == "stats":
-            return message
-    shared = [message]
-    dist.broadcast_object_list(shared, src=0, group=control)
-    return shared[0]
+            relay.answer(("ok", CommStats(COMM.seconds, COMM.calls, COMM.bytes)))
+        elif kind == "step":
+            relay.report(runner.execute(payload))

@@ -6,12 +6,16 @@ schedules, with steps cut into micro-batches that split prompts between them."""
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
+import openai
 import psutil
 import pytest
 
 from folio import LLM, SamplingParams
 from folio.structured.params import StructuredOutputParams
+from tests.api.server_runner import running_server
 from tests.parallel_compare import TINY_PROMPTS, run_both
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
 
@@ -100,3 +104,66 @@ def test_smollm2_pipeline_with_structured_output_and_speculation(smollm2_gguf):
         split.close()
     assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
     json.loads(got[0].outputs[0].text)
+
+
+def test_steps_in_flight_and_a_stream_dropped_among_them(tiny_folders):
+    # Two stages keep two steps in flight, over disjoint requests; a stream closed mid-run aborts its
+    # request while its step may still be in the pipe. Outputs stay the single process's, no block leaks.
+    prompts = [[(5 * i + j) % 300 + 1 for j in range(9 + i)] for i in range(8)]
+    params = SamplingParams(max_tokens=12, temperature=0)
+    reference = LLM(tiny_folders["llama"], num_kv_blocks=64).generate(prompts, params, use_tqdm=False)
+    split = LLM(tiny_folders["llama"], num_kv_blocks=64, max_num_batched_tokens=24, **PP2)
+    engine = split.engine
+    most = 0
+    collect = engine.runner.collect
+
+    def counted() -> object:
+        nonlocal most
+        most = max(most, engine.runner.pending)  # steps under way when the oldest one's result is read
+        return collect()
+
+    engine.runner.collect = counted
+    try:
+        stream = split.stream([7, 8, 9], SamplingParams(max_tokens=50, ignore_eos=True, temperature=0))
+        next(stream)
+        next(stream)
+        stream.close()  # aborted between steps, its last step perhaps still in flight
+        got = split.generate(prompts, params, use_tqdm=False)
+        pool = engine.kv.pool
+        assert not engine.in_flight and pool.num_free_blocks == pool.num_blocks
+    finally:
+        split.close()
+    assert most == 2
+    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
+
+
+def test_a_served_pipeline_answers_concurrent_clients(tiny_folders):
+    # The server's engine thread drives the same steps in flight: concurrent completions, streamed and
+    # not, get the single process's text; a client that leaves mid-stream frees its request.
+    model = str(tiny_folders["llama"])
+    prompts = [" ".join(f"t{(7 * i + j) % 300 + 1}" for j in range(6 + i)) for i in range(6)]
+    reference = LLM(model, num_kv_blocks=64).generate(prompts, SamplingParams(max_tokens=10, temperature=0),
+                                                      use_tqdm=False)  # fmt: skip
+    llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=16, **PP2)
+    with running_server(llm, "tiny") as (url, server):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+
+        def complete(index: int) -> str:
+            if index % 2:
+                chunks = client.completions.create(model="tiny", prompt=prompts[index], max_tokens=10, temperature=0,
+                                                   stream=True)  # fmt: skip
+                return "".join(chunk.choices[0].text for chunk in chunks)
+            answer = client.completions.create(model="tiny", prompt=prompts[index], max_tokens=10, temperature=0)
+            return answer.choices[0].text
+
+        left = client.completions.create(model="tiny", prompt="t5 t6", max_tokens=200, temperature=0, stream=True)
+        next(iter(left))
+        left.close()  # this client leaves mid-stream
+        with ThreadPoolExecutor(max_workers=6) as pool:
+            texts = list(pool.map(complete, range(len(prompts))))
+        assert texts == [r.outputs[0].text for r in reference]
+        deadline = time.monotonic() + 10
+        engine = server.engine.engine
+        while engine.has_unfinished() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert engine.kv.pool.num_free_blocks == engine.kv.pool.num_blocks
