@@ -7,22 +7,14 @@ from __future__ import annotations
 
 import json
 
-import psutil
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.structured.params import StructuredOutputParams
-from tests.parallel_compare import TINY_PROMPTS, run_both
-from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
+from tests.parallel_compare import TINY_PROMPTS, run_both, sample_both, starting_no_rank, structured_with_speculation
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS
 
 TOLERANCE = 1e-4
 CP2 = {"context_parallel_size": 2}
-
-
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("cp-tiny")
-    return {kind: make_tiny_model(kind, root / kind) for kind in TINY_KINDS + NEW_ARCHITECTURE_KINDS}
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS + NEW_ARCHITECTURE_KINDS)
@@ -58,23 +50,16 @@ def test_seeded_sampling_parallel_samples_and_plain_greedy(tiny_folders):
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.7, seed=5, n=2, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0)]  # fmt: skip
-    reference = LLM(tiny_folders["qwen2"], num_kv_blocks=64).generate(TINY_PROMPTS, params, use_tqdm=False)
-    split = LLM(tiny_folders["qwen2"], num_kv_blocks=64, **CP2)
-    try:
-        got = split.generate(TINY_PROMPTS, params, use_tqdm=False)
-    finally:
-        split.close()
-    for a, b in zip(reference, got, strict=True):
-        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    reference, got = sample_both(tiny_folders["qwen2"], TINY_PROMPTS, params, CP2, num_kv_blocks=64)
+    assert got == reference
 
 
 def test_a_block_size_the_ranks_do_not_divide_is_refused_before_any_rank_starts(tiny_folders):
-    before = len(psutil.Process().children(recursive=True))
-    with pytest.raises(ValueError, match=r"context-parallel size of 3 needs a block size that divides by it"):
-        LLM(tiny_folders["llama"], num_kv_blocks=64, context_parallel_size=3)
-    with pytest.raises(ValueError, match=r"does not combine with tensor or pipeline parallelism"):
-        LLM(tiny_folders["llama"], num_kv_blocks=64, context_parallel_size=2, tensor_parallel_size=2)
-    assert len(psutil.Process().children(recursive=True)) == before
+    with starting_no_rank():
+        with pytest.raises(ValueError, match=r"context-parallel size of 3 needs a block size that divides by it"):
+            LLM(tiny_folders["llama"], num_kv_blocks=64, context_parallel_size=3)
+        with pytest.raises(ValueError, match=r"does not combine with tensor or pipeline parallelism"):
+            LLM(tiny_folders["llama"], num_kv_blocks=64, context_parallel_size=2, tensor_parallel_size=2)
 
 
 def test_gemma3_270m_dense_matches(gemma3_gguf):
@@ -86,19 +71,6 @@ def test_gemma3_270m_dense_matches(gemma3_gguf):
 def test_smollm2_with_structured_output_and_speculation(smollm2_gguf):
     # Kept Q4_1 weights (identical on both ranks: only the attention's sums are ordered differently),
     # rank 0 drafting by prompt lookup, drafts verified as rows spread over both ranks.
-    properties = {"city": {"enum": ["Paris", "London", "Rome"]}, "capital": {"type": "boolean"}}
-    schema = {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-    params = [
-        SamplingParams(max_tokens=120, temperature=0, structured_output=StructuredOutputParams(json=schema)),
-        SamplingParams(max_tokens=40, temperature=0, logprobs=2),
-    ]
-    prompts = ["Describe Paris as JSON:", "Repeat after me: one two three four five, one two three four five, one"]
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
-    reference = LLM(smollm2_gguf, kv_cache_memory="64MiB").generate(prompts, params, use_tqdm=False)
-    split = LLM(smollm2_gguf, kv_cache_memory="64MiB", speculative_config=spec, **CP2)
-    try:
-        got = split.generate(prompts, params, use_tqdm=False)
-    finally:
-        split.close()
-    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
-    json.loads(got[0].outputs[0].text)
+    reference, got, text = structured_with_speculation(smollm2_gguf, CP2)
+    assert got == reference
+    json.loads(text)

@@ -10,24 +10,16 @@ import time
 from concurrent.futures import ThreadPoolExecutor
 
 import openai
-import psutil
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.structured.params import StructuredOutputParams
 from tests.api.server_runner import running_server
-from tests.parallel_compare import TINY_PROMPTS, run_both
-from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
+from tests.parallel_compare import TINY_PROMPTS, run_both, sample_both, starting_no_rank, structured_with_speculation
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS
 
 TOLERANCE = 1e-4
 PP2 = {"pipeline_parallel_size": 2}
 TP2_PP2 = {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}
-
-
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("pp-tiny")
-    return {kind: make_tiny_model(kind, root / kind) for kind in TINY_KINDS + NEW_ARCHITECTURE_KINDS}
 
 
 @pytest.mark.parametrize("split", [PP2, TP2_PP2], ids=["pp2", "tp2xpp2"])
@@ -52,22 +44,14 @@ def test_chunked_prefill_and_preemption(tiny_folders, split):
 def test_seeded_sampling_and_parallel_samples(tiny_folders):
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.7, seed=5, n=2, logprobs=2)]  # fmt: skip
-    reference = LLM(tiny_folders["qwen2"], num_kv_blocks=64).generate(TINY_PROMPTS[:2], params, use_tqdm=False)
-    split = LLM(tiny_folders["qwen2"], num_kv_blocks=64, **PP2)
-    try:
-        got = split.generate(TINY_PROMPTS[:2], params, use_tqdm=False)
-    finally:
-        split.close()
-    for a, b in zip(reference, got, strict=True):
-        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    reference, got = sample_both(tiny_folders["qwen2"], TINY_PROMPTS[:2], params, PP2, num_kv_blocks=64)
+    assert got == reference
 
 
 def test_more_stages_than_layers_is_refused_before_any_rank_starts(tiny_folders):
-    before = len(psutil.Process().children(recursive=True))
-    with pytest.raises(ValueError, match=r"pipeline-parallel size of 4 needs at least one layer per stage; this model "
-                                         r"has 3 layers"):  # fmt: skip
+    with starting_no_rank(), pytest.raises(ValueError, match=r"pipeline-parallel size of 4 needs at least one "
+                                                             r"layer per stage; this model has 3 layers"):  # fmt: skip
         LLM(tiny_folders["llama"], num_kv_blocks=64, pipeline_parallel_size=4)
-    assert len(psutil.Process().children(recursive=True)) == before
 
 
 def test_gemma3_270m_dense_matches(gemma3_gguf):
@@ -88,22 +72,9 @@ def test_gemma3_270m_kept_formats_on_tp2_x_pp2(gemma3_gguf):
 def test_smollm2_pipeline_with_structured_output_and_speculation(smollm2_gguf):
     # Kept Q4_1 weights, a tied embedding (the last stage holds its rows as the head), and the last
     # stage's first rank drafting by prompt lookup.
-    properties = {"city": {"enum": ["Paris", "London", "Rome"]}, "capital": {"type": "boolean"}}
-    schema = {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-    params = [
-        SamplingParams(max_tokens=120, temperature=0, structured_output=StructuredOutputParams(json=schema)),
-        SamplingParams(max_tokens=40, temperature=0, logprobs=2),
-    ]
-    prompts = ["Describe Paris as JSON:", "Repeat after me: one two three four five, one two three four five, one"]
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
-    reference = LLM(smollm2_gguf, kv_cache_memory="64MiB").generate(prompts, params, use_tqdm=False)
-    split = LLM(smollm2_gguf, kv_cache_memory="64MiB", speculative_config=spec, **PP2)
-    try:
-        got = split.generate(prompts, params, use_tqdm=False)
-    finally:
-        split.close()
-    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
-    json.loads(got[0].outputs[0].text)
+    reference, got, text = structured_with_speculation(smollm2_gguf, PP2)
+    assert got == reference
+    json.loads(text)
 
 
 def test_steps_in_flight_and_a_stream_dropped_among_them(tiny_folders):

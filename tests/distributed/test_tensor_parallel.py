@@ -6,21 +6,20 @@ from __future__ import annotations
 
 import json
 
-import psutil
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.structured.params import StructuredOutputParams
-from tests.parallel_compare import GREEDY, TINY_PROMPTS, run_both
-from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, make_tiny_model
+from tests.parallel_compare import (
+    GREEDY,
+    TINY_PROMPTS,
+    run_both,
+    sample_both,
+    starting_no_rank,
+    structured_with_speculation,
+)
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS
 
 TOLERANCE = 1e-4
-
-
-@pytest.fixture(scope="module")
-def tiny_folders(tmp_path_factory):
-    root = tmp_path_factory.mktemp("tp-tiny")
-    return {kind: make_tiny_model(kind, root / kind) for kind in TINY_KINDS + NEW_ARCHITECTURE_KINDS}
 
 
 @pytest.mark.parametrize("kind", TINY_KINDS + NEW_ARCHITECTURE_KINDS)
@@ -34,13 +33,9 @@ def test_plain_greedy_takes_each_ranks_best_token(tiny_folders, kind, size):
     # Without logprobs the ranks exchange their vocabulary range's best token, not the logits: the
     # tokens equal those the reference samples from its whole logits (logprobs force that path).
     params = SamplingParams(max_tokens=12, temperature=0)
-    reference = LLM(tiny_folders[kind], num_kv_blocks=64).generate(TINY_PROMPTS, GREEDY, use_tqdm=False)
-    split = LLM(tiny_folders[kind], num_kv_blocks=64, tensor_parallel_size=size)
-    try:
-        got = split.generate(TINY_PROMPTS, params, use_tqdm=False)
-    finally:
-        split.close()
-    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
+    reference, got = sample_both(tiny_folders[kind], TINY_PROMPTS, params, {"tensor_parallel_size": size},
+                                 reference_params=GREEDY, num_kv_blocks=64)  # fmt: skip
+    assert got == reference
 
 
 def test_gloo_collectives_match_too(tiny_folders):
@@ -67,21 +62,14 @@ def test_chunked_prefill_and_preemption(tiny_folders):
 def test_seeded_sampling_and_parallel_samples(tiny_folders):
     params = [SamplingParams(max_tokens=16, temperature=0.9, top_p=0.9, seed=11, logprobs=2),
               SamplingParams(max_tokens=16, temperature=0.7, seed=5, n=2, logprobs=2)]  # fmt: skip
-    reference = LLM(tiny_folders["qwen2"], num_kv_blocks=64).generate(TINY_PROMPTS[:2], params, use_tqdm=False)
-    split = LLM(tiny_folders["qwen2"], num_kv_blocks=64, tensor_parallel_size=2)
-    try:
-        got = split.generate(TINY_PROMPTS[:2], params, use_tqdm=False)
-    finally:
-        split.close()
-    for a, b in zip(reference, got, strict=True):
-        assert [o.token_ids for o in a.outputs] == [o.token_ids for o in b.outputs]
+    reference, got = sample_both(tiny_folders["qwen2"], TINY_PROMPTS[:2], params, {"tensor_parallel_size": 2},
+                                 num_kv_blocks=64)  # fmt: skip
+    assert got == reference
 
 
 def test_a_size_that_does_not_split_the_heads_names_the_valid_ones(tiny_folders):
-    before = len(psutil.Process().children(recursive=True))
-    with pytest.raises(ValueError, match=r"valid sizes for this model: 1, 2, 4"):
+    with starting_no_rank(), pytest.raises(ValueError, match=r"valid sizes for this model: 1, 2, 4"):
         LLM(tiny_folders["llama"], num_kv_blocks=64, tensor_parallel_size=3)
-    assert len(psutil.Process().children(recursive=True)) == before  # refused before any rank started
 
 
 def test_gemma3_270m_dense_matches(gemma3_gguf):
@@ -103,19 +91,6 @@ def test_gemma3_270m_kept_formats_match_greedy(gemma3_gguf):
 def test_smollm2_on_three_ranks_with_structured_output_and_speculation(smollm2_gguf):
     # 9 query heads and 3 KV heads split 3 ways; rank 0 drafts (prompt lookup) and the scheduler
     # compiles the grammar, so both work unchanged on a split model.
-    properties = {"city": {"enum": ["Paris", "London", "Rome"]}, "capital": {"type": "boolean"}}
-    schema = {"type": "object", "properties": properties, "required": list(properties), "additionalProperties": False}
-    params = [
-        SamplingParams(max_tokens=120, temperature=0, structured_output=StructuredOutputParams(json=schema)),
-        SamplingParams(max_tokens=40, temperature=0, logprobs=2),
-    ]
-    prompts = ["Describe Paris as JSON:", "Repeat after me: one two three four five, one two three four five, one"]
-    spec = {"method": "ngram", "num_speculative_tokens": 4}
-    reference = LLM(smollm2_gguf, kv_cache_memory="64MiB").generate(prompts, params, use_tqdm=False)
-    split = LLM(smollm2_gguf, kv_cache_memory="64MiB", tensor_parallel_size=3, speculative_config=spec)
-    try:
-        got = split.generate(prompts, params, use_tqdm=False)
-    finally:
-        split.close()
-    assert [r.outputs[0].token_ids for r in got] == [r.outputs[0].token_ids for r in reference]
-    json.loads(got[0].outputs[0].text)
+    reference, got, text = structured_with_speculation(smollm2_gguf, {"tensor_parallel_size": 3})
+    assert got == reference
+    json.loads(text)
