@@ -252,7 +252,7 @@ class AsyncEngine:
                     logger.exception("engine step failed; failing the requests in flight")
                     self._fail_in_flight("the engine failed while running this request's batch")
                     continue
-                stalled = self.engine.last_step is not None and self.engine.last_step.num_batched_tokens == 0
+                stalled = self.engine.stalled
                 self._observe_step(updated)
                 for delta in self._outputs.process(updated):
                     self._publish(delta)

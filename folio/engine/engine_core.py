@@ -154,6 +154,12 @@ class EngineCore:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self.in_flight)
 
+    @property
+    def stalled(self) -> bool:
+        """The last step scheduled nothing and no step is under way: requests wait for a batch to
+        form (a caller may sleep until one does); with a step in flight, its result is coming."""
+        return self.last_step is not None and self.last_step.num_batched_tokens == 0 and not self.in_flight
+
     def shutdown(self) -> None:
         """Stop the model's ranks, if it has any (an in-process model needs nothing)."""
         if isinstance(self.runner, SplitModelExecutor):

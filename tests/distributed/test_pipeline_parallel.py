@@ -117,7 +117,7 @@ def test_a_served_pipeline_answers_concurrent_clients(tiny_folders):
                                                       use_tqdm=False)  # fmt: skip
     llm = LLM(model, num_kv_blocks=64, max_num_batched_tokens=16, **PP2)
     with running_server(llm, "tiny") as (url, server):
-        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=60)  # a hang fails fast
 
         def complete(index: int) -> str:
             if index % 2:
