@@ -18,6 +18,7 @@ from collections.abc import Callable
 from folio import __version__, commands
 from folio.bench.cli import add_bench_parser, run_bench
 from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
+from folio.scale.routing import POLICIES, RoutingConfig
 from folio.server.limits import RequestLimits
 
 
@@ -31,6 +32,27 @@ def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -
     parser.add_argument("--format", default=None, metavar="json|SCHEMA",
                         help="constrain the output, as Ollama's --format: 'json' (any JSON object), a JSON schema, "
                         "or a file holding one")  # fmt: skip
+
+
+def _add_replica_args(parser: argparse.ArgumentParser) -> None:
+    """Scale-out on Ray Serve (folio[ray]; docs/scale-out.md): replicas behind one endpoint."""
+    ray = parser.add_argument_group("replicas on Ray Serve (pip install 'folio[ray]'; docs/scale-out.md)")
+    ray.add_argument("--replicas", type=int, default=None, help="serve N engine replicas behind this endpoint, "
+                     "routed by prefix cache and load")  # fmt: skip
+    ray.add_argument("--min-replicas", type=int, default=None, help="autoscale between --min-replicas and "
+                     "--max-replicas on the replicas' queue depth")  # fmt: skip
+    ray.add_argument("--max-replicas", type=int, default=None)
+    ray.add_argument("--autoscale-target", type=float, default=16.0, help="requests in flight per replica the "
+                     "autoscaler aims for (default 16)")  # fmt: skip
+    ray.add_argument("--routing", default="cache_aware", choices=POLICIES, help="cache_aware (default: the "
+                     "replica holding the prompt's prefix, unless busier than the least loaded by more than "
+                     "--routing-imbalance requests) or round_robin")  # fmt: skip
+    ray.add_argument("--routing-imbalance", type=int, default=RoutingConfig().imbalance_bound,
+                     help="requests the prefix's replica may run beyond the least loaded (default 4)")  # fmt: skip
+    ray.add_argument("--cpus-per-replica", type=float, default=None, help="Ray CPUs per replica, all its ranks "
+                     "together (default: the CPUs over the replicas)")  # fmt: skip
+    ray.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto': the one running here) "
+                     "instead of starting one")  # fmt: skip
 
 
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
@@ -90,6 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
                        "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
     _add_limit_args(serve)
+    _add_replica_args(serve)
     EngineArgs.add_cli_args(serve)
 
     kv_calc = sub.add_parser("kv-calc", help="KV cache and weight memory of a model, and how many sequences fit")

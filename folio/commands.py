@@ -20,6 +20,8 @@ from folio.platform import default_device
 from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
 from folio.results import result_paths, write_json
 from folio.sampling_params import SamplingParams
+from folio.scale.options import ReplicaOptions
+from folio.scale.routing import RoutingConfig
 from folio.server.limits import RequestLimits
 from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
 from folio.structured.params import StructuredOutputParams
@@ -202,11 +204,32 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
     options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args))
     _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
+    if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None:
+        return _serve_replicas(args, options)
     try:
         with sigterm_stops_startup():
             serve(EngineArgs.from_cli_args(args), args.host, args.port, options)
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
+    return 0
+
+
+def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
+    routing = RoutingConfig(policy=args.routing, imbalance_bound=args.routing_imbalance)
+    replicas = ReplicaOptions(
+        replicas=args.replicas if args.replicas is not None else 1,
+        min_replicas=args.min_replicas,
+        max_replicas=args.max_replicas,
+        target_ongoing_requests=args.autoscale_target,
+        cpus_per_replica=args.cpus_per_replica,
+        routing=routing,
+        ray_address=args.ray_address,
+    )
+    try:  # Ray is an optional extra: only this command needs it
+        from folio.scale.deploy import serve_on_ray
+    except ImportError as exc:
+        raise ValueError(f"serving replicas needs Ray Serve: pip install 'folio[ray]' ({exc})") from None
+    serve_on_ray(EngineArgs.from_cli_args(args), args.host, args.port, options, replicas)
     return 0
 
 

@@ -194,6 +194,10 @@ class AsyncEngine:
     def is_alive(self) -> bool:
         return self.dead is None and self._thread.is_alive()
 
+    @property
+    def max_model_len(self) -> int:
+        return self.engine.max_model_len
+
     def new_request(
         self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
     ) -> Request:

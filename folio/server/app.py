@@ -11,7 +11,7 @@ import logging
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.server.auth import APIKeyMiddleware
@@ -21,7 +21,6 @@ from folio.server.completions import create_completion
 from folio.server.context import ServerContext
 from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
-from folio.server.metrics import ServerMetrics
 from folio.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("folio")
@@ -41,7 +40,9 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     return (f"{param}: {message}" if param else message), param
 
 
-def create_app(ctx: ServerContext, metrics: ServerMetrics | None = None, api_key: str | None = None) -> FastAPI:
+def create_app(
+    ctx: ServerContext, metrics_registry: CollectorRegistry | None = None, api_key: str | None = None
+) -> FastAPI:
     app = FastAPI(title="folio", docs_url=None, redoc_url=None)
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
@@ -107,8 +108,8 @@ def create_app(ctx: ServerContext, metrics: ServerMetrics | None = None, api_key
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:
-        if metrics is None:
+        if metrics_registry is None:
             raise APIError(404, "metrics are disabled")
-        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
 
     return app

@@ -6,10 +6,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from folio.engine.async_engine import EngineDeadError, Generation, RequestFailedError
+from folio.engine.async_engine import EngineDeadError, RequestFailedError
 from folio.loaders.tokenizer import ChatTemplateError
 from folio.server.choices import collect
 from folio.server.context import ServerContext
+from folio.server.engine_client import GenerationStream
 from folio.server.errors import APIError, error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.logprobs_format import TokenText, chat_logprobs
@@ -61,7 +62,7 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
 
 
 async def _stream(
-    ctx: ServerContext, body: ChatCompletionRequest, head: dict, generation: Generation, prompt_tokens: int
+    ctx: ServerContext, body: ChatCompletionRequest, head: dict, generation: GenerationStream, prompt_tokens: int
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if body.include_usage else {}

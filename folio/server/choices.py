@@ -4,8 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.engine.async_engine import Generation, RequestUpdate
+from folio.engine.async_engine import RequestUpdate
 from folio.outputs import TokenLogprob
+from folio.server.engine_client import GenerationStream
 
 
 @dataclass
@@ -30,7 +31,7 @@ class ChoiceResult:
             self.finish_reason = update.finish_reason
 
 
-async def collect(generation: Generation, num_choices: int) -> list[ChoiceResult]:
+async def collect(generation: GenerationStream, num_choices: int) -> list[ChoiceResult]:
     """Every choice's whole result; raises if a choice fails or the engine dies."""
     results = [ChoiceResult() for _ in range(num_choices)]
     async for index, update in generation:

@@ -6,10 +6,11 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from folio.engine.async_engine import EngineDeadError, Generation, RequestFailedError
+from folio.engine.async_engine import EngineDeadError, RequestFailedError
 from folio.outputs import TokenLogprob
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
+from folio.server.engine_client import GenerationStream
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.logprobs_format import TokenText, completion_logprobs, prompt_positions, vllm_prompt_logprobs
@@ -100,7 +101,7 @@ async def _stream(
     ctx: ServerContext,
     body: CompletionRequest,
     head: dict,
-    generation: Generation,
+    generation: GenerationStream,
     prompts: list[tuple[str | None, list[int]]],
     echoes: list[str],
     prompt_tokens: int,

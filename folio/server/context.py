@@ -6,9 +6,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from types import TracebackType
 
-from folio.engine.async_engine import AsyncEngine, Generation
 from folio.loaders.tokenizer import Tokenizer
 from folio.server.admission import Admission, Reservation
+from folio.server.engine_client import EngineClient, GenerationStream
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
 
@@ -18,7 +18,7 @@ class EngineCall:
     (idempotent). As a context manager it closes on every exit, unless the handler handed the call
     to a streaming response (`hand_off`), whose own cleanup closes it when the stream ends."""
 
-    def __init__(self, reservation: Reservation, generation: Generation) -> None:
+    def __init__(self, reservation: Reservation, generation: GenerationStream) -> None:
         self.reservation = reservation
         self.generation = generation
         self._handed_off = False
@@ -41,7 +41,7 @@ class EngineCall:
 
 @dataclass
 class ServerContext:
-    engine: AsyncEngine
+    engine: EngineClient
     tokenizer: Tokenizer
     model_name: str
     vocab_size: int
@@ -50,7 +50,7 @@ class ServerContext:
 
     @property
     def max_model_len(self) -> int:
-        return self.engine.engine.max_model_len
+        return self.engine.max_model_len
 
     def check_model(self, name: str | None) -> None:
         if name is not None and name != self.model_name:

@@ -109,7 +109,7 @@ def build_server(
         limits=options.limits,
     )
     metrics.track_admission(ctx.admission)
-    return Server(create_app(ctx, metrics, options.api_key), ctx, metrics)
+    return Server(create_app(ctx, metrics.registry, options.api_key), ctx, metrics)
 
 
 def is_loopback(host: str) -> bool:
@@ -121,16 +121,20 @@ def is_loopback(host: str) -> bool:
     return all(a.startswith("127.") or a == "::1" for a in addresses)
 
 
-def serve(args: EngineArgs, host: str, port: int, options: ServerOptions | None = None) -> None:
-    """Load the model `args` describe and serve it under its own name until SIGINT/SIGTERM."""
-    options = options or ServerOptions()
-    if options.api_key is None and not is_loopback(host):
+def warn_if_open(host: str, port: int, api_key: str | None) -> None:
+    if api_key is None and not is_loopback(host):
         logger.warning(
             "WARNING: serving on %s without an API key: anyone who can reach port %d can use this model. "
             "Pass --api-key (or set FOLIO_API_KEY), or bind 127.0.0.1.",
             host,
             port,
         )
+
+
+def serve(args: EngineArgs, host: str, port: int, options: ServerOptions | None = None) -> None:
+    """Load the model `args` describe and serve it under its own name until SIGINT/SIGTERM."""
+    options = options or ServerOptions()
+    warn_if_open(host, port, options.api_key)
     llm, model_name = LLM.from_engine_args(args), args.model
     http: list[uvicorn.Server] = []  # filled below; the engine may die before uvicorn exists
 

@@ -1,0 +1,150 @@
+"""Build the Ray Serve application (an ingress in front of engine replicas) and run it.
+
+`folio serve MODEL --replicas N` calls `serve_on_ray`; a Ray Serve config or a Python script can use
+`build_application` directly (docs/scale-out.md). Replicas take `cpus_per_replica` of Ray's CPUs each
+(all of a split model's ranks, placed on one node by a STRICT_PACK placement group) and are pinned to
+their own cores where a host has enough; the ingress takes none.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+import os
+import signal
+import threading
+
+import ray
+from ray import serve
+from ray.serve.config import AutoscalingConfig, RequestRouterConfig
+from ray.serve.deployment import Application
+from ray.serve.schema import LoggingConfig
+
+from folio.engine_args import EngineArgs
+from folio.scale.board import NAMESPACE
+from folio.scale.ingress import FolioIngress
+from folio.scale.options import ReplicaOptions
+from folio.scale.replica import EngineReplica
+from folio.scale.request_router import FolioRequestRouter
+from folio.server.serve import ServerOptions, warn_if_open
+
+logger = logging.getLogger("folio")
+
+QUIET = LoggingConfig(enable_access_log=False)  # a log line per request and per call is Serve's default
+
+
+def replica_cpus(options: ReplicaOptions, world_size: int) -> float:
+    """Ray CPUs one replica takes, all of its ranks together."""
+    if options.cpus_per_replica is not None:
+        return options.cpus_per_replica
+    total = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
+    return max(1.0, math.floor(total / options.most_replicas))
+
+
+def build_application(
+    args: EngineArgs, model_name: str, server: ServerOptions | None = None, options: ReplicaOptions | None = None
+) -> Application:
+    """The ingress bound to its engine replicas, ready for `serve.run` (Ray must be initialised)."""
+    server = server or ServerOptions()
+    options = options or ReplicaOptions()
+    world = args.parallel_config().world_size
+    cpus = replica_cpus(options, world)
+    scaling: dict = {"num_replicas": options.replicas}
+    if options.autoscaling:
+        scaling = {"autoscaling_config": AutoscalingConfig(
+            min_replicas=options.min_replicas, max_replicas=options.max_replicas,
+            initial_replicas=max(options.min_replicas or 0, 1),
+            target_ongoing_requests=options.target_ongoing_requests, upscale_delay_s=5.0, downscale_delay_s=60.0,
+        )}  # fmt: skip
+    placement: dict = {}
+    if world > 1:  # the replica's ranks are its own processes: reserve their CPUs on the replica's node
+        per_rank = cpus / world
+        placement = {"placement_group_bundles": [{"CPU": per_rank}] * world, "placement_group_strategy": "STRICT_PACK"}
+        actor_options = {"num_cpus": per_rank}
+    else:
+        actor_options = {"num_cpus": cpus}
+    router = RequestRouterConfig(
+        request_router_class=f"{FolioRequestRouter.__module__}.{FolioRequestRouter.__qualname__}",
+        request_router_kwargs={**options.routing.__dict__, "block_size": args.block_size},
+    )
+    engine = serve.deployment(
+        EngineReplica,
+        name="engine",
+        ray_actor_options=actor_options,
+        # Each replica's engine queues its own requests; the ingress's admission bounds the total.
+        max_ongoing_requests=args.max_num_seqs + server.max_queue,
+        request_router_config=router,
+        logging_config=QUIET,
+        health_check_period_s=2.0,
+        health_check_timeout_s=60.0,
+        graceful_shutdown_timeout_s=server.grace_period,
+        **scaling,
+        **placement,
+    )
+    ingress = serve.deployment(
+        serve.ingress()(FolioIngress),
+        name="ingress",
+        num_replicas=1,
+        ray_actor_options={"num_cpus": 0},
+        max_ongoing_requests=100_000,  # admission inside the app answers 429 long before this
+        logging_config=QUIET,
+        graceful_shutdown_timeout_s=server.grace_period,
+    )
+    pinned = int(cpus) if float(cpus).is_integer() else 0
+    return ingress.bind(engine.bind(args, model_name, pinned), args, model_name, server, options.most_replicas)
+
+
+def start_ray(options: ReplicaOptions) -> None:
+    if ray.is_initialized():
+        return
+    if options.ray_address is None:
+        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
+    else:
+        ray.init(address=options.ray_address, log_to_driver=True)
+
+
+def run_application(
+    args: EngineArgs, model_name: str, host: str, port: int, server: ServerOptions, options: ReplicaOptions
+) -> None:
+    """Start (or join) Ray, start Serve's HTTP proxy on host:port and run the application; returns once
+    every replica is ready."""
+    start_ray(options)
+    serve.start(http_options={"host": host, "port": port})
+    serve.run(build_application(args, model_name, server, options), name=options.app_name, route_prefix="/")
+
+
+def stop_application(options: ReplicaOptions) -> None:
+    serve.delete(options.app_name)
+    with contextlib.suppress(ValueError):  # never created
+        ray.kill(ray.get_actor(f"board:{options.app_name}", namespace=NAMESPACE))
+
+
+def serve_on_ray(args: EngineArgs, host: str, port: int, server: ServerOptions, options: ReplicaOptions) -> None:
+    """`folio serve --replicas N`: serve until SIGINT/SIGTERM, then stop the replicas and Ray."""
+    warn_if_open(host, port, server.api_key)
+    model_name = args.model
+    stop = threading.Event()
+    try:
+        start_ray(options)
+        # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
+        previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
+        try:
+            run_application(args, model_name, host, port, server, options)
+            count = f"{options.min_replicas}-{options.max_replicas}" if options.autoscaling else str(options.replicas)
+            keyed = " (API key required)" if server.api_key else ""
+            logger.info("serving %s on Ray: %s replicas, %s routing, at http://%s:%d/v1%s", model_name, count,
+                        options.routing.policy, host, port, keyed)  # fmt: skip
+            while not stop.wait(1.0):
+                pass
+            logger.info("stopping the replicas")
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
+    finally:
+        if ray.is_initialized():
+            with contextlib.suppress(Exception):  # whatever failed, Ray's processes must still go
+                stop_application(options)
+                serve.shutdown()
+            ray.shutdown()
+    logger.info("server stopped")

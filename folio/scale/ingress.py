@@ -1,0 +1,109 @@
+"""The HTTP face of the replicas: folio's own FastAPI app (the same routes, errors, auth, limits and
+streaming as `folio serve`), run as a Ray Serve ingress whose engine is the replicas.
+
+It tokenizes and validates here, so a replica only ever receives token ids, and admission counts every
+replica's requests at once (max_num_seqs x replicas running, `max_queue` more waiting, then 429).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Iterator
+
+import ray
+from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
+from prometheus_client.metrics_core import Metric
+from ray.serve.handle import DeploymentHandle
+
+from folio.config import parse_dtype
+from folio.engine_args import EngineArgs
+from folio.loaders.catalog import resolve_model
+from folio.loaders.model_loader import open_checkpoint
+from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
+from folio.scale.jobs import ReplicaDescription
+from folio.scale.remote_engine import RemoteEngine
+from folio.scale.replica_metrics import ReplicaMetricsCollector
+from folio.scale.router_metrics import ROUTER_REGISTRY
+from folio.server.admission import Admission
+from folio.server.app import create_app
+from folio.server.context import ServerContext
+from folio.server.serve import ServerOptions
+
+logger = logging.getLogger("folio")
+
+
+class _RegistryCollector:
+    """Serves another registry's metrics inside this one (prometheus_client has no registry nesting)."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._registry.collect()
+
+
+class FolioIngress:
+    async def __init__(
+        self, engine: DeploymentHandle, args: EngineArgs, model_name: str, options: ServerOptions, max_replicas: int
+    ) -> None:
+        checkpoint = open_checkpoint(resolve_model(args.model), parse_dtype(args.dtype), args.quantization)
+        description: ReplicaDescription = await engine.describe.remote()
+        self.engine = RemoteEngine(engine, description.max_model_len)
+        self.context = ServerContext(
+            engine=self.engine,
+            tokenizer=checkpoint.tokenizer,
+            model_name=model_name,
+            vocab_size=checkpoint.config.vocab_size,
+            admission=Admission(description.max_num_seqs * max_replicas, options.max_queue),
+            limits=options.limits,
+        )
+        self.options = options
+        self.reports: list[ReplicaReport] = []
+        self._app_name = ray.serve.get_replica_context().app_name
+        self._board = board_for(self._app_name)
+        await self._refresh()
+        self._refresher = asyncio.get_running_loop().create_task(self._refresh_forever())
+
+    def __serve_build_asgi_app__(self) -> FastAPI:
+        registry = CollectorRegistry()
+        registry.register(ReplicaMetricsCollector(lambda: self.reports))
+        registry.register(_RegistryCollector(ROUTER_REGISTRY))
+        registry.register(_AdmissionCollector(self.context))
+        return create_app(self.context, registry, self.options.api_key)
+
+    async def _refresh(self) -> None:
+        try:
+            self.reports = await self._board.fresh.remote()
+        except ray.exceptions.RayActorError:
+            self._board = board_for(self._app_name)
+            return
+        self.engine.alive = any(report.alive for report in self.reports)
+
+    async def _refresh_forever(self) -> None:
+        while True:
+            await asyncio.sleep(REPORT_PERIOD_S)
+            try:
+                await self._refresh()
+            except Exception:
+                logger.exception("could not read the replicas' reports")
+
+    def __del__(self) -> None:
+        refresher = getattr(self, "_refresher", None)
+        if refresher is not None:
+            refresher.cancel()
+
+
+class _AdmissionCollector:
+    NAME = "folio:num_requests_admitted"
+    DOC = ("Engine requests holding admission slots, all replicas together; new requests get 429 beyond "
+           "max_num_seqs x replicas + --max-queue.")  # fmt: skip
+
+    def __init__(self, context: ServerContext) -> None:
+        self._context = context
+
+    def collect(self) -> Iterator[Metric]:
+        metric = Metric(self.NAME, self.DOC, "gauge")
+        metric.add_sample(self.NAME, {"model_name": self._context.model_name}, self._context.admission.in_flight)
+        yield metric

@@ -1,0 +1,44 @@
+"""`/metrics` of the Ray endpoint: every replica's folio metrics, each series labelled by its replica.
+
+Replicas post their registry as Prometheus text (board.py); this collector parses the latest posts
+with prometheus_client's own parser and serves one family per metric name, the replicas' samples side
+by side, plus `folio:replica_info` naming each replica's process. Admission is the ingress's (it counts
+requests for all replicas), so the replicas' own admission gauge is dropped.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.samples import Sample
+
+from folio.scale.board import ReplicaReport
+
+INGRESS_ONLY = {"folio:num_requests_admitted"}
+
+
+class ReplicaMetricsCollector:
+    def __init__(self, reports: Callable[[], list[ReplicaReport]]) -> None:
+        self._reports = reports
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for report in self._reports():
+            for family in text_string_to_metric_families(report.metrics_text):
+                if family.name in INGRESS_ONLY:
+                    continue
+                merged = families.get(family.name)
+                if merged is None:
+                    merged = families[family.name] = Metric(family.name, family.documentation, family.type)
+                merged.samples.extend(
+                    Sample(s.name, {**s.labels, "replica": report.replica}, s.value, s.timestamp, s.exemplar)
+                    for s in family.samples
+                )
+        yield from families.values()
+        info = Metric("folio:replica_info", "Each reporting replica's process; 1 while its engine runs.", "gauge")
+        for report in self._reports():
+            info.add_sample("folio:replica_info", {"replica": report.replica, "pid": str(report.pid),
+                                                   "host": report.host}, float(report.alive))  # fmt: skip
+        yield info

@@ -1,0 +1,37 @@
+"""What the route handlers need from an engine, and nothing more.
+
+`AsyncEngine` (the engine loop on a thread of this process) is one implementation; the Ray ingress's
+`RemoteEngine` (folio/scale/remote_engine.py), which routes each prompt to one of several engine
+replicas, is the other. Handlers never learn which one they talk to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Protocol
+
+from folio.engine.async_engine import RequestUpdate
+from folio.sampling_params import SamplingParams
+
+
+class GenerationStream(Protocol):
+    """The engine requests behind one API call, numbered as its choices (see async_engine.Generation)."""
+
+    def add(
+        self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None,
+        priority: int = 0,
+    ) -> None: ...  # fmt: skip
+
+    def __aiter__(self) -> AsyncIterator[tuple[int, RequestUpdate]]: ...
+
+    def close(self) -> None: ...
+
+
+class EngineClient(Protocol):
+    @property
+    def is_alive(self) -> bool: ...
+
+    @property
+    def max_model_len(self) -> int: ...
+
+    def generation(self) -> GenerationStream: ...

@@ -1,0 +1,234 @@
+"""`folio serve --replicas 2` on Ray Serve, met as a user meets it: the CLI starts a local Ray instance,
+two engine replicas and the ingress; the official openai client talks to it.
+
+One Ray instance for the module (starting one costs ~15 s here); the last test stops it with SIGTERM.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections import Counter
+
+import httpx
+import openai
+import psutil
+import pytest
+
+from tests.api.server_runner import MODEL, free_port
+
+KEY = "ray-test-key"
+TENANT_A = "You are the support assistant of a bakery. Answer in one short sentence about bread. " * 4
+TENANT_B = "You are a travel agent who only talks about trains across the Alps and their timetables. " * 4
+
+
+class RayServer:
+    def __init__(self) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-ray-", suffix=".log")  # noqa: SIM115
+        command = [sys.executable, "-m", "folio.cli", "serve", MODEL, "--replicas", "2", "--cpus-per-replica", "1",
+                   "--port", str(self.port), "--num-kv-blocks", "256", "--max-num-seqs", "8",
+                   "--api-key", KEY]  # fmt: skip
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, f"folio serve --replicas exited:\n{self.output()[-4000:]}"
+            if len(self.replicas()) == 2:
+                return
+            time.sleep(0.5)
+        raise AssertionError(f"the replicas did not come up:\n{self.output()[-4000:]}")
+
+    def output(self) -> str:
+        self.log.flush()
+        self.log.seek(0)
+        return self.log.read()
+
+    def metrics(self) -> str:
+        return httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
+
+    def replicas(self) -> dict[str, int]:
+        """replica id -> pid, of the replicas whose engine runs."""
+        try:
+            text = self.metrics()
+        except httpx.HTTPError:
+            return {}
+        found = re.findall(r'folio:replica_info\{host="[^"]*",pid="(\d+)",replica="([^"]+)"\} 1\.0', text)
+        return {replica: int(pid) for pid, replica in found}
+
+    def routed(self) -> Counter:
+        """(replica, reason) -> prompts the router sent there."""
+        counts: Counter = Counter()
+        pattern = r'folio:router_requests_total\{reason="([^"]+)",replica="([^"]+)"\} ([0-9.]+)'
+        for reason, replica, value in re.findall(pattern, self.metrics()):
+            counts[(replica, reason)] = int(float(value))
+        return counts
+
+
+@pytest.fixture(scope="module")
+def ray_server():
+    server = RayServer()
+    try:
+        server.wait_ready(timeout=240)
+        yield server
+    finally:
+        if server.process.poll() is None:  # a test failed before the last one stopped it
+            server.process.terminate()
+            try:
+                server.process.wait(timeout=90)
+            except subprocess.TimeoutExpired:
+                server.process.kill()
+                server.process.wait(timeout=30)
+        server.log.close()
+
+
+@pytest.fixture(scope="module")
+def ray_client(ray_server):
+    return openai.OpenAI(base_url=f"{ray_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+def _per_replica(before: Counter, after: Counter) -> dict[str, int]:
+    delta: Counter = Counter()
+    for (replica, _), value in after.items():
+        delta[replica] += value - before.get((replica, _), 0)
+    return {replica: count for replica, count in delta.items() if count}
+
+
+def test_outputs_equal_folio_serve(ray_client, client):
+    """The same greedy answers as the single-engine server, whole and streamed, completions and chat."""
+    for prompt in ["The capital of France is", "def fibonacci(n):", TENANT_A + "What is sourdough?"]:
+        ours = ray_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        theirs = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert ours.choices[0].text == theirs.choices[0].text
+        assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+    messages = [{"role": "user", "content": "Name three colours."}]
+    whole = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0)
+    stream = ray_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=20, temperature=0,
+                                                stream=True)  # fmt: skip
+    assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == whole.choices[0].message.content
+    seeded = dict(model=MODEL, prompt="Once upon a time", max_tokens=16, temperature=0.9, seed=7, n=2)
+    ours = ray_client.completions.create(**seeded)
+    theirs = client.completions.create(**seeded)
+    assert [c.text for c in ours.choices] == [c.text for c in theirs.choices]
+
+
+def test_shared_prefixes_stay_on_one_replica(ray_server, ray_client):
+    """Each tenant's requests go to one replica, the two tenants to different replicas, and the
+    repeats hit that replica's prefix cache."""
+    homes = []
+    for system in (TENANT_A, TENANT_B):
+        before = ray_server.routed()
+        for question in ("Question one?", "Question two, a little longer?", "Three?"):
+            messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
+            ray_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
+        after = ray_server.routed()
+        per_replica = _per_replica(before, after)
+        assert list(per_replica.values()) == [3], per_replica
+        homes.append(next(iter(per_replica)))
+        home = homes[-1]
+        assert after[(home, "prefix")] - before.get((home, "prefix"), 0) == 2
+    assert homes[0] != homes[1]
+    deadline = time.monotonic() + 10  # replicas post their metrics every second
+    hits: dict[str, float] = {}
+    while time.monotonic() < deadline:
+        found = re.findall(r'folio:prefix_cache_hits_total\{model_name="[^"]+",replica="([^"]+)"\} ([0-9.]+)',
+                           ray_server.metrics())  # fmt: skip
+        hits = {replica: float(value) for replica, value in found}
+        if all(hits.get(home, 0) > 0 for home in homes):
+            break
+        time.sleep(0.5)
+    assert all(hits.get(home, 0) >= 2 * 64 for home in homes), hits  # two repeats of a >64-token prefix each
+
+
+def test_errors_auth_and_health(ray_server, ray_client):
+    with pytest.raises(openai.BadRequestError) as bad:
+        ray_client.completions.create(model=MODEL, prompt="x", temperature=-1)
+    assert bad.value.body["param"] == "temperature"
+    anonymous = httpx.post(f"{ray_server.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
+    assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
+    assert httpx.get(f"{ray_server.url}/health", timeout=10).json() == {"status": "ok"}
+    with pytest.raises(openai.NotFoundError):
+        ray_client.completions.create(model="another-model", prompt="x")
+    too_long = " ".join(["word"] * 5000)  # the replicas hold 256 x 16 tokens
+    with pytest.raises(openai.BadRequestError, match="context length"):
+        ray_client.completions.create(model=MODEL, prompt=too_long, max_tokens=4)
+    text = ray_server.metrics()
+    assert re.search(r'folio:num_requests_admitted\{model_name="smollm2-135m"\} 0\.0', text)
+    assert len(set(re.findall(r'folio:generation_tokens_total\{[^}]*replica="([^"]+)"', text))) == 2
+
+
+def test_a_killed_replica_is_survived(ray_server, ray_client):
+    """SIGKILL the replica running one stream: that stream ends with a clean error, the stream on the
+    other replica runs to its end, later requests are answered, and Ray starts a new replica."""
+    replicas = ray_server.replicas()
+
+    class Stream(threading.Thread):
+        def __init__(self, prompt: str) -> None:
+            super().__init__()
+            self.prompt, self.started, self.chunks, self.failure = prompt, threading.Event(), [], []
+
+        def run(self) -> None:
+            try:
+                stream = ray_client.completions.create(
+                    model=MODEL, prompt=self.prompt, max_tokens=160, temperature=0, stream=True,
+                    extra_body={"ignore_eos": True},
+                )  # fmt: skip
+                for chunk in stream:
+                    self.chunks.append(chunk)
+                    self.started.set()
+            except openai.APIError as exc:
+                self.failure.append(exc)
+            finally:
+                self.started.set()
+
+    placed = []
+    for prompt in ("Zebras and zeppelins: a list of facts.", "Quantum quokkas, chapter one."):  # no recorded prefix
+        before = ray_server.routed()
+        stream = Stream(prompt)
+        stream.start()
+        assert stream.started.wait(60) and not stream.failure
+        placed.append((stream, next(iter(_per_replica(before, ray_server.routed())))))
+    (doomed, victim), (spared, survivor) = placed
+    assert victim != survivor  # the second went to the idle replica
+    os.kill(replicas[victim], signal.SIGKILL)
+    for stream in (doomed, spared):
+        stream.join(timeout=120)
+        assert not stream.is_alive()
+    assert doomed.failure and "replica" in str(doomed.failure[0]), doomed.failure
+    assert not spared.failure and spared.chunks[-1].choices[0].finish_reason == "length"
+    assert sum(len(c.choices[0].text) > 0 for c in spared.chunks) >= 150
+    for _ in range(4):  # answered, by the survivor or by a replacement
+        answer = ray_client.completions.create(model=MODEL, prompt="Bread?", max_tokens=8, temperature=0,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+        assert answer.choices[0].finish_reason == "length"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:
+        now = ray_server.replicas()
+        if len(now) == 2 and victim not in now and survivor in now:
+            break
+        time.sleep(1)
+    else:
+        raise AssertionError(f"Ray did not replace the killed replica: {ray_server.replicas()}")
+
+
+def test_sigterm_stops_ray_and_every_replica(ray_server):
+    pids = set(ray_server.replicas().values())
+    ray_server.process.send_signal(signal.SIGTERM)
+    assert ray_server.process.wait(timeout=90) == 0, ray_server.output()[-4000:]
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        left = [pid for pid in pids if psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie"]
+        raylets = [p for p in psutil.process_iter(["name", "cmdline"])
+                   if p.info["name"] == "raylet" or "ray::" in " ".join(p.info["cmdline"] or [])]  # fmt: skip
+        if not left and not raylets:
+            return
+        time.sleep(0.5)
+    raise AssertionError(f"left running: replicas {left}, raylets {raylets}")
