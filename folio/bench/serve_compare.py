@@ -12,9 +12,16 @@ server starts, so a missing llama.cpp build or a model that is not a GGUF fails 
 folio's whole run. Tests register their own peer there.
 
 `--peer folio-no-prefix-cache` is `folio serve` with the same engine options plus `--no-prefix-caching`: with
-a prefix-sharing workload (`--dataset document` or `multi-turn`) the table shows TTFT with and without the cache
-side by side. The folio side takes the engine options as given, so it runs without the cache too if they
-include --no-prefix-caching.
+a prefix-sharing workload (`--dataset document`, `tenants` or `multi-turn`) the table shows TTFT with and
+without the cache side by side. The folio side takes the engine options as given, so it runs without the cache
+too if they include --no-prefix-caching.
+
+`--peer folio-replicas` is `folio serve` with the same engine options on two replicas behind one endpoint
+(`--replicas 2 --cpus-per-replica 1`, Ray Serve, routed by prefix cache and load); `folio-replicas-round-robin`
+the same with `--routing round_robin`: with `--dataset tenants` they show what routing each tenant's prompts to
+the replica holding its document buys. Their /metrics are refreshed from the replicas about once a second, so
+their runs wait `ServerSpec.metrics_lag_s` before reading the prefix-cache counters. `folio-ray-1` is one
+replica of two CPUs: against plain `folio serve` on the same cores it measures what the Ray path costs.
 """
 
 from __future__ import annotations
@@ -93,6 +100,7 @@ class ServerSpec:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request to this server
     info: dict[str, Any] = field(default_factory=dict)  # versions, slots, context size: kept in the report
     probe_request: bool = True  # False for a static-batching server, which would hold the lone probe
+    metrics_lag_s: float = 0.0  # how far its /metrics lag behind its requests (ServeConfig.metrics_lag_s)
 
 
 class ServerError(RuntimeError):
@@ -131,6 +139,25 @@ def folio_batching_spec(policy: str) -> PeerLauncher:
     return spec
 
 
+REPLICA_METRICS_LAG_S = 2.5  # the ingress refreshes the replicas' metrics at most once a second, so ~1-2 s behind
+
+
+def folio_replicas_spec(name: str, routing: str, replicas: int = 2, cpus: int = 1) -> PeerLauncher:
+    """folio serve as folio_spec starts it, on `replicas` Ray Serve replicas of `cpus` CPUs each, routed by
+    `routing`. One replica of every core measures what the Ray path itself costs."""
+    flags = ["--replicas", str(replicas), "--cpus-per-replica", str(cpus)]
+    if routing != "cache_aware":  # folio serve's default
+        flags += ["--routing", routing]
+
+    def spec(config: CompareConfig) -> ServerSpec:
+        folio = folio_spec(config)
+        info = {**folio.info, "replicas": replicas, "cpus_per_replica": cpus, "routing": routing}
+        return replace(folio, name=name, argv=lambda port: [*folio.argv(port), *flags], info=info,
+                       metrics_lag_s=REPLICA_METRICS_LAG_S)  # fmt: skip
+
+    return spec
+
+
 def default_ctx_size(parallel: int, longest_prompt: int, longest_output: int) -> int:
     """Enough KV tokens for every slot to hold the longest request; each slot rounded up to 256 tokens."""
     per_slot = math.ceil((longest_prompt + longest_output + SLOT_MARGIN) / 256) * 256
@@ -148,6 +175,7 @@ def longest_prompt(workload: ServeConfig) -> int:
     requests = build_serve_requests(
         workload.dataset, tokenizer, workload.num_prompts, workload.input_len_range, workload.output_len_range,
         workload.seed, workload.dataset_path, turns=workload.turns, document_len=workload.document_len,
+        tenants=workload.tenants,
     ).requests  # fmt: skip
     return max(r.prompt_len + 8 * len(r.messages or ()) for r in requests)
 
@@ -187,6 +215,9 @@ PEERS: dict[str, PeerLauncher] = {
     "folio-no-prefix-cache": folio_no_prefix_cache_spec,
     "folio-static": folio_batching_spec("static"),
     "folio-dynamic": folio_batching_spec("dynamic"),
+    "folio-replicas": folio_replicas_spec("folio-replicas", "cache_aware"),
+    "folio-replicas-round-robin": folio_replicas_spec("folio-replicas-round-robin", "round_robin"),
+    "folio-ray-1": folio_replicas_spec("folio-ray-1", "cache_aware", replicas=1, cpus=2),
 }
 
 
@@ -282,9 +313,8 @@ def run_compare(config: CompareConfig, command: str) -> CompareReport:
         for spec in specs:
             with running_server(spec, log_dir / f"{spec.name}.log", config.startup_timeout_s) as (url, line):
                 print(f"folio: [{spec.name}] {line}", file=sys.stderr, flush=True)
-                workload = replace(
-                    config.workload, base_url=url, extra_body=spec.extra_body, probe_request=spec.probe_request
-                )
+                workload = replace(config.workload, base_url=url, extra_body=spec.extra_body,
+                                   probe_request=spec.probe_request, metrics_lag_s=spec.metrics_lag_s)  # fmt: skip
                 runs.append(ServerRun(spec.name, line, spec.info, run_serve(workload, command, spec.name)))
     return CompareReport(command, date, config, machine_info(), runs)
 
@@ -331,8 +361,10 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "--peer",
         default="llama.cpp",
         help="the server to compare with: llama.cpp (default); or folio serve with the same engine options "
-        "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static) or --batching "
-        "dynamic (folio-dynamic)",
+        "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static), --batching "
+        "dynamic (folio-dynamic), or on two replicas behind one endpoint, --replicas 2 --cpus-per-replica 1, "
+        "routed by prefix cache (folio-replicas) or round robin (folio-replicas-round-robin), or one replica of "
+        "two CPUs (folio-ray-1: the Ray path's own cost)",
     )
     add_workload_args(parser)
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")

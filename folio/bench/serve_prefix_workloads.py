@@ -1,9 +1,15 @@
-"""Workloads whose requests share prefixes, to measure a prefix cache: `document` and `multi-turn`.
+"""Workloads whose requests share prefixes, to measure a prefix cache: `document`, `tenants` and `multi-turn`.
 
 `document`: many questions about one long document. The document is ShareGPT assistant answers (prose, mostly
 ASCII) joined in a seeded order and cut to `document_len` tokens; each request is that document followed by a
 distinct seeded question of 10-40 tokens made from the document's own words, sent as one text prompt. Every
 request shares the whole document as its prefix.
+
+`tenants`: several tenants, each with its own long system prompt: `tenants` documents made as `document`'s is,
+each from the answers in its own seeded order, so they differ from their first answer (unless two orders happen
+to start with the same one). Each request picks its tenant at random (seeded) and is that tenant's document
+followed by a distinct question about it: it shares its whole document with its tenant's other requests and
+nothing with other tenants', the workload of a router that sends each prefix to the replica already holding it.
 
 `multi-turn`: ShareGPT conversations of at least `turns` user turns. Turn k of a conversation sends the first k
 user messages with the dataset's own assistant answers in between (never the model's, so every server gets the
@@ -88,6 +94,32 @@ def document_requests(
         for question, output_len in zip(questions, output_lens(num, output_range, seed), strict=True)
     ]
     return requests, len(encode(document))
+
+
+def tenant_requests(
+    answers: list[str],
+    encode: Encode,
+    decode: Decode,
+    count: Encode,
+    num: int,
+    tenants: int,
+    document_len: int,
+    output_range: LengthRange,
+    seed: int,
+) -> tuple[list[ServeRequest], list[int]]:
+    """The requests and each tenant's document length in tokens; `encode` and `count` as for document_requests.
+    Tenant t's document and questions come from seed `seed * 1000 + t`: distinct within a run."""
+    seeds = [seed * 1000 + t for t in range(tenants)]
+    documents = [make_document(answers, encode, decode, document_len, s) for s in seeds]
+    picks = [int(t) for t in np.random.default_rng([seed, 8]).integers(tenants, size=num)]
+    questions = [make_questions(documents[t], encode, picks.count(t), seeds[t]) for t in range(tenants)]
+    asked = [0] * tenants  # questions of each tenant used so far: each request gets the next one
+    requests = []
+    for t, output_len in zip(picks, output_lens(num, output_range, seed), strict=True):
+        prompt = documents[t] + questions[t][asked[t]]
+        asked[t] += 1
+        requests.append(ServeRequest(prompt, len(count(prompt)), output_len))
+    return requests, [len(encode(document)) for document in documents]
 
 
 def sharegpt_answers(path: Path | None) -> list[str]:

@@ -35,8 +35,10 @@ class ServeConfig:
     extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request body
     use_tqdm: bool = True
     turns: int = 4  # multi-turn: user turns per conversation
-    document_len: int = 2000  # document: tokens of the shared document
+    document_len: int = 2000  # document, tenants: tokens of the shared document (of each tenant's)
+    tenants: int = 4  # tenants: documents, each shared by its tenant's requests
     probe_request: bool = True  # send one short request before timing (a static-batching server holds it)
+    metrics_lag_s: float = 0.0  # wait this long before reading /metrics, for a server whose counters lag
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
@@ -46,6 +48,10 @@ class ServeConfig:
             raise ValueError(f"--turns must be at least 1, got {self.turns}")
         if self.document_len < 1:
             raise ValueError(f"--document-len must be at least 1, got {self.document_len}")
+        if self.tenants < 1:
+            raise ValueError(f"--tenants must be at least 1, got {self.tenants}")
+        if not self.metrics_lag_s >= 0:  # also refuses nan
+            raise ValueError(f"--metrics-lag must not be negative, got {self.metrics_lag_s}")
         for rate in self.request_rates:
             if not rate > 0:  # also refuses nan
                 raise ValueError(f"--request-rate must be positive (or inf), got {rate}")
@@ -96,6 +102,7 @@ class ServeReport:
 
     def to_dict(self) -> dict[str, Any]:
         c = self.config
+        undrawn = c.dataset in ("humaneval", "document", "tenants")  # prompts not drawn to --input-len-range
         return {
             "benchmark": "serve",
             "command": self.command,
@@ -115,13 +122,15 @@ class ServeReport:
                 "max_concurrency": c.max_concurrency,
                 "slo_ms": {key: value * 1000 for key, value in c.slo.items()},
                 "price_per_hour": c.price_per_hour,
-                "input_len_range": None if c.dataset in ("humaneval", "document") else str(c.input_len_range),
+                "input_len_range": None if undrawn else str(c.input_len_range),
                 "turns": c.turns if c.dataset == "multi-turn" else None,
-                "document_len": c.document_len if c.dataset == "document" else None,
+                "document_len": c.document_len if c.dataset in ("document", "tenants") else None,
+                "tenants": c.tenants if c.dataset == "tenants" else None,
                 "output_len_range": str(c.output_len_range),
                 "dataset_path": c.dataset_path,
                 "timeout_s": c.timeout_s,
                 "extra_body": c.extra_body,
+                "metrics_lag_s": c.metrics_lag_s,
             },
             "workload": self.workload,
             "results": [r.to_dict() for r in self.results],

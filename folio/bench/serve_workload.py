@@ -3,7 +3,7 @@
 Random prompts are token ids decoded to text with the model's tokenizer; the server re-encodes that text,
 which can shift the count by a few tokens, so throughput uses the server's own `usage.prompt_tokens`
 whenever it reports them. Only the tokenizer is loaded (GGUF metadata or tokenizer.json), never weights.
-`document` and `multi-turn`, the workloads that share prefixes, live in serve_prefix_workloads.py.
+`document`, `tenants` and `multi-turn`, the workloads that share prefixes, live in serve_prefix_workloads.py.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ from folio.bench.serve_prefix_workloads import (
     multi_turn_requests,
     sharegpt_answers,
     sharegpt_dialogues,
+    tenant_requests,
 )
 from folio.config import ModelConfig
 from folio.eval.sharegpt import sharegpt_path
@@ -37,9 +38,9 @@ from folio.loaders.gguf_model import gguf_model_config
 from folio.loaders.hf_folder import read_hf_config
 from folio.loaders.tokenizer import Tokenizer
 
-SERVE_DATASETS = ("random", "humaneval", "chat", "multi-turn", "document")
+SERVE_DATASETS = ("random", "humaneval", "chat", "multi-turn", "document", "tenants")
 CHAT_DATASETS = ("chat", "multi-turn")  # sent to /v1/chat/completions; the others to /v1/completions
-SHAREGPT_DATASETS = ("chat", "multi-turn", "document")  # drawn from a ShareGPT file (--dataset-path)
+SHAREGPT_DATASETS = ("chat", "multi-turn", "document", "tenants")  # drawn from a ShareGPT file (--dataset-path)
 
 
 @dataclass
@@ -83,7 +84,7 @@ def check_dataset(dataset: str, dataset_path: str | None) -> None:
     if dataset_path is not None:
         if dataset not in SHAREGPT_DATASETS:
             raise ValueError(
-                "--dataset-path is for --dataset chat, multi-turn or document (a ShareGPT-format JSON file)"
+                "--dataset-path is for --dataset chat, multi-turn, document or tenants (a ShareGPT-format JSON file)"
             )
         if not Path(dataset_path).is_file():
             raise ValueError(f"--dataset-path {dataset_path}: no such file")
@@ -103,6 +104,7 @@ def build_serve_requests(
     dataset_path: str | None = None,
     turns: int = 4,
     document_len: int = 2000,
+    tenants: int = 4,
 ) -> ServeWorkload:
     tokenizer = bench_tokenizer.tokenizer
     path = Path(dataset_path) if dataset_path else None
@@ -112,6 +114,13 @@ def build_serve_requests(
             sharegpt_answers(path), alone, tokenizer.decode, tokenizer.encode, num, document_len, output_range, seed
         )
         return ServeWorkload(requests, {"document_tokens": document_tokens})
+    if dataset == "tenants":
+        requests, tenant_tokens = tenant_requests(
+            sharegpt_answers(path), alone, tokenizer.decode, tokenizer.encode, num, tenants, document_len,
+            output_range, seed,
+        )  # fmt: skip
+        # Not "document_tokens": the report's table reads that as the one document's length.
+        return ServeWorkload(requests, {"tenants": tenants, "tenant_document_tokens": tenant_tokens})
     if dataset == "multi-turn":
         dialogues = sharegpt_dialogues(path, turns)
         requests = multi_turn_requests(dialogues, alone, num, turns, input_range, output_range, seed)

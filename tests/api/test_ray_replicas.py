@@ -29,20 +29,20 @@ TENANT_B = "You are a travel agent who only talks about trains across the Alps a
 
 
 class RayServer:
-    def __init__(self) -> None:
+    def __init__(self, *replica_flags: str) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-ray-", suffix=".log")  # noqa: SIM115
-        command = [sys.executable, "-m", "folio.cli", "serve", MODEL, "--replicas", "2", "--cpus-per-replica", "1",
-                   "--port", str(self.port), "--num-kv-blocks", "256", "--max-num-seqs", "8",
-                   "--api-key", KEY]  # fmt: skip
+        command = [sys.executable, "-m", "folio.cli", "serve", MODEL, *(replica_flags or ("--replicas", "2")),
+                   "--cpus-per-replica", "1", "--port", str(self.port), "--num-kv-blocks", "256",
+                   "--max-num-seqs", "8", "--api-key", KEY]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
-    def wait_ready(self, timeout: float) -> None:
+    def wait_ready(self, timeout: float, replicas: int = 2) -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"folio serve --replicas exited:\n{self.output()[-4000:]}"
-            if len(self.replicas()) == 2:
+            if len(self.replicas()) == replicas:
                 return
             time.sleep(0.5)
         raise AssertionError(f"the replicas did not come up:\n{self.output()[-4000:]}")
@@ -73,6 +73,17 @@ class RayServer:
         return counts
 
 
+def _stop(server: RayServer) -> None:
+    if server.process.poll() is None:  # a test failed before it was stopped
+        server.process.terminate()
+        try:
+            server.process.wait(timeout=90)
+        except subprocess.TimeoutExpired:
+            server.process.kill()
+            server.process.wait(timeout=30)
+    server.log.close()
+
+
 @pytest.fixture(scope="module")
 def ray_server():
     server = RayServer()
@@ -80,14 +91,7 @@ def ray_server():
         server.wait_ready(timeout=240)
         yield server
     finally:
-        if server.process.poll() is None:  # a test failed before the last one stopped it
-            server.process.terminate()
-            try:
-                server.process.wait(timeout=90)
-            except subprocess.TimeoutExpired:
-                server.process.kill()
-                server.process.wait(timeout=30)
-        server.log.close()
+        _stop(server)
 
 
 @pytest.fixture(scope="module")
@@ -232,3 +236,30 @@ def test_sigterm_stops_ray_and_every_replica(ray_server):
             return
         time.sleep(0.5)
     raise AssertionError(f"left running: replicas {left}, raylets {raylets}")
+
+
+def test_autoscaling_adds_a_replica_under_load():
+    """Ray Serve's autoscaler, bounded by --min/--max-replicas, adds the second replica when the requests
+    in flight exceed the target. Runs after the shared server stopped: one Ray instance at a time."""
+    server = RayServer("--min-replicas", "1", "--max-replicas", "2", "--autoscale-target", "1")
+    try:
+        server.wait_ready(timeout=240, replicas=1)
+        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+
+        def busy() -> None:
+            client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=300, temperature=0,
+                                      extra_body={"ignore_eos": True})  # fmt: skip
+
+        load = [threading.Thread(target=busy) for _ in range(6)]
+        for thread in load:
+            thread.start()
+        deadline = time.monotonic() + 120
+        while len(server.replicas()) < 2:
+            assert time.monotonic() < deadline, f"no second replica: {server.replicas()}"
+            time.sleep(1)
+        for thread in load:
+            thread.join(timeout=300)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0
+    finally:
+        _stop(server)

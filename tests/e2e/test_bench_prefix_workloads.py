@@ -1,4 +1,4 @@
-"""The workloads of `folio bench serve` that share prefixes (document, multi-turn), the chaining of a
+"""The workloads of `folio bench serve` that share prefixes (document, tenants, multi-turn), the chaining of a
 conversation's turns, and the prefix-cache counters scraped from /metrics: against canned streams, the packaged
 ShareGPT text with a real tokenizer, and a real folio server on a tiny random Llama (with and without /metrics)."""
 
@@ -10,6 +10,7 @@ import math
 import time
 
 import httpx
+import numpy as np
 import pytest
 
 from folio.bench import serve_client
@@ -17,6 +18,7 @@ from folio.bench.datasets import LengthRange, output_lens
 from folio.bench.serve import ServeConfig, run_serve
 from folio.bench.serve_client import ServeRequest, Target, conversations, run_rate
 from folio.bench.serve_metrics import NOT_REPORTED, parse_prefix_cache, prefix_cache_delta
+from folio.bench.serve_prefix_workloads import make_document, sharegpt_answers
 from folio.bench.serve_report import format_table
 from folio.bench.serve_workload import build_serve_requests, load_tokenizer
 from folio.cli import main
@@ -101,6 +103,39 @@ def test_document_requests_share_one_seeded_document(tiny_llama, sharegpt):
     assert {_split(r.prompt)[0] for r in build(2).requests} != documents
     with pytest.raises(ValueError, match="lower --document-len"):
         build_serve_requests("document", tokenizer, 2, LengthRange(1, 2), LengthRange(2, 9), 1, str(sharegpt),
+                             document_len=100_000)  # fmt: skip
+
+
+def test_tenant_requests_draw_their_tenants_documents(tiny_llama, sharegpt):
+    tokenizer = load_tokenizer(str(tiny_llama), explicit=True)
+    encode, decode = tokenizer.tokenizer.encode, tokenizer.tokenizer.decode
+
+    def build(seed: int, tenants: int = 3, num: int = 12):
+        return build_serve_requests("tenants", tokenizer, num, LengthRange(1, 2), LengthRange(2, 9), seed,
+                                    str(sharegpt), document_len=60, tenants=tenants)  # fmt: skip
+
+    workload = build(1)
+    assert workload.facts == {"tenants": 3, "tenant_document_tokens": [60, 60, 60]}
+    requests = workload.requests
+    # Tenant t's document is make_document's with seed 1000 * seed + t; each request draws its tenant.
+    alone = lambda text: encode(text, add_special_tokens=False)  # noqa: E731
+    documents = [make_document(sharegpt_answers(sharegpt), alone, decode, 60, 1000 + t) for t in range(3)]
+    tenants = [documents.index(_split(r.prompt)[0]) for r in requests]  # each prompt starts with a tenant's
+    assert tenants == list(np.random.default_rng([1, 8]).integers(3, size=12)) and set(tenants) == {0, 1, 2}
+    assert len({d.split()[0] for d in documents}) == 3  # the tenants differ from their first word
+    assert all(len(encode(d)) == 60 and all(w.startswith("t") for w in d.split()) for d in documents)
+    for t in range(3):  # each tenant's questions distinct and numbered in order
+        questions = [_split(r.prompt)[1] for r, owner in zip(requests, tenants, strict=True) if owner == t]
+        assert len(set(questions)) == len(questions) and questions[0].startswith("\n\nQuestion 1: ")
+    assert [r.prompt_len for r in requests] == [len(encode(r.prompt)) for r in requests]
+    assert [r.output_len for r in requests] == output_lens(12, LengthRange(2, 9), 1)
+    assert all(r.messages is None and r.conversation is None for r in requests)
+    assert build(1).requests == requests  # seeded
+    assert {_split(r.prompt)[0] for r in build(2).requests}.isdisjoint(documents)
+    [one] = {_split(r.prompt)[0] for r in build(1, tenants=1).requests}
+    assert one == documents[0]
+    with pytest.raises(ValueError, match="lower --document-len"):
+        build_serve_requests("tenants", tokenizer, 2, LengthRange(1, 2), LengthRange(2, 9), 1, str(sharegpt),
                              document_len=100_000)  # fmt: skip
 
 

@@ -9,6 +9,7 @@ import json
 import socket
 import sys
 import tempfile
+from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
@@ -26,7 +27,7 @@ from folio.bench.serve_compare import (
     folio_spec,
 )
 from folio.bench.serve_compare_report import format_table, plotted_rate_index, ratios
-from folio.cli import main
+from folio.cli import build_parser, main
 from tests.tiny_models import make_tiny_chat_model
 
 pytest.importorskip("transformers")
@@ -189,7 +190,8 @@ def test_peer_problems_fail_before_any_server_starts(tiny_llama, tmp_path, capsy
                                       f"{tiny_llama}"  # fmt: skip
     assert main(_argv(tiny_llama, tmp_path / "out", "--peer", "vllm")) == 1
     assert _one_error_line(capsys) == (
-        "folio: error: unknown --peer 'vllm'; choose from folio-dynamic, folio-no-prefix-cache, folio-static, llama.cpp"
+        "folio: error: unknown --peer 'vllm'; choose from folio-dynamic, folio-no-prefix-cache, folio-ray-1, "
+        "folio-replicas, folio-replicas-round-robin, folio-static, llama.cpp"
     )
     assert main(_argv(tiny_llama, tmp_path / "out", "--llama-extra-body", '{"stream": false}')) == 1
     assert "--llama-extra-body must not set stream" in _one_error_line(capsys)
@@ -217,6 +219,37 @@ def test_default_context_fits_the_longest_request_in_every_slot():
     assert default_ctx_size(16, 32, 16) == 16 * 256  # 32 + 16 + 64 = 112 -> 256 a slot
     assert default_ctx_size(4, 512, 256) == 4 * 1024  # 832 -> 1024
     assert default_ctx_size(1, 192, 0) == 256  # exactly 256 stays 256
+
+
+def test_replica_peers_serve_two_replicas_and_wait_for_their_metrics(monkeypatch):
+    workload = ServeConfig("http://x", "m", LengthRange(1, 2), LengthRange(1, 2))
+    config = CompareConfig("m", workload, peer="folio-replicas")
+    folio = folio_spec(config).argv(8123)
+    replicas = ["--replicas", "2", "--cpus-per-replica", "1"]
+    cache_aware, round_robin = PEERS["folio-replicas"](config), PEERS["folio-replicas-round-robin"](config)
+    assert cache_aware.argv(8123) == [*folio, *replicas]  # cache_aware is folio serve's default routing
+    assert round_robin.argv(8123) == [*folio, *replicas, "--routing", "round_robin"]
+    for spec, routing in ((cache_aware, "cache_aware"), (round_robin, "round_robin")):
+        assert spec.info["replicas"] == 2 and spec.info["routing"] == routing and spec.metrics_lag_s == 2.5
+        args = build_parser().parse_args(spec.argv(8123)[3:])  # after `python -m folio.cli`
+        assert (args.replicas, args.cpus_per_replica, args.routing, args.port) == (2, 1.0, routing, 8123)
+    assert (cache_aware.name, round_robin.name) == ("folio-replicas", "folio-replicas-round-robin")
+
+    # run_compare hands each server's lag to its run: none for folio, 2.5 s for the replicas.
+    @contextmanager
+    def fake_server(spec, log_path, timeout):
+        yield f"http://{spec.name}", "line"
+
+    lags = {}
+
+    def fake_run_serve(workload, command, label):
+        lags[label] = (workload.base_url, workload.metrics_lag_s)
+        return None
+
+    monkeypatch.setattr(serve_compare, "running_server", fake_server)
+    monkeypatch.setattr(serve_compare, "run_serve", fake_run_serve)
+    serve_compare.run_compare(config, "cmd")
+    assert lags == {"folio": ("http://folio", 0.0), "folio-replicas": ("http://folio-replicas", 2.5)}
 
 
 def test_plotted_rate_is_the_highest_finite_one():

@@ -1,5 +1,6 @@
 """The `folio bench serve` client against canned streams (usage chunk or not, chat deltas, broken
-streams, timeouts), its probe, extra request bodies, connections and Poisson arrivals. No server."""
+streams, timeouts), its probe, extra request bodies, connections and Poisson arrivals; the config's checks and
+when run_serve reads /metrics. No server."""
 
 from __future__ import annotations
 
@@ -9,15 +10,17 @@ import json
 import math
 import re
 import time
+from types import SimpleNamespace
 
 import httpx
 import numpy as np
 import pytest
 
-from folio.bench import serve_client
+from folio.bench import serve, serve_client
+from folio.bench.cli import add_bench_parser
 from folio.bench.datasets import LengthRange
 from folio.bench.flags import command_line
-from folio.bench.serve import ServeConfig
+from folio.bench.serve import ServeConfig, run_serve, workload_config
 from folio.bench.serve_client import (
     ServeRequest,
     Target,
@@ -212,6 +215,63 @@ def test_extra_body_parsing_and_command_line():
                               bench_run=print)  # fmt: skip
     expected = "folio bench serve --base-url http://x --extra-body '{\"cache_prompt\": false}'"
     assert command_line(args, positionals=()) == expected
+
+
+def test_tenants_and_metrics_lag_settings():
+    def config(**settings) -> ServeConfig:
+        return ServeConfig("http://x", "m", LengthRange(1, 2), LengthRange(1, 2), **settings)
+
+    with pytest.raises(ValueError, match="--tenants must be at least 1, got 0"):
+        config(tenants=0)
+    for lag in (-0.5, math.nan):
+        with pytest.raises(ValueError, match="--metrics-lag must not be negative"):
+            config(metrics_lag_s=lag)
+    parser = argparse.ArgumentParser()
+    add_bench_parser(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["bench", "serve", "--model", "m", "--dataset", "tenants", "--tenants", "3",
+                              "--metrics-lag", "2.5"])  # fmt: skip
+    parsed = workload_config(args, "http://x", metrics_lag_s=args.metrics_lag)
+    assert (parsed.dataset, parsed.tenants, parsed.document_len, parsed.metrics_lag_s) == ("tenants", 3, 2000, 2.5)
+    report = serve.ServeReport("cmd", "date", parsed, "m", "tok", {}, {}, [], {})
+    settings = report.to_dict()["settings"]
+    assert (settings["tenants"], settings["document_len"], settings["input_len_range"]) == (3, 2000, None)
+    assert settings["metrics_lag_s"] == 2.5
+    other = serve.ServeReport("cmd", "date", config(dataset="document", tenants=3), "m", "tok", {}, {}, [], {})
+    assert other.to_dict()["settings"]["tenants"] is None
+
+
+@pytest.mark.parametrize(("lag", "probe_request"), [(0.0, True), (2.5, True), (2.5, False)])
+def test_counters_are_read_a_metrics_lag_after_the_requests(monkeypatch, lag, probe_request):
+    """With a lag, /metrics is read that long after the probe and after each rate's requests, never during them."""
+    events: list[str] = []
+    workload = SimpleNamespace(requests=[ServeRequest("hi", 1, 2)], facts={})
+    monkeypatch.setattr(serve, "load_tokenizer", lambda name, explicit: SimpleNamespace(path="tok"))
+    monkeypatch.setattr(serve, "build_serve_requests", lambda *args, **kwargs: workload)
+    monkeypatch.setattr(serve, "machine_info", dict)
+    monkeypatch.setattr(serve, "time", SimpleNamespace(sleep=lambda s: events.append(f"sleep {s:g}")))
+
+    async def fake_probe(target, request, with_request):
+        events.append("probe")
+        return target, {}
+
+    async def fake_run_rate(target, reqs, rate, *args):
+        events.append(f"rate {rate:g}")
+        return [], 1.0
+
+    def fake_scrape(base_url):
+        events.append("scrape")
+        return (float(len(events)), 0.0)
+
+    monkeypatch.setattr(serve, "probe", fake_probe)
+    monkeypatch.setattr(serve, "run_rate", fake_run_rate)
+    monkeypatch.setattr(serve, "scrape_prefix_cache", fake_scrape)
+    monkeypatch.setattr(serve, "summarize", lambda *args: {})
+    config = ServeConfig("http://x", "m", LengthRange(1, 2), LengthRange(1, 2), request_rates=[1.0, 2.0],
+                         probe_request=probe_request, metrics_lag_s=lag, use_tqdm=False)  # fmt: skip
+    run_serve(config, "cmd")
+    wait = [f"sleep {lag:g}"] if lag else []
+    first = wait if probe_request else []
+    assert events == ["probe", *first, "scrape", "rate 1", *wait, "scrape", "scrape", "rate 2", *wait, "scrape"]
 
 
 def test_connections_are_not_reused():
