@@ -51,6 +51,9 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
                      help="requests the prefix's replica may run beyond the least loaded (default 4)")  # fmt: skip
     ray.add_argument("--cpus-per-replica", type=float, default=None, help="Ray CPUs per replica, all its ranks "
                      "together (default: the CPUs over the replicas)")  # fmt: skip
+    ray.add_argument("--disaggregate", action="store_true", help="prefill/decode disaggregation: --prefill-replicas "
+                     "compute prompts and hand their KV blocks to the --replicas that generate")  # fmt: skip
+    ray.add_argument("--prefill-replicas", type=int, default=1, help="with --disaggregate (default 1)")
     ray.add_argument("--ray-address", default=None, help="join this Ray cluster ('auto': the one running here) "
                      "instead of starting one")  # fmt: skip
 

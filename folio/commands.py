@@ -204,7 +204,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
     options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args))
     _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
-    if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None:
+    if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None or args.disaggregate:
         return _serve_replicas(args, options)
     try:
         with sigterm_stops_startup():
@@ -224,6 +224,8 @@ def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
         cpus_per_replica=args.cpus_per_replica,
         routing=routing,
         ray_address=args.ray_address,
+        disaggregate=args.disaggregate,
+        prefill_replicas=args.prefill_replicas,
     )
     try:  # Ray is an optional extra: only this command needs it
         from folio.scale.deploy import serve_on_ray

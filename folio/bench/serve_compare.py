@@ -22,6 +22,9 @@ the same with `--routing round_robin`: with `--dataset tenants` they show what r
 the replica holding its document buys. Their /metrics are refreshed from the replicas about once a second, so
 their runs wait `ServerSpec.metrics_lag_s` before reading the prefix-cache counters. `folio-ray-1` is one
 replica of two CPUs: against plain `folio serve` on the same cores it measures what the Ray path costs.
+`folio-disaggregated` is one prefill and one decode replica of one CPU each (`--disaggregate`): against
+`folio-replicas` on a mix of long prompts and long outputs it shows what taking prefills off the decode
+engine buys.
 """
 
 from __future__ import annotations
@@ -142,16 +145,22 @@ def folio_batching_spec(policy: str) -> PeerLauncher:
 REPLICA_METRICS_LAG_S = 2.5  # the ingress refreshes the replicas' metrics at most once a second, so ~1-2 s behind
 
 
-def folio_replicas_spec(name: str, routing: str, replicas: int = 2, cpus: int = 1) -> PeerLauncher:
+def folio_replicas_spec(
+    name: str, routing: str, replicas: int = 2, cpus: int = 1, disaggregate: bool = False
+) -> PeerLauncher:
     """folio serve as folio_spec starts it, on `replicas` Ray Serve replicas of `cpus` CPUs each, routed by
-    `routing`. One replica of every core measures what the Ray path itself costs."""
-    flags = ["--replicas", str(replicas), "--cpus-per-replica", str(cpus)]
+    `routing`. One replica of every core measures what the Ray path itself costs; `disaggregate` makes
+    them one prefill replica and `replicas - 1` decode replicas."""
+    flags = ["--cpus-per-replica", str(cpus)]
+    flags += ["--disaggregate", "--prefill-replicas", "1", "--replicas", str(replicas - 1)] if disaggregate else [
+        "--replicas", str(replicas)]  # fmt: skip
     if routing != "cache_aware":  # folio serve's default
         flags += ["--routing", routing]
 
     def spec(config: CompareConfig) -> ServerSpec:
         folio = folio_spec(config)
-        info = {**folio.info, "replicas": replicas, "cpus_per_replica": cpus, "routing": routing}
+        info = {**folio.info, "replicas": replicas, "cpus_per_replica": cpus, "routing": routing,
+                "disaggregated": disaggregate}  # fmt: skip
         return replace(folio, name=name, argv=lambda port: [*folio.argv(port), *flags], info=info,
                        metrics_lag_s=REPLICA_METRICS_LAG_S)  # fmt: skip
 
@@ -218,6 +227,7 @@ PEERS: dict[str, PeerLauncher] = {
     "folio-replicas": folio_replicas_spec("folio-replicas", "cache_aware"),
     "folio-replicas-round-robin": folio_replicas_spec("folio-replicas-round-robin", "round_robin"),
     "folio-ray-1": folio_replicas_spec("folio-ray-1", "cache_aware", replicas=1, cpus=2),
+    "folio-disaggregated": folio_replicas_spec("folio-disaggregated", "cache_aware", disaggregate=True),
 }
 
 
@@ -364,7 +374,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static), --batching "
         "dynamic (folio-dynamic), or on two replicas behind one endpoint, --replicas 2 --cpus-per-replica 1, "
         "routed by prefix cache (folio-replicas) or round robin (folio-replicas-round-robin), or one replica of "
-        "two CPUs (folio-ray-1: the Ray path's own cost)",
+        "two CPUs (folio-ray-1: the Ray path's own cost), or one prefill and one decode replica "
+        "(folio-disaggregated)",
     )
     add_workload_args(parser)
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")

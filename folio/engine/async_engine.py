@@ -25,8 +25,9 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Protocol, TypeVar
 
+from folio.engine.engine_call import EngineCall
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputDelta, OutputProcessor
 from folio.engine.request import FinishReason, Request
@@ -36,6 +37,7 @@ from folio.sampling_params import SamplingParams
 from folio.worker.executor import WorkerDiedError
 
 logger = logging.getLogger("folio")
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -97,6 +99,23 @@ class _Abort:
     request_id: str
 
 
+def take_update(
+    item: tuple[int, RequestUpdate] | BaseException, close: Callable[[], None], finished: Callable[[int], object]
+) -> tuple[int, RequestUpdate]:
+    """One item of an API call's update queue: a failure closes the call and is raised; a finished choice
+    is reported to `finished`, and raised as RequestFailedError if it ended in error."""
+    if isinstance(item, BaseException):
+        close()
+        raise item
+    index, update = item
+    if update.finished:
+        finished(index)
+        if update.error is not None:
+            close()
+            raise RequestFailedError(update.error)
+    return index, update
+
+
 class Generation:
     """The engine requests behind one API call (prompts x samples), numbered as its choices.
 
@@ -137,16 +156,7 @@ class Generation:
         if not self._open:
             raise StopAsyncIteration
         item = await self._mailbox.queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        index, update = item
-        if update.finished:
-            self._open.pop(index, None)
-            if update.error is not None:
-                self.close()
-                raise RequestFailedError(update.error)
-        return index, update
+        return take_update(item, self.close, lambda index: self._open.pop(index, None))
 
     def close(self) -> None:
         if self._closed:
@@ -178,7 +188,7 @@ class AsyncEngine:
         self.on_death = on_death
         self.dead: BaseException | None = None  # why the engine thread died
         self._lock = threading.Lock()  # orders submissions against the engine's death
-        self._inbox: queue.Queue[_AddGroup | _Abort | None] = queue.Queue()
+        self._inbox: queue.Queue[_AddGroup | _Abort | EngineCall | None] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._outputs = OutputProcessor(engine, tokenizer)  # used on the engine thread only
         self._ids = itertools.count()
@@ -213,6 +223,17 @@ class AsyncEngine:
     def abort(self, request_id: str) -> None:
         """Thread-safe; the engine drops the request (and frees its blocks) before its next step."""
         self._inbox.put(_Abort(request_id))
+
+    async def call(self, fn: Callable[[EngineCore], T]) -> T:
+        """Run `fn(engine core)` on the engine thread between two steps (it sees no step half done) and
+        return its result or raise its exception."""
+        loop = asyncio.get_running_loop()
+        future: asyncio.Future[object] = loop.create_future()
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError("the engine has stopped after an internal error")
+            self._inbox.put(EngineCall(fn, loop, future))
+        return await future  # type: ignore[return-value]
 
     def shutdown(self) -> None:
         self._inbox.put(None)
@@ -281,6 +302,8 @@ class AsyncEngine:
                 break
             if isinstance(message, _AddGroup):
                 mailboxes.update(s.mailbox for s in message.streams)
+            elif isinstance(message, EngineCall):
+                message.fail(EngineDeadError(str(error)))
         for mailbox in mailboxes:
             mailbox.post(error)
 
@@ -298,7 +321,10 @@ class AsyncEngine:
         update = RequestUpdate("", [], True, FinishReason.ERROR.value, request.num_prompt_tokens, error=error)
         stream.mailbox.post((stream.index, update))
 
-    def _handle(self, message: _AddGroup | _Abort) -> None:
+    def _handle(self, message: _AddGroup | _Abort | EngineCall) -> None:
+        if isinstance(message, EngineCall):
+            message.settle(self.engine)
+            return
         if isinstance(message, _Abort):
             request = self.engine.abort_request(message.request_id)
             self._streams.pop(message.request_id, None)

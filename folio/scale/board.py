@@ -21,6 +21,7 @@ NAMESPACE = "folio"
 @dataclass(frozen=True)
 class ReplicaReport:
     replica: str  # Ray Serve's id for the replica
+    role: str  # "engine", "prefill" or "decode"
     pid: int
     host: str
     alive: bool  # its engine thread is running

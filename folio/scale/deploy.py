@@ -18,7 +18,7 @@ import threading
 import ray
 from ray import serve
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
-from ray.serve.deployment import Application
+from ray.serve.deployment import Application, Deployment
 from ray.serve.schema import LoggingConfig
 
 from folio.engine_args import EngineArgs
@@ -39,24 +39,25 @@ def replica_cpus(options: ReplicaOptions, world_size: int) -> float:
     if options.cpus_per_replica is not None:
         return options.cpus_per_replica
     total = ray.cluster_resources().get("CPU", os.cpu_count() or 1)
-    return max(1.0, math.floor(total / options.most_replicas))
+    return max(1.0, math.floor(total / options.most_engines))
 
 
-def build_application(
-    args: EngineArgs, model_name: str, server: ServerOptions | None = None, options: ReplicaOptions | None = None
-) -> Application:
-    """The ingress bound to its engine replicas, ready for `serve.run` (Ray must be initialised)."""
-    server = server or ServerOptions()
-    options = options or ReplicaOptions()
+def check_disaggregation(args: EngineArgs) -> None:
+    """What handing KV blocks between engines needs, checked before anything starts."""
+    if args.parallel_config().world_size > 1:
+        raise ValueError("--disaggregate needs whole-model replicas (no -tp/-pp/-cp): KV blocks are handed over "
+                         "whole")  # fmt: skip
+    if not args.enable_prefix_caching:
+        raise ValueError("--disaggregate hands prompts' KV over through the prefix cache: drop --no-prefix-caching")
+    spec = args.speculative_config
+    if spec is not None and spec.method == "draft":
+        raise ValueError("--disaggregate does not hand over a draft model's KV: use ngram, suffix or lookahead")
+
+
+def _engine_deployment(
+    name: str, args: EngineArgs, server: ServerOptions, options: ReplicaOptions, cpus: float, scaling: dict
+) -> Deployment:
     world = args.parallel_config().world_size
-    cpus = replica_cpus(options, world)
-    scaling: dict = {"num_replicas": options.replicas}
-    if options.autoscaling:
-        scaling = {"autoscaling_config": AutoscalingConfig(
-            min_replicas=options.min_replicas, max_replicas=options.max_replicas,
-            initial_replicas=max(options.min_replicas or 0, 1),
-            target_ongoing_requests=options.target_ongoing_requests, upscale_delay_s=5.0, downscale_delay_s=60.0,
-        )}  # fmt: skip
     placement: dict = {}
     if world > 1:  # the replica's ranks are its own processes: reserve their CPUs on the replica's node
         per_rank = cpus / world
@@ -68,9 +69,9 @@ def build_application(
         request_router_class=f"{FolioRequestRouter.__module__}.{FolioRequestRouter.__qualname__}",
         request_router_kwargs={**options.routing.__dict__, "block_size": args.block_size},
     )
-    engine = serve.deployment(
+    return serve.deployment(
         EngineReplica,
-        name="engine",
+        name=name,
         ray_actor_options=actor_options,
         # Each replica's engine queues its own requests; the ingress's admission bounds the total.
         max_ongoing_requests=args.max_num_seqs + server.max_queue,
@@ -82,6 +83,32 @@ def build_application(
         **scaling,
         **placement,
     )
+
+
+def build_application(
+    args: EngineArgs, model_name: str, server: ServerOptions | None = None, options: ReplicaOptions | None = None
+) -> Application:
+    """The ingress bound to its engine replicas, ready for `serve.run` (Ray must be initialised)."""
+    server = server or ServerOptions()
+    options = options or ReplicaOptions()
+    if options.disaggregate:
+        check_disaggregation(args)
+    cpus = replica_cpus(options, args.parallel_config().world_size)
+    pinned = int(cpus) if float(cpus).is_integer() else 0
+    scaling: dict = {"num_replicas": options.replicas}
+    if options.autoscaling:
+        scaling = {"autoscaling_config": AutoscalingConfig(
+            min_replicas=options.min_replicas, max_replicas=options.max_replicas,
+            initial_replicas=max(options.min_replicas or 0, 1),
+            target_ongoing_requests=options.target_ongoing_requests, upscale_delay_s=5.0, downscale_delay_s=60.0,
+        )}  # fmt: skip
+    if options.disaggregate:
+        prefill = _engine_deployment("prefill", args, server, options, cpus, {"num_replicas": options.prefill_replicas})
+        decode = _engine_deployment("decode", args, server, options, cpus, scaling)
+        engines = decode.bind(args, model_name, pinned, "decode", prefill.bind(args, model_name, pinned, "prefill"),
+                              first_core=pinned * options.prefill_replicas)  # fmt: skip
+    else:
+        engines = _engine_deployment("engine", args, server, options, cpus, scaling).bind(args, model_name, pinned)
     ingress = serve.deployment(
         serve.ingress()(FolioIngress),
         name="ingress",
@@ -91,8 +118,7 @@ def build_application(
         logging_config=QUIET,
         graceful_shutdown_timeout_s=server.grace_period,
     )
-    pinned = int(cpus) if float(cpus).is_integer() else 0
-    return ingress.bind(engine.bind(args, model_name, pinned), args, model_name, server, options.most_replicas)
+    return ingress.bind(engines, args, model_name, server, options.most_replicas)
 
 
 def start_ray(options: ReplicaOptions) -> None:
@@ -133,6 +159,8 @@ def serve_on_ray(args: EngineArgs, host: str, port: int, server: ServerOptions, 
             run_application(args, model_name, host, port, server, options)
             count = f"{options.min_replicas}-{options.max_replicas}" if options.autoscaling else str(options.replicas)
             keyed = " (API key required)" if server.api_key else ""
+            if options.disaggregate:
+                count = f"{options.prefill_replicas} prefill + {count} decode"
             logger.info("serving %s on Ray: %s replicas, %s routing, at http://%s:%d/v1%s", model_name, count,
                         options.routing.policy, host, port, keyed)  # fmt: skip
             while not stop.wait(1.0):

@@ -79,7 +79,7 @@ class FolioIngress:
         except ray.exceptions.RayActorError:
             self._board = board_for(self._app_name)
             return
-        self.engine.alive = any(report.alive for report in self.reports)
+        self.engine.alive = any(report.alive for report in self.reports if report.role != "prefill")
 
     async def _refresh_forever(self) -> None:
         while True:

@@ -19,6 +19,10 @@ class ReplicaOptions:
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     ray_address: str | None = None  # None: start a local Ray instance ("auto": join the running cluster)
     app_name: str = APP_NAME
+    # Prefill/decode disaggregation: `replicas` (or the autoscaled bounds) are the decode replicas, and
+    # `prefill_replicas` more compute prompts for them.
+    disaggregate: bool = False
+    prefill_replicas: int = 1
 
     def __post_init__(self) -> None:
         if self.replicas < 1:
@@ -30,6 +34,8 @@ class ReplicaOptions:
             raise ValueError(f"autoscaling needs 0 <= --min-replicas <= --max-replicas and max >= 1, got {low}, {high}")
         if self.cpus_per_replica is not None and not self.cpus_per_replica > 0:
             raise ValueError(f"--cpus-per-replica must be > 0, got {self.cpus_per_replica}")
+        if self.prefill_replicas < 1:
+            raise ValueError(f"--prefill-replicas must be >= 1, got {self.prefill_replicas}")
         if not self.target_ongoing_requests > 0:
             raise ValueError(f"the autoscaling target must be > 0 requests, got {self.target_ongoing_requests}")
 
@@ -39,4 +45,10 @@ class ReplicaOptions:
 
     @property
     def most_replicas(self) -> int:
+        """Of the replicas the ingress sends requests to (the decode ones when disaggregated)."""
         return self.max_replicas if self.max_replicas is not None else self.replicas
+
+    @property
+    def most_engines(self) -> int:
+        """Every engine replica, prefill included: what the CPUs are shared among."""
+        return self.most_replicas + (self.prefill_replicas if self.disaggregate else 0)

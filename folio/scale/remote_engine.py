@@ -15,7 +15,7 @@ import logging
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError, RequestUpdate
+from folio.engine.async_engine import EngineDeadError, RequestFailedError, RequestUpdate, take_update
 from folio.sampling_params import SamplingParams
 from folio.scale.jobs import EngineJob, JobFailure
 
@@ -104,17 +104,7 @@ class RemoteGeneration:
     async def __anext__(self) -> tuple[int, RequestUpdate]:
         if not self._open:
             raise StopAsyncIteration
-        item = await self._queue.get()
-        if isinstance(item, BaseException):
-            self.close()
-            raise item
-        index, update = item
-        if update.finished:
-            self._open.discard(index)
-            if update.error is not None:
-                self.close()
-                raise RequestFailedError(update.error)
-        return index, update
+        return take_update(await self._queue.get(), self.close, self._open.discard)
 
     def close(self) -> None:
         if self._closed:

@@ -18,41 +18,53 @@ from collections.abc import AsyncIterator
 import ray
 from prometheus_client import generate_latest
 from ray import serve
+from ray.serve.handle import DeploymentHandle
 
 from folio.engine.async_engine import AsyncEngine, EngineDeadError, RequestUpdate
 from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
+from folio.scale.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
 from folio.scale.jobs import EngineJob, JobFailure, ReplicaDescription
 from folio.server.metrics import ServerMetrics
+from folio.step.kv_blocks import KVBlocks
 
 logger = logging.getLogger("folio")
 
 
-def pin_to_cores(rank: int, cores_per_replica: int) -> None:
+def pin_to_cores(rank: int, cores_per_replica: int, first_core: int = 0) -> None:
     """Give replica `rank` its own cores when they exist (as the split model's ranks get theirs), so
-    replicas on one host never share a core's caches."""
+    replicas on one host never share a core's caches; `first_core` skips another deployment's cores."""
     available = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
-    first = rank * cores_per_replica
+    first = first_core + rank * cores_per_replica
     if cores_per_replica < 1 or first + cores_per_replica > len(available):
         return
     os.sched_setaffinity(0, available[first : first + cores_per_replica])
 
 
 class EngineReplica:
-    def __init__(self, args: EngineArgs, model_name: str, cores_per_replica: int = 0) -> None:
+    """`role`: "engine" (whole requests), "prefill" (computes prompts for decode replicas) or "decode"
+    (gets each prompt's KV from the `prefill` deployment, then generates)."""
+
+    def __init__(
+        self, args: EngineArgs, model_name: str, cores_per_replica: int = 0, role: str = "engine",
+        prefill: DeploymentHandle | None = None, first_core: int = 0,
+    ) -> None:  # fmt: skip
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
+        self.role = role
         self._app_name = context.app_name
         if cores_per_replica:
-            pin_to_cores(context.rank.local_rank, cores_per_replica)
+            pin_to_cores(context.rank.local_rank, cores_per_replica, first_core)
         self.llm = LLM.from_engine_args(args)
         self.metrics = ServerMetrics(self.llm.engine, model_name)
+        self.prefill_handle = prefill
+        self.transfers = TransferMetrics(self.metrics.registry)
         eos = frozenset(self.llm.model_config.eos_token_ids)
         self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer, eos, observer=self.metrics)
         self._board = board_for(self._app_name)
         self._reporter = asyncio.get_event_loop().create_task(self._report_forever())
-        logger.info("replica %s serving %s (KV cache %d tokens)", self.name, model_name,
+        logger.info("%s replica %s serving %s (KV cache %d tokens)", role, self.name, model_name,
                     self.llm.engine.kv.capacity_tokens)  # fmt: skip
 
     # -- what the ingress calls ----------------------------------------------------------------------
@@ -64,6 +76,8 @@ class EngineReplica:
     async def generate(self, job: EngineJob) -> AsyncIterator[tuple[int, RequestUpdate] | JobFailure]:
         generation = self.engine.generation()
         try:
+            if self.prefill_handle is not None:
+                await pull_prefix(self.engine, self.prefill_handle, job, self.transfers)
             generation.add(job.prompt_token_ids, job.params, job.cache_salt, job.priority)
             async for index, update in generation:
                 yield job.first_index + index, update
@@ -71,6 +85,10 @@ class EngineReplica:
             yield JobFailure.of(exc)
         finally:
             generation.close()
+
+    async def prefill(self, job: EngineJob, skip: int) -> KVBlocks:
+        """For a decode replica: the prompt's KV blocks after the first `skip`, computed here."""
+        return await prefill_and_export(self.engine, job, skip)
 
     # -- what Ray Serve calls ------------------------------------------------------------------------
     def check_health(self) -> None:
@@ -86,6 +104,7 @@ class EngineReplica:
         scheduler = self.llm.engine.scheduler
         return ReplicaReport(
             replica=self.name,
+            role=self.role,
             pid=os.getpid(),
             host=socket.gethostname(),
             alive=self.engine.is_alive,

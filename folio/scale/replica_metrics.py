@@ -33,12 +33,18 @@ class ReplicaMetricsCollector:
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type)
                 merged.samples.extend(
-                    Sample(s.name, {**s.labels, "replica": report.replica}, s.value, s.timestamp, s.exemplar)
+                    Sample(
+                        s.name,
+                        {**s.labels, "replica": report.replica, "role": report.role},
+                        s.value,
+                        s.timestamp,
+                        s.exemplar,
+                    )
                     for s in family.samples
                 )
         yield from families.values()
         info = Metric("folio:replica_info", "Each reporting replica's process; 1 while its engine runs.", "gauge")
         for report in self._reports():
-            info.add_sample("folio:replica_info", {"replica": report.replica, "pid": str(report.pid),
-                                                   "host": report.host}, float(report.alive))  # fmt: skip
+            labels = {"replica": report.replica, "role": report.role, "pid": str(report.pid), "host": report.host}
+            info.add_sample("folio:replica_info", labels, float(report.alive))
         yield info

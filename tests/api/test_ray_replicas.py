@@ -20,6 +20,7 @@ import httpx
 import openai
 import psutil
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from tests.api.server_runner import MODEL, free_port
 
@@ -38,11 +39,11 @@ class RayServer:
                    "--max-num-seqs", "8", "--api-key", KEY]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
-    def wait_ready(self, timeout: float, replicas: int = 2) -> None:
+    def wait_ready(self, timeout: float, replicas: int = 2, role: str = "engine") -> None:
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             assert self.process.poll() is None, f"folio serve --replicas exited:\n{self.output()[-4000:]}"
-            if len(self.replicas()) == replicas:
+            if len(self.replicas(role)) == replicas:
                 return
             time.sleep(0.5)
         raise AssertionError(f"the replicas did not come up:\n{self.output()[-4000:]}")
@@ -55,22 +56,27 @@ class RayServer:
     def metrics(self) -> str:
         return httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).text
 
-    def replicas(self) -> dict[str, int]:
-        """replica id -> pid, of the replicas whose engine runs."""
+    def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
+        families = text_string_to_metric_families(self.metrics())
+        return [(s.labels, s.value) for family in families for s in family.samples if s.name == name]
+
+    def replicas(self, role: str = "engine") -> dict[str, int]:
+        """replica id -> pid, of the replicas of `role` whose engine runs."""
         try:
-            text = self.metrics()
+            info = self.samples("folio:replica_info")
         except httpx.HTTPError:
             return {}
-        found = re.findall(r'folio:replica_info\{host="[^"]*",pid="(\d+)",replica="([^"]+)"\} 1\.0', text)
-        return {replica: int(pid) for pid, replica in found}
+        return {labels["replica"]: int(labels["pid"]) for labels, up in info if up == 1.0 and labels["role"] == role}
 
     def routed(self) -> Counter:
         """(replica, reason) -> prompts the router sent there."""
         counts: Counter = Counter()
-        pattern = r'folio:router_requests_total\{reason="([^"]+)",replica="([^"]+)"\} ([0-9.]+)'
-        for reason, replica, value in re.findall(pattern, self.metrics()):
-            counts[(replica, reason)] = int(float(value))
+        for labels, value in self.samples("folio:router_requests_total"):
+            counts[(labels["replica"], labels["reason"])] = int(value)
         return counts
+
+    def per_replica(self, name: str) -> dict[str, float]:
+        return {labels["replica"]: value for labels, value in self.samples(name)}
 
 
 def _stop(server: RayServer) -> None:
@@ -143,9 +149,7 @@ def test_shared_prefixes_stay_on_one_replica(ray_server, ray_client):
     deadline = time.monotonic() + 10  # replicas post their metrics every second
     hits: dict[str, float] = {}
     while time.monotonic() < deadline:
-        found = re.findall(r'folio:prefix_cache_hits_total\{model_name="[^"]+",replica="([^"]+)"\} ([0-9.]+)',
-                           ray_server.metrics())  # fmt: skip
-        hits = {replica: float(value) for replica, value in found}
+        hits = ray_server.per_replica("folio:prefix_cache_hits_total")
         if all(hits.get(home, 0) > 0 for home in homes):
             break
         time.sleep(0.5)
@@ -166,7 +170,7 @@ def test_errors_auth_and_health(ray_server, ray_client):
         ray_client.completions.create(model=MODEL, prompt=too_long, max_tokens=4)
     text = ray_server.metrics()
     assert re.search(r'folio:num_requests_admitted\{model_name="smollm2-135m"\} 0\.0', text)
-    assert len(set(re.findall(r'folio:generation_tokens_total\{[^}]*replica="([^"]+)"', text))) == 2
+    assert len(ray_server.per_replica("folio:generation_tokens_total")) == 2
 
 
 def test_a_killed_replica_is_survived(ray_server, ray_client):
@@ -263,3 +267,54 @@ def test_autoscaling_adds_a_replica_under_load():
         assert server.process.wait(timeout=90) == 0
     finally:
         _stop(server)
+
+
+def test_disaggregated_prefill_and_decode(client):
+    """--disaggregate: a prefill replica computes each prompt and hands its KV blocks to the decode
+    replica. The answers are folio serve's (greedy and seeded), the blocks crossed, both pools end empty,
+    and a prefill replica killed mid-prompt costs only time: the decode replica computes it itself."""
+    server = RayServer("--disaggregate", "--prefill-replicas", "1", "--replicas", "1")
+    try:
+        server.wait_ready(timeout=240, replicas=1, role="decode")
+        server.wait_ready(timeout=60, replicas=1, role="prefill")
+        ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        for prompt in (TENANT_A + "What is rye bread?", TENANT_B + "Which pass is the highest?"):
+            ours = ray_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            theirs = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+            assert ours.choices[0].text == theirs.choices[0].text
+        seeded = dict(model=MODEL, prompt=TENANT_A + "Tell a story.", max_tokens=16, temperature=0.9, seed=3, n=2)
+        assert [c.text for c in ray_client.completions.create(**seeded).choices] == [
+            c.text for c in client.completions.create(**seeded).choices
+        ]
+        _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_blocks_total").values()) >= 8)
+
+        prefill_pid = next(iter(server.replicas("prefill").values()))
+        long_prompt = "Inventory: " + ", ".join(f"crate {i} of apples" for i in range(450)) + ". Total?"
+        answers: list = []
+        asking = threading.Thread(target=lambda: answers.append(ray_client.completions.create(
+            model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)))  # fmt: skip
+        asking.start()
+        time.sleep(1.5)  # the prefill replica is computing the ~2,700-token prompt
+        os.kill(prefill_pid, signal.SIGKILL)
+        asking.join(timeout=240)
+        expected = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)
+        assert answers and answers[0].choices[0].text == expected.choices[0].text
+        _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_fallbacks_total").values()) >= 1)
+        # Nothing left allocated: every replica's pool is free once the requests are done.
+        _wait_for_metric(server, lambda: all(v == 0 for v in server.per_replica("folio:kv_cache_usage_ratio").values()))
+        deadline = time.monotonic() + 180
+        while prefill_pid in server.replicas("prefill").values() or not server.replicas("prefill"):
+            assert time.monotonic() < deadline, "Ray did not replace the prefill replica"
+            time.sleep(1)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0
+    finally:
+        _stop(server)
+
+
+def _wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
+    """Replicas post their metrics every second: poll until `condition` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, server.metrics()[-3000:]
+        time.sleep(0.5)

@@ -190,8 +190,8 @@ def test_peer_problems_fail_before_any_server_starts(tiny_llama, tmp_path, capsy
                                       f"{tiny_llama}"  # fmt: skip
     assert main(_argv(tiny_llama, tmp_path / "out", "--peer", "vllm")) == 1
     assert _one_error_line(capsys) == (
-        "folio: error: unknown --peer 'vllm'; choose from folio-dynamic, folio-no-prefix-cache, folio-ray-1, "
-        "folio-replicas, folio-replicas-round-robin, folio-static, llama.cpp"
+        "folio: error: unknown --peer 'vllm'; choose from folio-disaggregated, folio-dynamic, folio-no-prefix-cache, "
+        "folio-ray-1, folio-replicas, folio-replicas-round-robin, folio-static, llama.cpp"
     )
     assert main(_argv(tiny_llama, tmp_path / "out", "--llama-extra-body", '{"stream": false}')) == 1
     assert "--llama-extra-body must not set stream" in _one_error_line(capsys)
@@ -225,7 +225,7 @@ def test_replica_peers_serve_two_replicas_and_wait_for_their_metrics(monkeypatch
     workload = ServeConfig("http://x", "m", LengthRange(1, 2), LengthRange(1, 2))
     config = CompareConfig("m", workload, peer="folio-replicas")
     folio = folio_spec(config).argv(8123)
-    replicas = ["--replicas", "2", "--cpus-per-replica", "1"]
+    replicas = ["--cpus-per-replica", "1", "--replicas", "2"]
     cache_aware, round_robin = PEERS["folio-replicas"](config), PEERS["folio-replicas-round-robin"](config)
     assert cache_aware.argv(8123) == [*folio, *replicas]  # cache_aware is folio serve's default routing
     assert round_robin.argv(8123) == [*folio, *replicas, "--routing", "round_robin"]
@@ -234,6 +234,11 @@ def test_replica_peers_serve_two_replicas_and_wait_for_their_metrics(monkeypatch
         args = build_parser().parse_args(spec.argv(8123)[3:])  # after `python -m folio.cli`
         assert (args.replicas, args.cpus_per_replica, args.routing, args.port) == (2, 1.0, routing, 8123)
     assert (cache_aware.name, round_robin.name) == ("folio-replicas", "folio-replicas-round-robin")
+    disaggregated = PEERS["folio-disaggregated"](config).argv(8123)
+    assert disaggregated == [*folio, "--cpus-per-replica", "1", "--disaggregate", "--prefill-replicas", "1",
+                             "--replicas", "1"]  # fmt: skip
+    args = build_parser().parse_args(disaggregated[3:])
+    assert (args.disaggregate, args.prefill_replicas, args.replicas) == (True, 1, 1)
 
     # run_compare hands each server's lag to its run: none for folio, 2.5 s for the replicas.
     @contextmanager

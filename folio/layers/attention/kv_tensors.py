@@ -55,6 +55,16 @@ class LayerKV:
     def tensors(self) -> list[torch.Tensor]:
         return [t for t in (self.k, self.v, self.k_scales, self.v_scales) if t is not None]
 
+    def read_blocks(self, blocks: torch.Tensor, block_size: int) -> list[torch.Tensor]:
+        """Copies of whole blocks of K, V and their scales, in the cache's own format (float8 as bytes),
+        each [len(blocks), block_size, ...]: what another engine's `write_blocks` takes."""
+        return [_bytes(t).view(-1, block_size, *t.shape[1:])[blocks].clone() for t in self.tensors()]
+
+    def write_blocks(self, blocks: torch.Tensor, block_size: int, parts: list[torch.Tensor]) -> None:
+        for tensor, part in zip(self.tensors(), parts, strict=True):
+            raw = _bytes(tensor)
+            raw.view(-1, block_size, *raw.shape[1:])[blocks] = part.to(raw.device)
+
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
         """Copy-on-write: whole blocks of K, V and their scales."""
         for tensor in self.tensors():

@@ -1,0 +1,93 @@
+"""Prefill/decode disaggregation, engine side: hand a prompt's computed KV blocks from one engine to
+another through the prefix cache.
+
+The prefill engine computes the prompt, then `export_prefix` copies the blocks its prefix cache now
+holds for it (full blocks only, by their hash-chain keys). The decode engine `import_prefix`es them:
+each block it does not hold yet is allocated, written, registered under its key and freed onto the
+prefix cache's LRU list, exactly as if it had computed and finished a request with that prompt. The
+request itself is then added as usual: it hits those blocks and computes only the rest (at least the
+last prompt token, for logits), so what it generates is what the decode engine would have generated
+had it computed the whole prompt itself and cached it. A block missing on either side is recomputed,
+never wrong. Both run on the engine thread, between steps.
+"""
+
+from __future__ import annotations
+
+from folio.engine.engine_core import EngineCore
+from folio.kv_cache.hashing import BlockKey, extend_block_keys
+from folio.step.kv_blocks import KVBlocks, KVLayout
+from folio.worker.kv_block_io import kv_layout, read_kv_blocks, write_kv_blocks
+from folio.worker.model_runner import ModelRunner
+
+
+def _runner(core: EngineCore) -> ModelRunner:
+    if not isinstance(core.runner, ModelRunner):
+        raise ValueError("handing KV blocks between engines needs whole-model engines (no tensor, pipeline or "
+                         "context parallelism)")  # fmt: skip
+    return core.runner
+
+
+def layout_of(core: EngineCore) -> KVLayout:
+    return kv_layout(_runner(core), core.kv_cache_dtype)
+
+
+def prompt_keys(core: EngineCore, token_ids: list[int], cache_salt: str | None) -> list[BlockKey]:
+    """The keys of the prompt's full blocks a request would look up (never the block holding the last token,
+    which is always recomputed)."""
+    keys: list[BlockKey] = []
+    usable = (len(token_ids) - 1) // core.kv.block_size * core.kv.block_size
+    extend_block_keys(keys, token_ids[:usable], core.kv.block_size, cache_salt)
+    return keys
+
+
+def held_prefix(core: EngineCore, keys: list[BlockKey]) -> int:
+    """How many of `keys`, from the first, this engine's prefix cache holds."""
+    for count, key in enumerate(keys):
+        if core.kv.pool.lookup(key) is None:
+            return count
+    return len(keys)
+
+
+def export_prefix(core: EngineCore, keys: list[BlockKey], skip: int = 0) -> KVBlocks:
+    """Copies of the cached blocks for `keys[skip:]`, up to the first one not cached."""
+    pool = core.kv.pool
+    block_ids, exported = [], []
+    for key in keys[skip:]:
+        block = pool.lookup(key)
+        if block is None:
+            break
+        block_ids.append(block)
+        exported.append(key)
+    runner = _runner(core)
+    return read_kv_blocks(runner, kv_layout(runner, core.kv_cache_dtype), block_ids, exported)
+
+
+def import_prefix(core: EngineCore, blocks: KVBlocks) -> int:
+    """Put `blocks` into this engine's prefix cache; returns how many were new to it. Blocks already held
+    are skipped; when the pool is short, the tail of the prefix is dropped (recomputed later)."""
+    runner = _runner(core)
+    if blocks.layout != kv_layout(runner, core.kv_cache_dtype):
+        raise ValueError(f"these KV blocks were written by another cache layout ({blocks.layout}); this engine's "
+                         f"is {kv_layout(runner, core.kv_cache_dtype)}")  # fmt: skip
+    if not core.kv.enable_prefix_caching:
+        return 0
+    pool = core.kv.pool
+    placed: dict[int, int] = {}  # index in blocks.keys -> block of this pool holding it
+    for i, key in enumerate(blocks.keys):
+        block = pool.lookup(key)
+        if block is not None:
+            pool.touch(block)  # so that allocating the others cannot evict it
+            placed[i] = block
+    try:
+        picked = [i for i in range(blocks.num_blocks) if i not in placed][: pool.num_free_blocks]
+        if not picked:
+            return 0
+        fresh = pool.allocate(len(picked))
+        placed.update(zip(picked, fresh, strict=True))
+        write_kv_blocks(runner, fresh, blocks, picked)
+        for i, block in zip(picked, fresh, strict=True):
+            pool.register(block, blocks.keys[i])
+        return len(picked)
+    finally:
+        # Back onto the LRU list, still cached; freed in prompt order, so the first blocks go last.
+        pool.free([placed[i] for i in sorted(placed)])
