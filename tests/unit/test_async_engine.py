@@ -157,3 +157,28 @@ def test_an_engine_thread_that_dies_fails_every_caller_and_refuses_new_work(engi
 
     with pytest.raises(EngineDeadError):
         asyncio.run(submit_after_death())
+
+
+def test_a_call_runs_on_the_engine_thread_between_steps(engine):
+    """AsyncEngine.call: the function's result or exception comes back to the caller, it runs on the
+    engine thread, a request in flight keeps going, and after the engine dies a call is refused."""
+
+    async def run() -> None:
+        generation = engine.generation()
+        generation.add([1, 2, 3], [SamplingParams(max_tokens=24, temperature=0, ignore_eos=True)])
+        where = await engine.call(lambda core: (threading.current_thread().name, len(core.scheduler.running)))
+        assert where[0] == "folio-engine"
+        with pytest.raises(ZeroDivisionError):
+            await engine.call(lambda core: 1 / 0)
+        finished = [update async for _, update in generation if update.finished]
+        assert finished and finished[0].finish_reason == "length"
+
+    asyncio.run(run())
+    engine.shutdown()
+
+    async def after_shutdown() -> None:
+        engine.dead = RuntimeError("stopped")  # as the engine thread records its death
+        await engine.call(lambda core: None)
+
+    with pytest.raises(EngineDeadError):
+        asyncio.run(after_shutdown())
