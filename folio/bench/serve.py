@@ -34,7 +34,7 @@ from folio.bench.serve_client import (
     probe,
     run_rate,
 )
-from folio.bench.serve_metrics import prefix_cache_delta, scrape_prefix_cache
+from folio.bench.serve_metrics import kv_transfer_delta, prefix_cache_delta, scrape_kv_transfer, scrape_prefix_cache
 from folio.bench.serve_report import format_table, write_report
 from folio.bench.serve_stats import parse_slo, summarize
 from folio.bench.serve_types import RateResult, ServeConfig, ServeReport
@@ -81,6 +81,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         time.sleep(lag)  # the probe's lookups reach lagging counters before the first rate's "before"
     for rate in config.request_rates:
         before = scrape_prefix_cache(config.base_url)
+        handed_before = scrape_kv_transfer(config.base_url) if before is not None else None
         records, duration = asyncio.run(
             run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
         )
@@ -90,6 +91,8 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         summary["prefix_cache"] = prefix_cache_delta(
             before, scrape_prefix_cache(config.base_url) if before is not None else None
         )
+        if handed_before is not None:  # a disaggregated server: what the hand-overs cost
+            summary["kv_transfer"] = kv_transfer_delta(handed_before, scrape_kv_transfer(config.base_url))
         results.append(RateResult(rate, summary, records))
     return ServeReport(
         command=command,

@@ -34,6 +34,7 @@ METRICS = (
     ("mean_itl_ms", "mean ITL ms", ("itl_ms", "mean"), "lower"),
     ("p99_e2e_ms", "p99 E2E ms", ("e2e_ms", "p99"), "lower"),
     ("prefix_cache_hit_rate", "prefix hit rate", ("prefix_cache", "hit_rate"), "higher"),
+    ("kv_handover_ms", "KV hand-over ms", ("kv_transfer", "mean_ms"), "lower"),
 )
 
 
@@ -55,8 +56,11 @@ def _shown(report: CompareReport) -> list[tuple[str, str, tuple[str, ...], str]]
     rate only when a server reports it."""
     workload = report.config.workload
     skip = set()
-    if all(hit_rate(result.summary) is None for run in report.runs for result in run.report.results):
+    results = [result for run in report.runs for result in run.report.results]
+    if all(hit_rate(result.summary) is None for result in results):
         skip.add("prefix_cache_hit_rate")
+    if all(metric_value(result, ("kv_transfer", "mean_ms")) is None for result in results):
+        skip.add("kv_handover_ms")
     if not workload.slo:
         skip.add("goodput_requests_per_s")
     if workload.price_per_hour is None:

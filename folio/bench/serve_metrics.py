@@ -40,6 +40,49 @@ def parse_prefix_cache(text: str) -> Counters | None:
     return sums["prefix_cache_queries_total"], sums["prefix_cache_hits_total"]
 
 
+KV_TRANSFER = ("folio:kv_transfer_blocks_total", "folio:kv_transfer_bytes_total", "folio:kv_transfer_seconds_sum",
+               "folio:kv_transfer_seconds_count")  # fmt: skip
+
+
+def parse_kv_transfer(text: str) -> tuple[float, ...] | None:
+    """A disaggregated folio server's KV hand-over counters (blocks, bytes, seconds, hand-overs), summed over
+    its decode replicas; None when it has none."""
+    sums = dict.fromkeys(KV_TRANSFER, 0.0)
+    seen = False
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match is not None and match.group(1) in sums:
+            sums[match.group(1)] += float(match.group(2))
+            seen = True
+    return tuple(sums.values()) if seen else None
+
+
+def scrape_kv_transfer(base_url: str, timeout_s: float = 10.0) -> tuple[float, ...] | None:
+    import httpx
+
+    try:
+        response = httpx.get(f"{base_url}/metrics", headers=request_headers(), timeout=timeout_s)
+    except httpx.HTTPError:
+        return None
+    return parse_kv_transfer(response.text) if response.status_code == 200 else None
+
+
+def kv_transfer_delta(before: tuple[float, ...] | None, after: tuple[float, ...] | None) -> dict[str, Any] | None:
+    """What one rate handed over between prefill and decode replicas, and the mean time per hand-over (the
+    prefill's compute excluded); None for a server that does not disaggregate."""
+    if before is None or after is None:
+        return None
+    blocks, nbytes, seconds, count = (a - b for a, b in zip(after, before, strict=True))
+    return {
+        "blocks": round(blocks),
+        "bytes": round(nbytes),
+        "handovers": round(count),
+        "seconds": seconds,
+        "mean_ms": 1000 * seconds / count if count else None,
+        "ms_per_mb": 1000 * seconds / (nbytes / 2**20) if nbytes else None,
+    }
+
+
 def scrape_prefix_cache(base_url: str, timeout_s: float = 10.0) -> Counters | None:
     """The server's counters now, or None when it has no /metrics or no prefix-cache counters there."""
     import httpx

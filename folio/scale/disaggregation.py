@@ -36,9 +36,13 @@ class TransferMetrics:
                               registry=registry)  # fmt: skip
         self.bytes = Counter("folio:kv_transfer_bytes", "Bytes of KV received from prefill replicas.",
                              registry=registry)  # fmt: skip
-        self.seconds = Histogram("folio:kv_transfer_seconds", "From asking a prefill replica to the blocks being "
-                                 "in this cache (the prefill's compute included).", registry=registry,
-                                 buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30))  # fmt: skip
+        self.seconds = Histogram("folio:kv_transfer_seconds", "Handing a prompt's blocks over: from asking a prefill "
+                                 "replica to the blocks being in this cache, less the prefill's own compute.",
+                                 registry=registry, buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25,
+                                 0.5, 1, 2.5))  # fmt: skip
+        self.prefill_seconds = Histogram("folio:kv_prefill_seconds", "Computing a prompt on a prefill replica, as "
+                                         "it reported.", registry=registry,
+                                         buckets=(0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60))  # fmt: skip
         self.local = Counter("folio:kv_transfer_fallbacks", "Prompts a decode replica computed itself because "
                              "the prefill replica failed.", registry=registry)  # fmt: skip
 
@@ -46,6 +50,7 @@ class TransferMetrics:
 async def prefill_and_export(engine: AsyncEngine, job: EngineJob, skip: int) -> KVBlocks:
     """On a prefill replica: compute the job's prompt, then copy its cached full blocks after the first
     `skip` (which the asking decode replica holds already)."""
+    started = time.monotonic()
     generation = engine.generation()
     try:
         generation.add(job.prompt_token_ids, [PREFILL_PARAMS], job.cache_salt, job.priority)
@@ -53,8 +58,11 @@ async def prefill_and_export(engine: AsyncEngine, job: EngineJob, skip: int) -> 
             pass
     finally:
         generation.close()
+    computed = time.monotonic() - started
     keys = prompt_keys(engine.engine, job.prompt_token_ids, job.cache_salt)
-    return await engine.call(lambda core: export_prefix(core, keys, skip))
+    blocks = await engine.call(lambda core: export_prefix(core, keys, skip))
+    blocks.compute_seconds = computed
+    return blocks
 
 
 async def pull_prefix(engine: AsyncEngine, prefill: DeploymentHandle, job: EngineJob, metrics: TransferMetrics) -> None:
@@ -74,4 +82,5 @@ async def pull_prefix(engine: AsyncEngine, prefill: DeploymentHandle, job: Engin
         return
     metrics.blocks.inc(imported)
     metrics.bytes.inc(blocks.nbytes)
-    metrics.seconds.observe(time.monotonic() - started)
+    metrics.seconds.observe(max(0.0, time.monotonic() - started - blocks.compute_seconds))
+    metrics.prefill_seconds.observe(blocks.compute_seconds)

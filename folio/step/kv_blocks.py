@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-import torch
+import numpy as np
 
 from folio.kv_cache.hashing import BlockKey
 
@@ -25,7 +25,9 @@ class KVLayout:
 class KVBlocks:
     layout: KVLayout
     keys: list[BlockKey]  # the blocks' identities, in prompt order
-    layers: list[list[torch.Tensor]] = field(default_factory=list)  # per layer: K, V (, scales), [n, B, ...]
+    # Per layer: K, V (and scales), each [n, B, ...] as raw bytes (numpy: Ray's object store reads it in place).
+    layers: list[list[np.ndarray]] = field(default_factory=list)
+    compute_seconds: float = 0.0  # what computing the prompt took the sender (the rest of a hand-over is transfer)
 
     @property
     def num_blocks(self) -> int:
@@ -33,4 +35,4 @@ class KVBlocks:
 
     @property
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for parts in self.layers for t in parts)
+        return sum(part.nbytes for parts in self.layers for part in parts)

@@ -61,9 +61,10 @@ class LayerKV:
         return [_bytes(t).view(-1, block_size, *t.shape[1:])[blocks].clone() for t in self.tensors()]
 
     def write_blocks(self, blocks: torch.Tensor, block_size: int, parts: list[torch.Tensor]) -> None:
+        """`parts` as `read_blocks` returns them, or as raw bytes (the last dimension widened)."""
         for tensor, part in zip(self.tensors(), parts, strict=True):
             raw = _bytes(tensor)
-            raw.view(-1, block_size, *raw.shape[1:])[blocks] = part.to(raw.device)
+            raw.view(-1, block_size, *raw.shape[1:])[blocks] = part.to(raw.device).view(raw.dtype)
 
     def copy_blocks(self, src: torch.Tensor, dst: torch.Tensor, block_size: int) -> None:
         """Copy-on-write: whole blocks of K, V and their scales."""
