@@ -22,6 +22,7 @@ import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from folio import LLM, SamplingParams
 from tests.api.server_runner import MODEL, free_port
 
 KEY = "ray-test-key"
@@ -30,12 +31,12 @@ TENANT_B = "You are a travel agent who only talks about trains across the Alps a
 
 
 class RayServer:
-    def __init__(self, *replica_flags: str) -> None:
+    def __init__(self, *replica_flags: str, model: str = MODEL, cpus: int = 1) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-ray-", suffix=".log")  # noqa: SIM115
-        command = [sys.executable, "-m", "folio.cli", "serve", MODEL, *(replica_flags or ("--replicas", "2")),
-                   "--cpus-per-replica", "1", "--port", str(self.port), "--num-kv-blocks", "256",
+        command = [sys.executable, "-m", "folio.cli", "serve", model, *(replica_flags or ("--replicas", "2")),
+                   "--cpus-per-replica", str(cpus), "--port", str(self.port), "--num-kv-blocks", "256",
                    "--max-num-seqs", "8", "--api-key", KEY]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
@@ -318,3 +319,32 @@ def _wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
     while not condition():
         assert time.monotonic() < deadline, server.metrics()[-3000:]
         time.sleep(0.5)
+
+
+def test_a_tensor_parallel_replica(gemma3_gguf):
+    """A replica split over 2 tensor-parallel ranks (its CPUs reserved by a placement group, its ranks its
+    own processes) answers as the whole model does, and its ranks go with it on SIGTERM."""
+    expected = (
+        LLM(gemma3_gguf, num_kv_blocks=64)
+        .generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+        .outputs[0]
+        .text
+    )
+    server = RayServer("--replicas", "1", "-tp", "2", model="gemma3-270m", cpus=2)
+    try:
+        server.wait_ready(timeout=240, replicas=1)
+        ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        answer = ray_client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
+                                               temperature=0)  # fmt: skip
+        assert answer.choices[0].text == expected
+        [replica_pid] = server.replicas().values()
+        ranks = [child.pid for child in psutil.Process(replica_pid).children(recursive=True)]
+        assert len(ranks) >= 2  # the two ranks (and the spawn tracker)
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in ranks):
+            assert time.monotonic() < deadline, "a rank outlived its replica"
+            time.sleep(0.5)
+    finally:
+        _stop(server)
