@@ -2,8 +2,9 @@
 
 `folio serve MODEL --replicas N` calls `serve_on_ray`; a Ray Serve config or a Python script can use
 `build_application` directly (docs/scale-out.md). Replicas take `cpus_per_replica` of Ray's CPUs each
-(all of a split model's ranks, placed on one node by a STRICT_PACK placement group) and are pinned to
-their own cores where a host has enough; the ingress takes none.
+(all of a split model's ranks: on one node by a STRICT_PACK placement group, or with `--nnodes H` over H
+nodes by a STRICT_SPREAD one, rank_hosts.py) and are pinned to their own cores where a host has enough;
+the ingress takes none.
 """
 
 from __future__ import annotations
@@ -59,7 +60,12 @@ def _engine_deployment(
 ) -> Deployment:
     world = args.parallel_config().world_size
     placement: dict = {}
-    if world > 1:  # the replica's ranks are its own processes: reserve their CPUs on the replica's node
+    if args.nnodes > 1:  # one bundle per node: the replica in the first, a RankHost in each other one
+        per_node = cpus / args.nnodes
+        placement = {"placement_group_bundles": [{"CPU": per_node}] * args.nnodes,
+                     "placement_group_strategy": "STRICT_SPREAD"}  # fmt: skip
+        actor_options = {"num_cpus": per_node}
+    elif world > 1:  # the replica's ranks are its own processes: reserve their CPUs on the replica's node
         per_rank = cpus / world
         placement = {"placement_group_bundles": [{"CPU": per_rank}] * world, "placement_group_strategy": "STRICT_PACK"}
         actor_options = {"num_cpus": per_rank}
@@ -94,7 +100,7 @@ def build_application(
     if options.disaggregate:
         check_disaggregation(args)
     cpus = replica_cpus(options, args.parallel_config().world_size)
-    pinned = int(cpus) if float(cpus).is_integer() else 0
+    pinned = int(cpus) if float(cpus).is_integer() and args.nnodes == 1 else 0
     scaling: dict = {"num_replicas": options.replicas}
     if options.autoscaling:
         scaling = {"autoscaling_config": AutoscalingConfig(
@@ -173,6 +179,7 @@ def serve_on_ray(args: EngineArgs, host: str, port: int, server: ServerOptions, 
         if ray.is_initialized():
             with contextlib.suppress(Exception):  # whatever failed, Ray's processes must still go
                 stop_application(options)
-                serve.shutdown()
-            ray.shutdown()
+                if options.ray_address is None:  # ours alone; on a joined cluster other apps may use Serve
+                    serve.shutdown()
+            ray.shutdown()  # stops a local instance; leaves a joined cluster running
     logger.info("server stopped")

@@ -23,9 +23,11 @@ from ray.serve.handle import DeploymentHandle
 from folio.engine.async_engine import AsyncEngine, EngineDeadError, RequestUpdate
 from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
+from folio.platform import default_device
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
 from folio.scale.jobs import EngineJob, JobFailure, ReplicaDescription
+from folio.scale.rank_hosts import start_rank_hosts, stop_rank_hosts
 from folio.server.metrics import ServerMetrics
 from folio.step.kv_blocks import KVBlocks
 
@@ -56,6 +58,8 @@ class EngineReplica:
         self._app_name = context.app_name
         if cores_per_replica:
             pin_to_cores(context.rank.local_rank, cores_per_replica, first_core)
+        # A model split over several nodes: the other nodes' ranks first, then this node's engine joins them.
+        args, self.rank_hosts = start_rank_hosts(args, args.device or str(default_device()))
         self.llm = LLM.from_engine_args(args)
         self.metrics = ServerMetrics(self.llm.engine, model_name)
         self.prefill_handle = prefill
@@ -134,3 +138,4 @@ class EngineReplica:
         engine = getattr(self, "engine", None)
         if engine is not None:
             engine.shutdown()
+        stop_rank_hosts(getattr(self, "rank_hosts", []))

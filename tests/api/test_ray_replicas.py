@@ -21,6 +21,7 @@ import openai
 import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+from ray.cluster_utils import Cluster
 
 from folio import LLM, SamplingParams
 from tests.api.server_runner import MODEL, free_port
@@ -348,3 +349,38 @@ def test_a_tensor_parallel_replica(gemma3_gguf):
             time.sleep(0.5)
     finally:
         _stop(server)
+
+
+def test_a_replica_split_over_two_nodes(gemma3_gguf):
+    """`--nnodes 2` on a two-node Ray cluster (Ray's own test cluster: two raylets on this machine): the
+    replica's placement group spreads its bundles over both nodes, the other node's rank runs in a
+    RankHost actor there, the answer is the whole model's, and the ranks go when the server stops."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
+    cluster.add_node(num_cpus=1)
+    server = RayServer("--replicas", "1", "-tp", "2", "--nnodes", "2", "--ray-address", cluster.address,
+                       model="gemma3-270m", cpus=2)  # fmt: skip
+    try:
+        server.wait_ready(timeout=240, replicas=1)
+        ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+        answer = ray_client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
+                                               temperature=0)  # fmt: skip
+        expected = (
+            LLM(gemma3_gguf, num_kv_blocks=64)
+            .generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
+            .outputs[0]
+            .text
+        )
+        assert answer.choices[0].text == expected
+        hosts = [p for p in psutil.process_iter(["cmdline"]) if "ray::RankHost" in " ".join(p.info["cmdline"] or [])]
+        assert len(hosts) == 1  # node 1's share of the model
+        ranks = [child.pid for child in hosts[0].children(recursive=True)]
+        assert ranks
+        server.process.send_signal(signal.SIGTERM)
+        assert server.process.wait(timeout=90) == 0
+        deadline = time.monotonic() + 30
+        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in ranks):
+            assert time.monotonic() < deadline, "node 1's rank outlived the replica"
+            time.sleep(0.5)
+    finally:
+        _stop(server)
+        cluster.shutdown()
