@@ -344,12 +344,7 @@ def test_a_tensor_parallel_replica(gemma3_gguf):
         [replica_pid] = server.replicas().values()
         ranks = [child.pid for child in psutil.Process(replica_pid).children(recursive=True)]
         assert len(ranks) >= 2  # the two ranks (and the spawn tracker)
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=90) == 0
-        deadline = time.monotonic() + 30
-        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in ranks):
-            assert time.monotonic() < deadline, "a rank outlived its replica"
-            time.sleep(0.5)
+        _sigterm_and_check_gone(server, ranks)
     finally:
         _stop(server)
 
@@ -378,12 +373,17 @@ def test_a_replica_split_over_two_nodes(gemma3_gguf):
         assert len(hosts) == 1  # node 1's share of the model
         ranks = [child.pid for child in hosts[0].children(recursive=True)]
         assert ranks
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=90) == 0
-        deadline = time.monotonic() + 30
-        while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in ranks):
-            assert time.monotonic() < deadline, "node 1's rank outlived the replica"
-            time.sleep(0.5)
+        _sigterm_and_check_gone(server, ranks)
     finally:
         _stop(server)
         cluster.shutdown()
+
+
+def _sigterm_and_check_gone(server: RayServer, pids: list[int]) -> None:
+    """SIGTERM the server: it exits 0 and none of `pids` (a split replica's ranks) outlives it."""
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=90) == 0
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived its replica"
+        time.sleep(0.5)
