@@ -44,16 +44,15 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
 
 from folio import __version__
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.llama_cpp_server import _help_text, free_port, poll_health, server_command, stop_process
 from folio.bench.serve import ServeConfig, add_workload_args, run_serve, workload_config
-from folio.bench.serve_client import check_extra_body, parse_extra_body
+from folio.bench.serve_client import parse_extra_body
 from folio.bench.serve_compare_report import format_table, write_report
-from folio.bench.serve_compare_types import CompareReport, ServerRun
+from folio.bench.serve_compare_types import CompareReport, LlamaOptions, ServerError, ServerRun, ServerSpec
 from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
@@ -62,24 +61,6 @@ from folio.results import machine_info
 STARTUP_TIMEOUT_S = 600.0  # a first start may build kernels or load a large model
 STOP_GRACE_S = 30.0  # SIGTERM, then SIGKILL after this long
 SLOT_MARGIN = 64  # tokens per llama-server slot beyond prompt + output: re-tokenized prompts, chat templates
-
-
-@dataclass(frozen=True)
-class LlamaOptions:
-    parallel: int = 16  # slots
-    ctx_size: int | None = None  # total KV tokens over all slots; None: from the workload
-    threads: int = 2
-    extra_body: dict[str, Any] = field(default_factory=lambda: {"cache_prompt": False})
-    version: str | None = None  # of llama-cpp-python; None: the installed build
-
-    def __post_init__(self) -> None:
-        if self.parallel < 1:
-            raise ValueError(f"--llama-parallel must be at least 1, got {self.parallel}")
-        if self.threads < 1:
-            raise ValueError(f"--llama-threads must be at least 1, got {self.threads}")
-        if self.ctx_size is not None and self.ctx_size < self.parallel:
-            raise ValueError(f"--llama-ctx-size {self.ctx_size} leaves less than one token to each of the slots")
-        check_extra_body(self.extra_body)
 
 
 @dataclass
@@ -94,20 +75,6 @@ class CompareConfig:
     def __post_init__(self) -> None:
         if self.peer not in PEERS:
             raise ValueError(f"unknown --peer {self.peer!r}; choose from {', '.join(sorted(PEERS))}")
-
-
-@dataclass(frozen=True)
-class ServerSpec:
-    name: str
-    argv: Callable[[int], list[str]]  # the command line for a port, which is picked just before the start
-    extra_body: dict[str, Any] = field(default_factory=dict)  # merged into every request to this server
-    info: dict[str, Any] = field(default_factory=dict)  # versions, slots, context size: kept in the report
-    probe_request: bool = True  # False for a static-batching server, which would hold the lone probe
-    metrics_lag_s: float = 0.0  # how far its /metrics lag behind its requests (ServeConfig.metrics_lag_s)
-
-
-class ServerError(RuntimeError):
-    """A server failed to start or died during its run; the message names its log, which is kept."""
 
 
 PeerLauncher = Callable[[CompareConfig], ServerSpec]

@@ -56,8 +56,7 @@ class FolioRequestRouter(FIFOMixin, RequestRouter):
         if not loads:  # nobody answered in time: let Serve probe them all again
             return [candidate_replicas]
         by_name = {replica.replica_id.unique_id: replica for replica in candidate_replicas}
-        digests = prefix_digests(job.prompt_token_ids, self.block_size, job.cache_salt,
-                                 self.policy.config.max_prefix_blocks)  # fmt: skip
+        digests = self._digests(pending_request, job)
         with self._lock:
             decision = self.policy.choose(digests, {rid.unique_id: load for rid, load in loads.items()})
         chosen = by_name[decision.replica]
@@ -65,12 +64,21 @@ class FolioRequestRouter(FIFOMixin, RequestRouter):
         others = [replica for replica in candidate_replicas if replica is not chosen]
         return [[chosen], others] if others else [[chosen]]
 
+    def _digests(self, pending: PendingRequest, job: EngineJob) -> list[bytes]:
+        """The prompt's block digests, hashed once per request however often Serve asks to route it."""
+        context = pending.routing_context
+        digests = getattr(context, "folio_digests", None)
+        if digests is None:
+            digests = prefix_digests(job.prompt_token_ids, self.block_size, job.cache_salt,
+                                     self.policy.config.max_prefix_blocks)  # fmt: skip
+            context.folio_digests = digests  # type: ignore[attr-defined]
+        return digests
+
     def on_request_routed(self, pending_request: PendingRequest, replica_id: ReplicaID, result: Any) -> None:
         job = _job_of(pending_request)
         if job is None:
             return
-        digests = prefix_digests(job.prompt_token_ids, self.block_size, job.cache_salt,
-                                 self.policy.config.max_prefix_blocks)  # fmt: skip
+        digests = self._digests(pending_request, job)
         with self._lock:
             self.policy.routed(digests, replica_id.unique_id)
         decision = getattr(pending_request.routing_context, "folio_decision", None)

@@ -17,13 +17,7 @@ from folio.bench import serve_client
 from folio.bench.datasets import LengthRange, output_lens
 from folio.bench.serve import ServeConfig, run_serve
 from folio.bench.serve_client import ServeRequest, Target, conversations, run_rate
-from folio.bench.serve_metrics import (
-    NOT_REPORTED,
-    kv_transfer_delta,
-    parse_kv_transfer,
-    parse_prefix_cache,
-    prefix_cache_delta,
-)
+from folio.bench.serve_metrics import NOT_REPORTED, parse_prefix_cache, prefix_cache_delta
 from folio.bench.serve_prefix_workloads import make_document, sharegpt_answers
 from folio.bench.serve_report import format_table
 from folio.bench.serve_workload import build_serve_requests, load_tokenizer
@@ -294,25 +288,6 @@ folio:prompt_tokens_total{model_name="a"} 9.0
     }
     assert prefix_cache_delta((1.0, 0.0), (1.0, 0.0))["hit_rate"] is None
     assert prefix_cache_delta(None, (1.0, 0.0)) == NOT_REPORTED == prefix_cache_delta((1.0, 0.0), None)
-
-
-def test_kv_hand_over_counters_are_summed_over_decode_replicas():
-    text = """# TYPE folio:kv_transfer_blocks_total counter
-folio:kv_transfer_blocks_total{replica="p",role="prefill"} 0.0
-folio:kv_transfer_blocks_total{replica="d1",role="decode"} 10.0
-folio:kv_transfer_blocks_total{replica="d2",role="decode"} 6.0
-folio:kv_transfer_bytes_total{replica="d1",role="decode"} 2097152.0
-folio:kv_transfer_seconds_sum{replica="d1",role="decode"} 0.5
-folio:kv_transfer_seconds_count{replica="d1",role="decode"} 4.0
-"""
-    before = parse_kv_transfer(text)
-    assert before == (16.0, 2097152.0, 0.5, 4.0)
-    assert parse_kv_transfer("folio:prefix_cache_hits_total 3\n") is None  # not disaggregated
-    after = (26.0, 4194304.0, 0.7, 6.0)
-    delta = kv_transfer_delta(before, after)
-    assert delta is not None and (delta["blocks"], delta["bytes"], delta["handovers"]) == (10, 2097152, 2)
-    assert delta["mean_ms"] == pytest.approx(100.0) and delta["ms_per_mb"] == pytest.approx(100.0)
-    assert kv_transfer_delta(None, after) is None
 
 
 def test_document_run_reports_prefix_cache_hits(tiny_llama, sharegpt, base_url, tmp_path, capsys):
