@@ -18,8 +18,10 @@ from collections.abc import Callable
 from folio import __version__, commands
 from folio.bench.cli import add_bench_parser, run_bench
 from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
+from folio.reasoning import REASONING_CHOICES
 from folio.scale.routing import POLICIES, RoutingConfig
 from folio.server.limits import RequestLimits
+from folio.tool_calls.registry import PARSER_CHOICES
 
 
 def _add_sampling_args(parser: argparse.ArgumentParser, max_tokens: int = 256) -> None:
@@ -114,6 +116,11 @@ def build_parser() -> argparse.ArgumentParser:
                        "before the server answers 429 (default 256)")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
                        "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
+    serve.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto", help="how the model writes "
+                       "tool calls (default auto: from its chat template; folio's own prompt and Hermes-style "
+                       "blocks when the template shows no tools)")  # fmt: skip
+    serve.add_argument("--reasoning-parser", choices=REASONING_CHOICES, default="auto", help="split <think> "
+                       "text into reasoning_content (default auto: if the chat template mentions <think>)")  # fmt: skip
     _add_limit_args(serve)
     _add_replica_args(serve)
     EngineArgs.add_cli_args(serve)

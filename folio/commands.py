@@ -22,6 +22,7 @@ from folio.results import result_paths, write_json
 from folio.sampling_params import SamplingParams
 from folio.scale.options import ReplicaOptions
 from folio.scale.routing import RoutingConfig
+from folio.server.chat_options import ChatOptions
 from folio.server.limits import RequestLimits
 from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
 from folio.structured.params import StructuredOutputParams
@@ -202,7 +203,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
-    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args))
+    chat = ChatOptions(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), chat)
     _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
     if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None or args.disaggregate:
         return _serve_replicas(args, options)

@@ -10,6 +10,8 @@ import torch
 from folio.kv_cache.quant import kv_format
 
 POSITION_EMBEDDINGS = ("rope", "learned", "alibi")
+# How an embedding request pools its prompt's final hidden states into one vector (see SchedulerConfig.pooling).
+POOLING_METHODS = ("last", "mean")
 
 
 @dataclass
@@ -96,10 +98,17 @@ class SchedulerConfig:
     batching: str = "continuous"  # or "static" / "dynamic" (request-level, see folio/engine/batching.py)
     batch_size: int | None = None  # static/dynamic batch size; None: max_num_seqs
     batch_timeout: float = 0.05  # dynamic: seconds the oldest waiting request waits for a full batch
+    # The pooling of embedding requests that name none. "last" by default: folio serves causal decoders,
+    # where only the last token has attended to the whole input (vLLM's default for them, and how
+    # decoder embedding models such as e5-mistral and Qwen3-Embedding pool); mean pooling suits
+    # encoders trained for it. Last-token pooling also lets a request take prefix-cache hits.
+    pooling: str = "last"
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0 or self.max_model_len <= 0:
             raise ValueError("scheduler limits must be positive")
+        if self.pooling not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.pooling!r}")
 
 
 CPU_COLLECTIVES = ("shm", "gloo")

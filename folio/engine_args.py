@@ -12,6 +12,7 @@ import torch
 
 from folio.config import (
     CPU_COLLECTIVES,
+    POOLING_METHODS,
     SPECULATIVE_METHODS,
     CacheConfig,
     ParallelConfig,
@@ -54,6 +55,7 @@ class EngineArgs:
     master_addr: str | None = None  # the rendezvous (default MASTER_ADDR, else loopback)
     master_port: int | None = None  # default MASTER_PORT, else a free port (one host only)
     cpu_collectives: str = "shm"  # ranks on one CPU host: shared memory, or gloo over loopback
+    pooling: str = "last"  # embeddings: "last" token or "mean" over the prompt (why last: SchedulerConfig.pooling)
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -91,6 +93,11 @@ class EngineArgs:
         engine.add_argument(
             "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
             help="recompute every prompt instead of reusing the KV of prefixes seen before",
+        )  # fmt: skip
+        engine.add_argument(
+            "--pooling", default="last", choices=POOLING_METHODS,
+            help="how /v1/embeddings and LLM.embed pool the final hidden states: the last token (default; a causal "
+            "model's only token that saw the whole input) or the mean over every input token",
         )  # fmt: skip
         add_parallel_args(parser.add_argument_group("parallelism (see docs/parallelism.md)"))
         spec, defaults = parser.add_argument_group("speculative decoding"), SpeculativeConfig()
@@ -188,6 +195,7 @@ class EngineArgs:
             batching=self.batching,
             batch_size=self.batch_size,
             batch_timeout=self.batch_timeout_ms / 1000,
+            pooling=self.pooling,
         )
 
 

@@ -54,3 +54,17 @@ class RequestOutput:
     @property
     def text(self) -> str:
         return self.outputs[0].text
+
+
+@dataclass
+class EmbeddingOutput:
+    """What `LLM.embed` returns for each prompt: its pooled final hidden state."""
+
+    request_id: str
+    prompt: str | None  # None for a prompt given as token ids
+    prompt_token_ids: list[int]
+    embedding: list[float]  # hidden_size values; unit length when normalised
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)

@@ -6,6 +6,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Literal
 
+from folio.config import POOLING_METHODS
 from folio.structured.params import StructuredOutputParams
 
 MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat API
@@ -13,6 +14,19 @@ MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat AP
 # of a request draws with seed + j, which stays inside that range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
 INT64_MAX = 2**63 - 1  # top_k and priorities become int64 tensors or are compared as such
+
+
+@dataclass(frozen=True)
+class PoolingParams:
+    """Makes a request an embedding: its prompt is computed (prefill only) and its final hidden states,
+    after the model's final norm, are pooled into one vector instead of sampling a token."""
+
+    method: str | None = None  # "last" (the last prompt token) or "mean" (every prompt token); None: the engine's
+    normalize: bool = True  # L2-normalise the pooled vector
+
+    def __post_init__(self) -> None:
+        if self.method is not None and self.method not in POOLING_METHODS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_METHODS)}, got {self.method!r}")
 
 
 @dataclass
@@ -44,6 +58,7 @@ class SamplingParams:
     beam_width: int | None = None
     length_penalty: float = 1.0  # hypothesis score = cumulative logprob / length ** length_penalty
     early_stopping: bool | Literal["never"] = False
+    pooling: PoolingParams | None = None  # an embedding request: no token is sampled (see PoolingParams)
 
     def __post_init__(self) -> None:
         for name in ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty",
@@ -84,6 +99,10 @@ class SamplingParams:
         if self.top_k == -1:
             self.top_k = 0
         self._check_beam_search()
+        if self.pooling is not None and (self.n > 1 or self.use_beam_search or self.prompt_logprobs is not None
+                                         or self.structured_output is not None):  # fmt: skip
+            raise ValueError("an embedding request samples nothing: n, beam search, prompt_logprobs and structured "
+                             "output do not apply")  # fmt: skip
 
     def _check_beam_search(self) -> None:
         if not self.use_beam_search:
@@ -120,6 +139,12 @@ class SamplingParams:
     def plain_greedy(self) -> bool:
         """Greedy with nothing that reads or changes the logits first: the token is the raw argmax."""
         return self.greedy and not self.has_penalties and not self.logit_bias and self.logprobs is None
+
+    @property
+    def reads_every_prompt_position(self) -> bool:
+        """Whether the request needs every prompt position computed (a cached block has no logits or hidden
+        states): prompt logprobs and mean pooling (unresolved pooling counts, to be safe)."""
+        return self.prompt_logprobs is not None or (self.pooling is not None and self.pooling.method != "last")
 
     @property
     def has_penalties(self) -> bool:

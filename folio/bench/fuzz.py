@@ -1,9 +1,9 @@
 """`folio bench fuzz`: schemathesis against a real folio server, from the server's own OpenAPI schema.
 
 Every operation gets requests that fit the schema (positive) and requests that break it (negative),
-sent one at a time. The bar: every answer is 2xx or 4xx, every 4xx is OpenAI's error JSON, no stream
-carries a server error, and at the end the server is alive and holds nothing (admission, running,
-waiting and KV cache all zero). Failures are kept as samples (request and answer, cut short).
+sent one at a time. The bar: every answer is 2xx or 4xx, every 4xx is in its API's error format
+(OpenAI's, Ollama's or Anthropic's), no stream carries a server error, and at the end the server is
+alive and holds nothing (admission, running, waiting and KV cache all zero). Failures are kept as samples (request and answer, cut short).
 """
 
 from __future__ import annotations
@@ -13,6 +13,7 @@ import json
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
+from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
@@ -39,21 +40,47 @@ class FuzzReport(RobustnessRun):
         self.record(status, problem, sample)
 
 
+def _error_message(path: str, body: Any) -> Any:
+    """The message of an error body in the format of the API `path` belongs to (KeyError/TypeError if
+    the body is not in that format)."""
+    if path.startswith("/api/"):  # Ollama: {"error": "..."}
+        return body["error"]
+    if path.startswith("/v1/messages"):  # Anthropic: {"type": "error", "error": {"type", "message"}}
+        if body["type"] != "error":
+            raise KeyError("type")
+        return body["error"]["message"]
+    return body["error"]["message"]  # OpenAI
+
+
+def _ndjson_error(text: str) -> str | None:
+    """An Ollama stream's error line, or None."""
+    for line in text.splitlines():
+        try:
+            event = json.loads(line)
+        except ValueError:
+            return f"a line that is not JSON: {line[:200]}"
+        if isinstance(event, dict) and "error" in event:
+            return str(event["error"])
+    return None
+
+
 def _problem(response: requests.Response) -> str | None:
     """What is wrong with an answer, or None."""
+    path = urlsplit(response.request.url or "").path
     if response.status_code >= 500:
         return f"status {response.status_code}"
     if response.status_code >= 400:
         try:
-            error = response.json()["error"]
-            if not isinstance(error.get("message"), str):
+            if not isinstance(_error_message(path, response.json()), str):
                 return "a 4xx without an error message"
         except (ValueError, KeyError, TypeError, AttributeError):
-            return "a 4xx that is not OpenAI's error JSON"
+            return "a 4xx that is not in its API's error format"
         return None
-    is_stream = "text/event-stream" in response.headers.get("content-type", "")
-    if is_stream and (error := stream_error(response.text)) is not None:  # even a 4xx belonged before the 200
-        return f"a stream that ended with an error: {error.get('message')}"
+    content_type = response.headers.get("content-type", "")
+    if "text/event-stream" in content_type and (error := stream_error(response.text)) is not None:
+        return f"a stream that ended with an error: {error.get('message')}"  # even a 4xx belonged before the 200
+    if "application/x-ndjson" in content_type and (message := _ndjson_error(response.text)) is not None:
+        return f"a stream that ended with an error: {message}"
     return None
 
 

@@ -27,6 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol, TypeVar
 
+import torch
+
 from folio.engine.engine_call import EngineCall
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputDelta, OutputProcessor
@@ -58,6 +60,7 @@ class RequestUpdate:
     new_logprobs: list[TokenLogprob] = field(default_factory=list)
     error: str | None = None  # set with finish_reason "error"
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update, if asked for
+    embedding: torch.Tensor | None = None  # an embedding request's vector, in its one (finished) update
 
 
 class EngineObserver(Protocol):
@@ -364,6 +367,7 @@ class AsyncEngine:
             new_logprobs=delta.new_logprobs,
             error=request.error,
             prompt_logprobs=delta.prompt_logprobs,
+            embedding=request.embedding,
         )
         stream.mailbox.post((stream.index, update))
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -132,7 +132,15 @@ class EngineCore:
         """Queue a request; `forks` (more samples of the same prompt) share its prompt's KV blocks."""
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
-        if request.num_prompt_tokens >= self.max_model_len:
+        pooling = request.sampling_params.pooling
+        if pooling is not None:  # an embedding: prefill only, so the whole context may be prompt
+            if request.num_prompt_tokens > self.max_model_len:
+                raise ValueError(f"the input has {request.num_prompt_tokens} tokens but the context length is "
+                                 f"{self.max_model_len}")  # fmt: skip
+            if pooling.method is None:
+                method = self.scheduler_config.pooling
+                request.sampling_params = replace(request.sampling_params, pooling=replace(pooling, method=method))
+        elif request.num_prompt_tokens >= self.max_model_len:
             raise ValueError(
                 f"the prompt has {request.num_prompt_tokens} tokens but the context length is "
                 f"{self.max_model_len}, leaving no room to generate"

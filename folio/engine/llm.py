@@ -1,4 +1,5 @@
-"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))` and `LLM.chat(messages)`."""
+"""The offline API: `LLM(model).generate(prompts, SamplingParams(...))`, `LLM.chat(messages)` and
+`LLM.embed(prompts)`."""
 
 from __future__ import annotations
 
@@ -19,9 +20,9 @@ from folio.engine.request import Request
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
-from folio.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from folio.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device
-from folio.sampling_params import SamplingParams
+from folio.sampling_params import PoolingParams, SamplingParams
 from folio.structured.grammar import GrammarCompiler
 from folio.worker.executor import SplitModelExecutor, WorkerLaunch
 
@@ -60,6 +61,7 @@ class LLM:
         master_addr: str | None = None,
         master_port: int | None = None,
         cpu_collectives: str = "shm",
+        pooling: str = "last",
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -75,6 +77,7 @@ class LLM:
             pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
             else ",".join(map(str, pipeline_layers)),
             nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
+            pooling=pooling,
         )  # fmt: skip
         parallel = args.parallel_config()
         configure_threads()
@@ -237,6 +240,39 @@ class LLM:
         finally:
             if not request.is_finished:
                 self.engine.abort_request(request.request_id)
+
+    def embed(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        pooling: str | None = None,
+        normalize: bool = True,
+        use_tqdm: bool = True,
+    ) -> list[EmbeddingOutput]:
+        """Each prompt's final hidden state (after the final norm), pooled over its last token or the mean
+        of all its tokens (`pooling`; None: the engine's `pooling` option), L2-normalised unless
+        `normalize` is False. The prompts run as prefill-only requests, in prompt order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # type: ignore[list-item]
+        params = SamplingParams(max_tokens=1, pooling=PoolingParams(pooling, normalize))
+        requests = [self._make_request(p, params) for p in prompts]
+        bar = tqdm(total=len(requests), desc="embedding", unit="req", disable=not use_tqdm or len(requests) < 2)
+        try:
+            for request in requests:
+                self.engine.add_request(request)
+            while self.engine.has_unfinished():
+                bar.update(sum(r.is_finished for r in self.engine.step()))
+        finally:
+            bar.close()
+            for request in requests:
+                if not request.is_finished:
+                    self.engine.abort_request(request.request_id)
+        outputs = []
+        for request, prompt in zip(requests, prompts, strict=True):
+            if request.embedding is None:
+                raise RuntimeError(f"embedding request {request.request_id} failed: {request.error}")
+            outputs.append(EmbeddingOutput(request.request_id, prompt if isinstance(prompt, str) else None,
+                                           request.prompt_token_ids, request.embedding.tolist()))  # fmt: skip
+        return outputs
 
     def chat(
         self,

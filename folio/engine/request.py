@@ -12,6 +12,8 @@ from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from folio.structured.grammar import TokenGrammar
 
 
@@ -58,6 +60,7 @@ class Request:
     num_preemptions: int = 0
     grammar: TokenGrammar | None = None  # structured output: what the output may continue with
     error: str | None = None  # with FinishReason.ERROR: what failed, in words fit for the client
+    embedding: torch.Tensor | None = None  # an embedding request's pooled vector, once its prompt is computed
 
     @property
     def num_prompt_tokens(self) -> int:
@@ -110,6 +113,11 @@ class Request:
         for offset, logprob in enumerate(scored):
             if start + 1 + offset == len(self.prompt_logprobs):
                 self.prompt_logprobs.append(logprob)
+
+    def take_embedding(self, vector: torch.Tensor, now: float | None = None) -> None:
+        """An embedding request is done once its prompt is computed and pooled."""
+        self.embedding = vector
+        self.finish(FinishReason.STOP, now)
 
     def fail(self, error: str, now: float | None = None) -> None:
         self.error = error

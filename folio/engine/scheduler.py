@@ -223,9 +223,10 @@ class Scheduler(BeamScheduling):
             request = next((r for r in self.waiting if self.gate.admits(r) and not self._is_parked(r)), None)
             if request is None:
                 break
-            # A cached block has no logits, so a request scoring its prompt computes all of it.
-            scores_prompt = request.sampling_params.prompt_logprobs is not None
-            cached = [] if scores_prompt else self.kv.find_cached_prefix(request)
+            # A cached block has no logits or hidden states: a request scoring its prompt or mean-pooling it
+            # computes all of it. (Embeddings fill the cache like any prompt: their KV is a generation's.)
+            whole = request.sampling_params.reads_every_prompt_position
+            cached = [] if whole else self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
@@ -354,6 +355,8 @@ class Scheduler(BeamScheduling):
                 elif sid in sampled:
                     self._append_token(sampler, sampled[sid], logprobs.get(sid))
                     sampler.spec_token_ids = result.draft_token_ids.get(sid, [])
+                elif sid in result.embeddings:
+                    sampler.take_embedding(result.embeddings[sid], now)
                 else:
                     continue
                 updated.append(sampler)

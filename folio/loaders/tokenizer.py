@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +26,7 @@ class Tokenizer:
     bos_token: str | None
     eos_token: str | None
     eos_token_ids: frozenset[int]
+    _renders_tools: bool | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def from_hf_folder(cls, folder: Path, extra_eos: list[int] | None = None) -> Tokenizer:
@@ -75,17 +76,29 @@ class Tokenizer:
     def decode_stream(self, skip_special_tokens: bool = True) -> StreamingDecoder:
         return StreamingDecoder(self.backend, skip_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        tools: list[dict[str, Any]] | None = None,
+        template_kwargs: dict[str, Any] | None = None,
+    ) -> str:
+        """Render with the model's template, as transformers does: `tools` in the template's `tools`
+        variable (OpenAI's {"type": "function", "function": ...} shape), `template_kwargs` as further
+        variables (such as `enable_thinking`)."""
         if not self.chat_template:
             raise ChatTemplateError("this model has no chat template (is it a base model?); use a plain prompt")
         if not messages:
             raise ChatTemplateError("messages must not be empty")
         env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         env.globals["raise_exception"] = _raise_template_error
+        env.filters["tojson"] = _tojson  # as transformers: no HTML escaping, keeps non-ASCII
         try:
             template = env.from_string(self.chat_template)
             return template.render(
+                **(template_kwargs or {}),
                 messages=messages,
+                tools=tools,
                 add_generation_prompt=add_generation_prompt,
                 bos_token=self.bos_token or "",
                 eos_token=self.eos_token or "",
@@ -93,9 +106,23 @@ class Tokenizer:
         except Exception as exc:  # the sandbox raises TemplateError, the template's own code anything
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
 
-    def encode_chat(self, messages: list[dict[str, str]], add_generation_prompt: bool = True) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants one.
         return self.encode(self.apply_chat_template(messages, add_generation_prompt), add_special_tokens=False)
+
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template shows the model the tools it is given (many ignore them): checked
+        once by rendering a probe tool and looking for its name."""
+        if self._renders_tools is None:
+            probe = {"type": "function", "function": {"name": "folio_probe_tool", "description": "probe",
+                                                      "parameters": {"type": "object", "properties": {}}}}  # fmt: skip
+            try:
+                text = self.apply_chat_template([{"role": "user", "content": "hi"}], tools=[probe])
+            except ChatTemplateError:
+                text = ""
+            self._renders_tools = "folio_probe_tool" in text
+        return self._renders_tools
 
 
 class StreamingDecoder:
@@ -113,6 +140,12 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict):
         return value.get("content")
     return value
+
+
+def _tojson(
+    value: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
+    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
 def _raise_template_error(message: str) -> None:

@@ -29,6 +29,7 @@ from folio.scale.router_metrics import ROUTER_REGISTRY
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.context import ServerContext
+from folio.server.model_card import ModelCard
 from folio.server.serve import ServerOptions
 
 logger = logging.getLogger("folio")
@@ -56,8 +57,13 @@ class FolioIngress:
             tokenizer=checkpoint.tokenizer,
             model_name=model_name,
             vocab_size=checkpoint.config.vocab_size,
+            hidden_size=checkpoint.config.hidden_size,
             admission=Admission(description.max_num_seqs * max_replicas, options.max_queue),
             limits=options.limits,
+            chat=options.chat,
+            model_card=ModelCard.describe(
+                model_name, checkpoint.path, checkpoint.config, checkpoint.label, description.max_model_len
+            ),  # fmt: skip
         )
         self.options = options
         self.reports: list[ReplicaReport] = []

@@ -1,7 +1,9 @@
-"""The FastAPI application: OpenAI-compatible routes on top of the async engine.
+"""The FastAPI application: folio's routes on top of the async engine.
 
-Routes: /v1/completions, /v1/chat/completions, /v1/models, /tokenize, /detokenize, /health, /metrics.
-Every failure a client can cause is answered in OpenAI's error JSON and the server keeps serving.
+OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/embeddings, /v1/models.
+Ollama: /api/chat, /api/generate, /api/embed, /api/tags, ... (ollama_routes.py).
+folio: /tokenize, /detokenize, /health, /metrics.
+Every failure a client can cause is answered in the API's own error format and the server keeps serving.
 """
 
 from __future__ import annotations
@@ -16,12 +18,17 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.server.auth import APIKeyMiddleware
 from folio.server.body_limit import BodySizeLimit, too_large_message
-from folio.server.chat import create_chat_completion, encode_messages
+from folio.server.chat import create_chat_completion
+from folio.server.chat_prompt import encode_messages
+from folio.server.chat_protocol import ChatCompletionRequest
 from folio.server.completions import create_completion
 from folio.server.context import ServerContext
+from folio.server.embeddings import create_embedding
+from folio.server.embeddings_protocol import EmbeddingRequest
 from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
-from folio.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeRequest, TokenizeRequest
+from folio.server.ollama_routes import ollama_router
+from folio.server.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 
 logger = logging.getLogger("folio")
 
@@ -49,26 +56,26 @@ def create_app(
     app.add_middleware(BodySizeLimit, max_body_bytes=ctx.limits.max_body_bytes)  # outermost: added last
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return error_response(exc)
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return error_response(exc, request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
         message, param = _validation_message(exc)
-        return error_response(APIError(400, message, param=param))
+        return error_response(APIError(400, message, param=param), request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
         # Routing and body errors (404, 405, 413, ...) in the same error format as everything else.
         message = str(exc.detail)
         if exc.status_code == 413:
             message = too_large_message(ctx.limits.max_body_bytes)
-        return error_response(APIError(exc.status_code, message, headers=exc.headers))
+        return error_response(APIError(exc.status_code, message, headers=exc.headers), request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         logger.error("request failed", exc_info=exc)
-        return error_response(APIError(500, INTERNAL_ERROR))
+        return error_response(APIError(500, INTERNAL_ERROR), request.url.path)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -89,6 +96,12 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
         return await cancel_on_disconnect(request, create_chat_completion(ctx, body))
+
+    @app.post("/v1/embeddings")
+    async def embeddings(request: Request, body: EmbeddingRequest):
+        return await cancel_on_disconnect(request, create_embedding(ctx, body))
+
+    app.include_router(ollama_router(ctx))
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

@@ -11,7 +11,7 @@ import hmac
 from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from folio.server.errors import error_body
+from folio.server.errors import error_body_for
 
 OPEN_PATHS = frozenset({"/health"})
 
@@ -30,5 +30,5 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if not given else "incorrect API key"
-        body = error_body(401, message, code="invalid_api_key")
+        body = error_body_for(scope["path"], 401, message, code="invalid_api_key")
         await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)

@@ -10,7 +10,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from folio.server.errors import error_body
+from folio.server.errors import error_body_for
 
 
 def too_large_message(max_body_bytes: int) -> str:
@@ -28,7 +28,7 @@ class BodySizeLimit:
             return
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            body = error_body(413, too_large_message(self.max_body_bytes))
+            body = error_body_for(scope["path"], 413, too_large_message(self.max_body_bytes))
             await JSONResponse(body, status_code=413)(scope, receive, send)
             return
         received = 0

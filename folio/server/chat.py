@@ -1,72 +1,88 @@
-"""POST /v1/chat/completions: messages rendered with the model's chat template, answered as the assistant."""
+"""POST /v1/chat/completions: messages rendered with the model's chat template, answered as the
+assistant; thinking, tool calls and prose split as chat_answer.py reads them."""
 
 from __future__ import annotations
 
 import time
 import uuid
 from collections.abc import AsyncIterator
+from typing import Any
 
 from folio.engine.async_engine import EngineDeadError, RequestFailedError
-from folio.loaders.tokenizer import ChatTemplateError
+from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader, AnswerStream
+from folio.server.chat_prompt import prepare_chat
+from folio.server.chat_protocol import ChatCompletionRequest
 from folio.server.choices import collect
 from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
-from folio.server.errors import APIError, error_for
+from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.logprobs_format import TokenText, chat_logprobs
-from folio.server.protocol import ChatCompletionRequest, ChatMessage
 from folio.server.sse import DONE, event, guarded, usage
 
 
-def encode_messages(ctx: ServerContext, messages: list[ChatMessage], add_generation_prompt: bool = True) -> list[int]:
-    try:
-        return ctx.tokenizer.encode_chat([m.as_template_message() for m in messages], add_generation_prompt)
-    except ChatTemplateError as exc:
-        raise APIError(400, str(exc), param="messages") from exc
-
-
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
-    # Everything is checked before the call takes admission slots or engine requests.
-    ctx.check_model(body.model)
-    body.reject_unsupported()
-    prompt_ids = encode_messages(ctx, body.messages, body.add_generation_prompt)
-    ctx.check_prompt(prompt_ids)
-    # Without a limit the answer may run to the end of the context, as with OpenAI.
-    max_tokens = min(body.completion_limit or ctx.max_model_len, ctx.default_max_tokens(len(prompt_ids)))
-    logprobs = (body.top_logprobs or 0) if body.logprobs else None
-    ctx.limits.check_logprobs(body.n, logprobs, max_tokens, "top_logprobs")
-    choice_params = body.choice_params(ctx.limits, ctx.vocab_size, max_tokens, body.n, logprobs)
+    prepared = prepare_chat(ctx, body)  # everything is checked before the call takes anything
+    prompt, prompt_ids, choice_params = prepared.prompt, prepared.prompt.token_ids, prepared.params
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
     with ctx.open_call(body.num_sequences, "beam_width" if body.use_beam_search else "n") as call:
         call.generation.add(prompt_ids, choice_params, body.cache_salt, body.priority)
         if body.stream:
-            events = _stream(ctx, body, head, call.generation, len(prompt_ids))
+            events = _stream(ctx, body, prompt.reader, head, call.generation, len(prompt_ids))
             return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)
         try:
             results = await collect(call.generation, body.n)
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             raise error_for(exc) from exc
     token_text = TokenText(ctx.tokenizer)
-    choices = [
-        {
-            "index": index,
-            "message": {"role": "assistant", "content": result.text},
-            "logprobs": chat_logprobs(token_text, result.logprobs) if body.logprobs else None,
-            "finish_reason": result.finish_reason,
-        }
-        for index, result in enumerate(results)
-    ]
+    choices = []
+    for index, result in enumerate(results):
+        answer = prompt.reader.read(result.text, result.finish_reason)
+        logprobs_field = chat_logprobs(token_text, result.logprobs) if body.logprobs else None
+        choices.append({"index": index, "message": _message(answer, prompt.reader.reasoning),
+                        "logprobs": logprobs_field, "finish_reason": answer.finish_reason})  # fmt: skip
     completion_tokens = sum(len(r.token_ids) for r in results)
     return {**head, "object": "chat.completion", "choices": choices,
             "usage": usage(len(prompt_ids), completion_tokens)}  # fmt: skip
 
 
+def _message(answer: Answer, reasoning: bool) -> dict[str, Any]:
+    message: dict[str, Any] = {"role": "assistant", "content": answer.content}
+    if reasoning:
+        message["reasoning_content"] = message["reasoning"] = answer.reasoning
+    if answer.tool_calls:
+        message["tool_calls"] = [call.as_openai() for call in answer.tool_calls]
+    return message
+
+
+def _deltas(piece: AnswerPiece, stream: AnswerStream) -> list[dict[str, Any]]:
+    """A piece of the answer as OpenAI's deltas; each call as OpenAI streams one: its id and name
+    first, then its arguments."""
+    deltas: list[dict[str, Any]] = []
+    if piece.reasoning:
+        deltas.append({"reasoning_content": piece.reasoning, "reasoning": piece.reasoning})
+    if piece.content:
+        deltas.append({"content": piece.content})
+    first = stream.num_calls - len(piece.tool_calls)
+    for index, call in enumerate(piece.tool_calls, start=first):
+        head = call.as_openai(index)
+        deltas.append({"tool_calls": [{**head, "function": {"name": call.name, "arguments": ""}}]})
+        deltas.append({"tool_calls": [{"index": index, "function": {"arguments": call.arguments}}]})
+    return deltas
+
+
 async def _stream(
-    ctx: ServerContext, body: ChatCompletionRequest, head: dict, generation: GenerationStream, prompt_tokens: int
+    ctx: ServerContext,
+    body: ChatCompletionRequest,
+    reader: AnswerReader,
+    head: dict,
+    generation: GenerationStream,
+    prompt_tokens: int,
 ) -> AsyncIterator[str]:
     head = {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if body.include_usage else {}
     token_text = TokenText(ctx.tokenizer)
+    answers = [reader.stream() for _ in range(body.n)]
     completion_tokens = 0
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
@@ -78,10 +94,16 @@ async def _stream(
     async for index, update in generation:
         completion_tokens += len(update.new_token_ids)
         logprobs = chat_logprobs(token_text, update.new_logprobs) if body.logprobs else None
-        if update.text or (logprobs and logprobs["content"]):
-            yield chunk(index, {"content": update.text}, logprobs)
+        deltas = _deltas(answers[index].feed(update.text), answers[index]) if update.text else []
         if update.finished:
-            yield chunk(index, {}, finish_reason=update.finish_reason)
+            deltas += _deltas(answers[index].finish(), answers[index])
+        if logprobs and logprobs["content"] and not deltas:
+            deltas = [{}]  # the tokens' logprobs go out even while their text is held back
+        for number, delta in enumerate(deltas):
+            yield chunk(index, delta, logprobs if number == 0 else None)
+        if update.finished:
+            finish_reason = reader.finish_reason(update.finish_reason, answers[index].num_calls > 0)
+            yield chunk(index, {}, finish_reason=finish_reason)
     if body.include_usage:
         yield event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
     yield DONE

@@ -8,9 +8,11 @@ from types import TracebackType
 
 from folio.loaders.tokenizer import Tokenizer
 from folio.server.admission import Admission, Reservation
+from folio.server.chat_options import ChatOptions
 from folio.server.engine_client import EngineClient, GenerationStream
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
+from folio.server.model_card import ModelCard
 
 
 class EngineCall:
@@ -45,8 +47,11 @@ class ServerContext:
     tokenizer: Tokenizer
     model_name: str
     vocab_size: int
+    hidden_size: int  # the length of an embedding
     admission: Admission
     limits: RequestLimits = field(default_factory=RequestLimits)
+    chat: ChatOptions = field(default_factory=ChatOptions)
+    model_card: ModelCard | None = None  # what Ollama's model routes say about the served model
 
     @property
     def max_model_len(self) -> int:
@@ -57,18 +62,19 @@ class ServerContext:
             raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
                            param="model", code="model_not_found")  # fmt: skip
 
-    def check_prompt(self, ids: list[int]) -> None:
-        """Refuse prompts the engine could not run, before anything is streamed."""
+    def check_prompt(self, ids: list[int], param: str = "prompt", generates: bool = True) -> None:
+        """Refuse prompts the engine could not run, before anything is streamed. An input that generates
+        nothing (an embedding's) may fill the whole context."""
         if not ids:
-            raise APIError(400, "the prompt is empty", param="prompt")
+            raise APIError(400, f"the {param} is empty", param=param)
         if any(not 0 <= t < self.vocab_size for t in ids):
-            raise APIError(400, f"prompt token ids must be in [0, {self.vocab_size})", param="prompt")
-        if len(ids) >= self.max_model_len:
+            raise APIError(400, f"{param} token ids must be in [0, {self.vocab_size})", param=param)
+        if len(ids) > self.max_model_len - (1 if generates else 0):
             raise APIError(
                 400,
-                f"This model's maximum context length is {self.max_model_len} tokens; the prompt has {len(ids)} "
-                "tokens, leaving no room to generate",
-                param="prompt",
+                f"This model's maximum context length is {self.max_model_len} tokens; the {param} has {len(ids)} "
+                "tokens" + (", leaving no room to generate" if generates else ""),
+                param=param,
                 code="context_length_exceeded",
             )
 

@@ -1,4 +1,6 @@
-"""OpenAI's error format: `{"error": {"message", "type", "param", "code"}}` with a 4xx/5xx status."""
+"""Errors in each API's own format, with a 4xx/5xx status: OpenAI's `{"error": {"message", "type",
+"param", "code"}}` (also for the Responses API), Ollama's `{"error": "message"}` under /api/, and
+Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages."""
 
 from __future__ import annotations
 
@@ -51,9 +53,30 @@ def error_body(status: int, message: str, param: str | None = None, code: str | 
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
 
 
-def error_response(error: APIError) -> JSONResponse:
+_ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
+                    413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
+
+
+def is_ollama_path(path: str) -> bool:
+    return path.startswith("/api/")
+
+
+def is_anthropic_path(path: str) -> bool:
+    return path.startswith("/v1/messages")
+
+
+def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
+    """The error body of the API that `path` belongs to."""
+    if is_ollama_path(path):
+        return {"error": message}
+    if is_anthropic_path(path):
+        return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
+    return error_body(status, message, param, code)
+
+
+def error_response(error: APIError, path: str = "") -> JSONResponse:
     return JSONResponse(
         status_code=error.status,
-        content=error_body(error.status, error.message, error.param, error.code),
+        content=error_body_for(path, error.status, error.message, error.param, error.code),
         headers=error.headers,
     )

@@ -49,8 +49,10 @@ class ClosingStreamingResponse(StreamingResponse):
     """A streaming response that calls `on_close` once it ends, whether the stream ran out, failed, the
     client left, or the body iterator never started."""
 
-    def __init__(self, content: AsyncIterable[str], on_close: Callable[[], None]) -> None:
-        super().__init__(content, media_type="text/event-stream")
+    def __init__(
+        self, content: AsyncIterable[str], on_close: Callable[[], None], media_type: str = "text/event-stream"
+    ) -> None:
+        super().__init__(content, media_type=media_type)
         self._on_close = on_close
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:

@@ -17,6 +17,7 @@ from pydantic_core import PydanticCustomError
 from folio.sampling_params import INT64_MAX, MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
+from folio.server.messages import ChatMessage
 from folio.server.structured_fields import StructuredFields
 from folio.structured.params import StructuredOutputParams
 
@@ -63,7 +64,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class _Strict(_Body):
+class Strict(_Body):
     _unsupported: tuple[str, ...] = ()
 
     def reject_unsupported(self) -> None:
@@ -73,7 +74,7 @@ class _Strict(_Body):
                 raise APIError(400, f"'{name}' is not supported by this server", param=name, code="unsupported")
 
 
-class _SamplingFields(StructuredFields, _Strict):
+class SamplingFields(StructuredFields, Strict):
     model: str
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
@@ -113,7 +114,7 @@ class _SamplingFields(StructuredFields, _Strict):
     early_stopping: bool | Literal["never"] = False
 
     @model_validator(mode="after")
-    def _check(self) -> _SamplingFields:
+    def _check(self) -> SamplingFields:
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
         stops = [self.stop] if isinstance(self.stop, str) else (self.stop or [])
@@ -133,13 +134,20 @@ class _SamplingFields(StructuredFields, _Strict):
         num_samples: int,
         logprobs: int | None,
         prompt_logprobs: int | None = None,
+        tool_constraint: StructuredOutputParams | None = None,
     ) -> list[SamplingParams]:
         """The engine parameters of every sample, checked whole (and against `limits`) before the call
-        takes anything: the logit bias and the structured-output grammar are built once, shared."""
+        takes anything: the logit bias and the structured-output grammar are built once, shared.
+        `tool_constraint` is the grammar of a forced tool call, which leaves no room for another."""
         limits.check_stop(self.stop_list)
         limits.check_logit_bias(len(self.logit_bias or {}))
         logit_bias = self.token_logit_bias(vocab_size)
         structured = self.structured_output(limits.max_grammar_bytes)
+        if tool_constraint is not None:
+            if structured is not None:
+                raise APIError(400, "a required or named tool_choice cannot be combined with structured output",
+                               param="tool_choice")  # fmt: skip
+            structured = tool_constraint
         return [
             self.sampling_params(max_tokens, j, logit_bias, logprobs, structured, prompt_logprobs)
             for j in range(num_samples)
@@ -208,7 +216,7 @@ class _SamplingFields(StructuredFields, _Strict):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
-class CompletionRequest(_SamplingFields):
+class CompletionRequest(SamplingFields):
     _unsupported = ("suffix",)
 
     prompt: str | list[str] | list[int] | list[list[int]]
@@ -244,62 +252,6 @@ class CompletionRequest(_SamplingFields):
     @property
     def num_sequences(self) -> int:
         return (self.beam_width or self.n) if self.use_beam_search else self.num_samples
-
-
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
-
-
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    role: Literal["system", "developer", "user", "assistant"]
-    content: str | list[TextPart] | None = None
-    name: str | None = None
-
-    def as_template_message(self) -> dict[str, str]:
-        # Chat templates know system/user/assistant; "developer" is OpenAI's new name for system.
-        role = "system" if self.role == "developer" else self.role
-        content = self.content if isinstance(self.content, str) else "".join(p.text for p in self.content or [])
-        return {"role": role, "content": content}
-
-
-class ChatCompletionRequest(_SamplingFields):
-    _unsupported = (
-        "tools", "tool_choice", "functions", "function_call", "parallel_tool_calls", "modalities", "audio",
-        "prediction", "reasoning_effort", "web_search_options",
-    )  # fmt: skip
-
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    max_completion_tokens: int | None = Field(None, ge=1, le=INT64_MAX)
-    logprobs: bool = False
-    top_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
-    add_generation_prompt: bool = True
-    tools: Any = None
-    tool_choice: Any = None
-    functions: Any = None
-    function_call: Any = None
-    parallel_tool_calls: Any = None
-    modalities: Any = None
-    audio: Any = None
-    prediction: Any = None
-    reasoning_effort: Any = None
-    web_search_options: Any = None
-    store: bool | None = None
-    metadata: dict[str, str] | None = None
-    service_tier: str | None = None
-
-    @model_validator(mode="after")
-    def _top_logprobs_needs_logprobs(self) -> ChatCompletionRequest:
-        if self.top_logprobs is not None and not self.logprobs:
-            raise ValueError("top_logprobs requires logprobs to be true")
-        return self
-
-    @property
-    def completion_limit(self) -> int | None:
-        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
 
 class TokenizeRequest(_Body):

@@ -25,9 +25,11 @@ from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
 from folio.server.admission import Admission
 from folio.server.app import create_app
+from folio.server.chat_options import ChatOptions
 from folio.server.context import ServerContext
 from folio.server.limits import RequestLimits
 from folio.server.metrics import ServerMetrics
+from folio.server.model_card import ModelCard
 
 logger = logging.getLogger("folio")
 
@@ -47,6 +49,7 @@ class ServerOptions:
     api_key: str | None = None
     grace_period: float = 30.0  # seconds in-flight requests get after SIGTERM
     limits: RequestLimits = field(default_factory=RequestLimits)
+    chat: ChatOptions = field(default_factory=ChatOptions)  # tool-call and reasoning parsers
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -105,8 +108,18 @@ def build_server(
         tokenizer=llm.tokenizer,
         model_name=model_name,
         vocab_size=llm.model_config.vocab_size,
+        hidden_size=llm.model_config.hidden_size,
         admission=Admission(llm.engine.scheduler_config.max_num_seqs, options.max_queue),
         limits=options.limits,
+        chat=options.chat,
+        model_card=ModelCard.describe(
+            model_name,
+            llm.loaded.path,
+            llm.model_config,
+            llm.loaded.quantization,
+            llm.engine.max_model_len,
+            llm.loaded.weight_bytes,
+        ),  # fmt: skip
     )
     metrics.track_admission(ctx.admission)
     return Server(create_app(ctx, metrics.registry, options.api_key), ctx, metrics)

@@ -30,3 +30,5 @@ class ModelRunnerOutput:
     accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
     accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
     draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step
+    # Embedding requests whose prompt ended this step: the pooled hidden state, [hidden] float32 on the CPU.
+    embeddings: dict[str, torch.Tensor] = field(default_factory=dict)

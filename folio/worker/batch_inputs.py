@@ -10,6 +10,7 @@ import torch
 from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
 from folio.step.scheduler_output import SchedulerOutput
 from folio.structured.grammar import unpack_bitmask
+from folio.worker.pooling import PoolSpan
 from folio.worker.request_states import RequestStates
 from folio.worker.row_sampling import SampleSpec
 
@@ -27,6 +28,7 @@ class BatchInputs:
     prompt_scored: dict[str, tuple[int, int]]  # request id -> its slice of prompt_rows
     draft_rows: dict[str, tuple[int, int]]  # request id -> (first row in [T], drafts): k drafts verify on k + 1 rows
     draft_masks: dict[str, torch.Tensor]  # request id -> [k + 1, V] bool: its grammar's masks at those rows
+    pooled: dict[str, PoolSpan]  # embedding requests: their chunk's rows, pooled instead of sampled
 
 
 def prepare_batch(
@@ -43,6 +45,7 @@ def prepare_batch(
     prompt_scored: dict[str, tuple[int, int]] = {}
     draft_rows: dict[str, tuple[int, int]] = {}
     draft_masks: dict[str, torch.Tensor] = {}
+    pooled: dict[str, PoolSpan] = {}
     allowed = allowed_by_request(out, vocab_size)
     for chunk in out.scheduled:
         state = requests[chunk.request_id]
@@ -55,6 +58,9 @@ def prepare_batch(
                 prompt_scored[chunk.request_id] = (len(prompt_rows), len(prompt_rows) + last - start)
                 prompt_rows.extend(range(first_row, first_row + last - start))
                 prompt_targets.extend(state.token_ids[start + 1 : last + 1])
+        if (pooling := state.sampling_params.pooling) is not None:  # an embedding: no LM head, no sampling
+            pooled[chunk.request_id] = PoolSpan(first_row, len(input_ids), start, chunk.needs_sample, pooling)
+            continue
         if not chunk.needs_sample:
             continue
         if chunk.num_draft_tokens:  # verified on their own rows (draft_verification.py), not sampled
@@ -96,6 +102,7 @@ def prepare_batch(
         prompt_scored=prompt_scored,
         draft_rows=draft_rows,
         draft_masks=draft_masks,
+        pooled=pooled,
     )
 
 

@@ -29,6 +29,7 @@ from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
 from folio.worker.draft_verification import verify_drafts
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
+from folio.worker.pooling import pool_embeddings
 from folio.worker.request_states import RequestStates
 from folio.worker.row_sampling import sample_rows
 
@@ -107,6 +108,7 @@ class ModelRunner:
             tables = [self.requests[c.request_id].block_ids for c in out.scheduled for _ in range(c.num_tokens)]
             scored = {*inputs.logits_rows, *inputs.prompt_rows}
             scored.update(row for first, k in inputs.draft_rows.values() for row in range(first, first + k + 1))
+            scored.update(row for span in inputs.pooled.values() for row in span.rows)
             return run_split_context(self.model, self.context, inputs.input_ids, inputs.positions, inputs.meta, tables,
                                      self.block_size, list(scored))  # fmt: skip
         if stage.size == 1:
@@ -140,7 +142,8 @@ class ModelRunner:
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
-        """One forward over the batch; samples a token for each request whose chunk reached its end."""
+        """One forward over the batch; samples a token for each request whose chunk reached its end (an
+        embedding request's pooled hidden state instead)."""
         for state in self.requests.update(out):
             if self.proposer is not None:
                 self.proposer.finish(state.request_id, state.token_ids)
@@ -154,6 +157,8 @@ class ModelRunner:
             return ModelRunnerOutput()
         prompt_logprobs = self._prompt_logprobs(hidden, inputs)
         accepted, accepted_logprobs, choices, failed = self._verify_drafts(hidden, inputs)
+        embeddings, failed_pooling = pool_embeddings(hidden, inputs.pooled, self.requests)
+        failed |= failed_pooling
         tokens: dict[str, int] = {}
         logprobs: dict[str, TokenLogprob] = {}
         candidates: dict[str, BeamCandidates] = {}
@@ -181,6 +186,7 @@ class ModelRunner:
             accepted_token_ids=accepted,
             accepted_logprobs=accepted_logprobs,
             draft_token_ids=self._propose(out, tokens, accepted, choices),
+            embeddings=embeddings,
         )
 
     def _all_plain_greedy(self, inputs: BatchInputs) -> bool:

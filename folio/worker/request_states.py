@@ -17,6 +17,18 @@ from folio.step.scheduler_output import NewRequestData, SchedulerOutput
 
 
 @dataclass
+class RunningSum:
+    """Mean pooling's state between an embedding request's chunks: the sum of its rows so far, in float32."""
+
+    total: torch.Tensor  # [hidden]
+    count: int
+
+    def add(self, rows: torch.Tensor) -> None:
+        self.total += rows.float().sum(dim=0)
+        self.count += rows.shape[0]
+
+
+@dataclass
 class RequestState:
     request_id: str
     num_prompt_tokens: int
@@ -25,6 +37,7 @@ class RequestState:
     generator: torch.Generator | None
     block_ids: list[int]
     draft_length: int = 0  # speculative decoding: drafts to propose next (set by the runner)
+    pool_sum: RunningSum | None = None  # an embedding request's mean pooling, while its prompt is computed
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:

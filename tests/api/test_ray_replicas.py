@@ -134,6 +134,17 @@ def test_outputs_equal_folio_serve(ray_client, client):
     assert [c.text for c in ours.choices] == [c.text for c in theirs.choices]
 
 
+def test_embeddings_equal_folio_serve(ray_client, client):
+    """An embedding job crosses to a replica like any other (its parameters carry the pooling) and its
+    vector comes back in the update."""
+    texts = ["The capital of France is", "Hello there"]
+    ours = ray_client.embeddings.create(model=MODEL, input=texts, dimensions=32)
+    theirs = client.embeddings.create(model=MODEL, input=texts, dimensions=32)
+    for a, b in zip(ours.data, theirs.data, strict=True):
+        assert len(a.embedding) == 32 and a.embedding == pytest.approx(b.embedding, abs=1e-5)
+    assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
+
+
 def test_shared_prefixes_stay_on_one_replica(ray_server, ray_client):
     """Each tenant's requests go to one replica, the two tenants to different replicas, and the
     repeats hit that replica's prefix cache."""

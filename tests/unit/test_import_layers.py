@@ -37,6 +37,7 @@ RUNTIME = frozenset(
         "folio.outputs",
         "folio.paths",
         "folio.platform",
+        "folio.reasoning",  # <think> text split from the answer
         "folio.quant",  # runtime weight formats (int8, int4, nf4, GGUF blocks); offline quantizers: folio.quantize
         "folio.sample",
         "folio.sampling_params",
@@ -45,6 +46,7 @@ RUNTIME = frozenset(
         "folio.spec_decode",  # speculative decoding's proposers
         "folio.step",  # the values that cross the scheduler/runner boundary
         "folio.structured",
+        "folio.tool_calls",  # tool-call formats: parsing, streaming, prompts, forced-call schemas
         "folio.worker",
     }
 )

@@ -1,0 +1,65 @@
+"""POST /v1/embeddings: inputs (text, texts, token ids) -> one vector each, the model's final hidden
+states pooled as the engine's `--pooling` says and L2-normalised.
+
+Each input is an engine request that computes its prompt and samples nothing; it runs in the same steps
+as generation requests (continuous batching, chunked prefill) and takes an admission slot like one.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.sampling_params import PoolingParams, SamplingParams
+from folio.server.context import ServerContext
+from folio.server.embedding_format import encode_vector, fit_dimensions
+from folio.server.embeddings_protocol import EmbeddingRequest
+from folio.server.engine_client import GenerationStream
+from folio.server.errors import APIError, error_for
+
+# The engine's pooling (None: its --pooling option), normalised as OpenAI's embeddings are.
+EMBEDDING_PARAMS = SamplingParams(max_tokens=1, pooling=PoolingParams())
+
+
+async def create_embedding(ctx: ServerContext, body: EmbeddingRequest) -> dict:
+    ctx.check_model(body.model)
+    inputs = body.token_inputs(ctx.tokenizer)
+    vectors = await embed_inputs(ctx, inputs, body.dimensions)
+    data = [
+        {"object": "embedding", "index": index, "embedding": encode_vector(vector, body.encoding_format or "float")}
+        for index, vector in enumerate(vectors)
+    ]
+    tokens = sum(len(ids) for ids in inputs)
+    return {"object": "list", "data": data, "model": ctx.model_name,
+            "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
+
+
+async def embed_inputs(
+    ctx: ServerContext, inputs: list[list[int]], dimensions: int | None, dimensions_param: str = "dimensions"
+) -> list[torch.Tensor]:
+    """One vector per input (cut to `dimensions`), each input an engine request. Everything is checked
+    before the call takes admission slots or engine requests. Ollama's /api/embed uses this too."""
+    for ids in inputs:
+        ctx.check_prompt(ids, param="input", generates=False)
+    if dimensions is not None and dimensions > ctx.hidden_size:
+        raise APIError(400, f"dimensions must be at most the model's embedding size, {ctx.hidden_size}; got "
+                       f"{dimensions}", param=dimensions_param)  # fmt: skip
+    with ctx.open_call(len(inputs), "input") as call:
+        try:
+            for ids in inputs:
+                call.generation.add(ids, [EMBEDDING_PARAMS])
+            vectors = await _collect(call.generation, len(inputs))
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
+            raise error_for(exc) from exc
+    return [fit_dimensions(vector, dimensions) for vector in vectors]
+
+
+async def _collect(generation: GenerationStream, count: int) -> list[torch.Tensor]:
+    """Every input's vector; raises if one fails or the engine dies."""
+    vectors: list[torch.Tensor | None] = [None] * count
+    async for index, update in generation:
+        if update.finished:
+            vectors[index] = update.embedding
+    if any(vector is None for vector in vectors):  # every pooling request ends with its vector or an error
+        raise RequestFailedError("the engine returned no embedding")
+    return vectors  # type: ignore[return-value]

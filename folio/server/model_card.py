@@ -1,0 +1,107 @@
+"""What the model-listing routes (Ollama's /api/tags, /api/show, /api/ps) say about the served model:
+read once from its file at start-up, except its digest, hashed on first use."""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+from safetensors import safe_open
+
+from folio.config import ModelConfig
+from folio.loaders.gguf_file import GGUFFile
+from folio.models.registry import architecture_of
+
+
+def _parameter_count(path: Path) -> int:
+    """Exact, from the file's tensor headers (no weight is read)."""
+    if path.suffix == ".gguf":
+        return sum(t.num_elements for t in GGUFFile(path).tensors.values())
+    total = 0
+    for file in sorted((path if path.is_dir() else path.parent).glob("*.safetensors")):
+        with safe_open(str(file), "pt") as tensors:
+            for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
+                shape = tensors.get_slice(name).get_shape()
+                count = 1
+                for size in shape:
+                    count *= size
+                total += count
+    return total
+
+
+def _bytes_on_disk(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.iterdir() if f.is_file()) if path.is_dir() else path.stat().st_size
+
+
+def size_label(count: int) -> str:
+    """Ollama's parameter_size: "134.52M", "3.2B"."""
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if count >= scale:
+            return f"{count / scale:.2f}".rstrip("0").rstrip(".") + unit
+    return str(count)
+
+
+def iso_time(seconds: float) -> str:
+    return datetime.fromtimestamp(seconds, UTC).isoformat().replace("+00:00", "Z")
+
+
+@dataclass
+class ModelCard:
+    name: str
+    path: Path
+    family: str  # e.g. "llama", "gemma3"
+    quantization: str  # e.g. "Q4_1", "none"
+    parameter_count: int
+    context_length: int
+    embedding_length: int
+    size_bytes: int  # on disk
+    resident_bytes: int | None = None  # weights and KV cache held in memory, where known
+    loaded_at: float = field(default_factory=time.time)
+    _digest: str | None = field(default=None, repr=False)
+
+    @classmethod
+    def describe(
+        cls, name: str, path: Path, config: ModelConfig, quantization: str, context_length: int,
+        resident_bytes: int | None = None,
+    ) -> ModelCard:  # fmt: skip
+        return cls(
+            name=name,
+            path=path,
+            family=architecture_of(config).name,
+            quantization=quantization,
+            parameter_count=_parameter_count(path),
+            context_length=context_length,
+            embedding_length=config.hidden_size,
+            size_bytes=_bytes_on_disk(path),
+            resident_bytes=resident_bytes,
+        )
+
+    @property
+    def format(self) -> str:
+        return "gguf" if self.path.suffix == ".gguf" else "safetensors"
+
+    @property
+    def modified_at(self) -> str:
+        return iso_time(self.path.stat().st_mtime)
+
+    @property
+    def digest(self) -> str:
+        """sha256 of the model file (of config.json for a folder), as Ollama identifies a model."""
+        if self._digest is None:
+            target = self.path / "config.json" if self.path.is_dir() else self.path
+            with target.open("rb") as file:
+                self._digest = hashlib.file_digest(file, "sha256").hexdigest()
+        return self._digest
+
+    def details(self) -> dict:
+        return {
+            "parent_model": "",
+            "format": self.format,
+            "family": self.family,
+            "families": [self.family],
+            "parameter_size": size_label(self.parameter_count),
+            "quantization_level": self.quantization,
+        }
