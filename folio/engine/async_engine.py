@@ -61,6 +61,7 @@ class RequestUpdate:
     error: str | None = None  # set with finish_reason "error"
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update, if asked for
     embedding: torch.Tensor | None = None  # an embedding request's vector, in its one (finished) update
+    stop_reason: str | None = None  # the stop string that ended the request (Anthropic's stop_sequence)
 
 
 class EngineObserver(Protocol):
@@ -368,6 +369,7 @@ class AsyncEngine:
             error=request.error,
             prompt_logprobs=delta.prompt_logprobs,
             embedding=request.embedding,
+            stop_reason=delta.stop_reason,
         )
         stream.mailbox.post((stream.index, update))
 

@@ -40,6 +40,7 @@ class IncrementalDetokenizer:
         self.text = ""  # decoded so far (cut at the stop string once one matched)
         self.num_tokens = 0  # tokens consumed; tokens after a stop string are not
         self.stopped = False
+        self.matched_stop: str | None = None  # the stop string that ended the text
         self._released = 0
 
     def add(self, token_ids: Sequence[int], finished: bool = False) -> str:
@@ -65,6 +66,7 @@ class IncrementalDetokenizer:
             at = self.text.find(stop, search_from)
             if at != -1 and (best is None or at < best[0]):
                 best = (at, at + len(stop))
+                self.matched_stop = stop
         if best is not None:
             self.text = self.text[: best[1] if self._include_stop else best[0]]
             self.stopped = True
@@ -99,6 +101,7 @@ class OutputDelta:
     new_token_ids: list[int]
     new_logprobs: list[TokenLogprob]
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in a request's first delta, if it asked
+    stop_reason: str | None = None  # the stop string that ended the request
 
 
 @dataclass
@@ -164,7 +167,8 @@ class OutputProcessor:
         prompt_logprobs = None
         if request.sampling_params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs:
             prompt_logprobs, tracked.sent_prompt_logprobs = list(request.prompt_logprobs), True
-        return OutputDelta(request, text, list(new_tokens), list(new_logprobs), prompt_logprobs)
+        stop = tracked.detokenizer.matched_stop if tracked.detokenizer is not None else None
+        return OutputDelta(request, text, list(new_tokens), list(new_logprobs), prompt_logprobs, stop)
 
     def fail(self, request: Request, error: str) -> None:
         """End one request with an error, however far it got."""

@@ -1,7 +1,8 @@
 """The FastAPI application: folio's routes on top of the async engine.
 
 OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/embeddings, /v1/models.
-Ollama: /api/chat, /api/generate, /api/embed, /api/tags, ... (ollama_routes.py).
+Anthropic: /v1/messages, /v1/messages/count_tokens. Ollama: /api/chat, /api/generate, /api/embed,
+/api/tags, ... (ollama_routes.py).
 folio: /tokenize, /detokenize, /health, /metrics.
 Every failure a client can cause is answered in the API's own error format and the server keeps serving.
 """
@@ -16,6 +17,8 @@ from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from folio.server.anthropic_messages import count_tokens, create_message
+from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from folio.server.auth import APIKeyMiddleware
 from folio.server.body_limit import BodySizeLimit, too_large_message
 from folio.server.chat import create_chat_completion
@@ -102,6 +105,14 @@ def create_app(
         return await cancel_on_disconnect(request, create_embedding(ctx, body))
 
     app.include_router(ollama_router(ctx))
+
+    @app.post("/v1/messages")
+    async def messages(request: Request, body: MessagesRequest):
+        return await cancel_on_disconnect(request, create_message(ctx, body))
+
+    @app.post("/v1/messages/count_tokens")
+    async def messages_count_tokens(body: CountTokensRequest) -> dict:
+        return await count_tokens(ctx, body)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> dict:

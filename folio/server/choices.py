@@ -19,6 +19,7 @@ class ChoiceResult:
     finish_reason: str | None = None
     num_prompt_tokens: int = 0
     prompt_logprobs: list[TokenLogprob | None] | None = None  # if asked for, from the request's first update
+    stop_reason: str | None = None  # the stop string that ended it
 
     def add(self, update: RequestUpdate) -> None:
         if update.prompt_logprobs is not None:
@@ -29,6 +30,7 @@ class ChoiceResult:
         self.num_prompt_tokens = update.num_prompt_tokens
         if update.finished:
             self.finish_reason = update.finish_reason
+            self.stop_reason = update.stop_reason
 
 
 async def collect(generation: GenerationStream, num_choices: int) -> list[ChoiceResult]:

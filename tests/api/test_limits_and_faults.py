@@ -10,7 +10,9 @@ import sys
 import threading
 import time
 
+import anthropic
 import httpx
+import ollama
 import openai
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
@@ -118,6 +120,17 @@ def test_api_key_guards_every_route_but_health(limited):
         openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0).models.list()
     good = openai.OpenAI(base_url=f"{url}/v1", api_key=KEY, max_retries=0)
     assert good.completions.create(model=MODEL, prompt="Hi", max_tokens=2).usage.completion_tokens == 2
+    # Each API's clients send the key their own way, and hear the refusal in their own format.
+    refused = httpx.get(f"{url}/api/tags")
+    assert refused.status_code == 401 and "API key" in refused.json()["error"]
+    assert ollama.Client(host=url, headers={"Authorization": f"Bearer {KEY}"}).list().models
+    with pytest.raises(anthropic.AuthenticationError) as caught:
+        anthropic.Anthropic(base_url=url, api_key="wrong", max_retries=0).messages.count_tokens(
+            model=MODEL, messages=[{"role": "user", "content": "Hi"}])  # fmt: skip
+    assert caught.value.body["error"]["type"] == "authentication_error"
+    counted = anthropic.Anthropic(base_url=url, api_key=KEY, max_retries=0).messages.count_tokens(
+        model=MODEL, messages=[{"role": "user", "content": "Hi"}])  # x-api-key  # fmt: skip
+    assert counted.input_tokens > 0
 
 
 def test_requests_beyond_the_queue_get_429_and_the_server_recovers(limited):
