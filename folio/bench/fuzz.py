@@ -3,7 +3,8 @@
 Every operation gets requests that fit the schema (positive) and requests that break it (negative),
 sent one at a time. The bar: every answer is 2xx or 4xx, every 4xx is in its API's error format
 (OpenAI's, Ollama's or Anthropic's), no stream carries a server error, and at the end the server is
-alive and holds nothing (admission, running, waiting and KV cache all zero). Failures are kept as samples (request and answer, cut short).
+alive and holds nothing (admission, running, waiting and KV cache all zero). Failures are kept as
+samples (request and answer, cut short).
 """
 
 from __future__ import annotations

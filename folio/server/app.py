@@ -1,6 +1,6 @@
 """The FastAPI application: folio's routes on top of the async engine.
 
-OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/embeddings, /v1/models.
+OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/responses, /v1/embeddings, /v1/models.
 Anthropic: /v1/messages, /v1/messages/count_tokens. Ollama: /api/chat, /api/generate, /api/embed,
 /api/tags, ... (ollama_routes.py).
 folio: /tokenize, /detokenize, /health, /metrics.
@@ -32,6 +32,8 @@ from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.ollama_routes import ollama_router
 from folio.server.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from folio.server.responses_api import create_response
+from folio.server.responses_protocol import ResponsesRequest
 
 logger = logging.getLogger("folio")
 
@@ -105,6 +107,10 @@ def create_app(
         return await cancel_on_disconnect(request, create_embedding(ctx, body))
 
     app.include_router(ollama_router(ctx))
+
+    @app.post("/v1/responses")
+    async def responses(request: Request, body: ResponsesRequest):
+        return await cancel_on_disconnect(request, create_response(ctx, body))
 
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesRequest):

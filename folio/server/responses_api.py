@@ -1,0 +1,76 @@
+"""OpenAI's Responses API on folio's chat pipeline, stateless: POST /v1/responses, whole or streamed as
+the API's typed events. A Responses body becomes the chat request (responses_protocol.py); its answer is
+read by the chat AnswerReader and written as output items: reasoning, a message, function calls."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from pydantic import ValidationError
+
+from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.server.chat_prompt import PreparedChat, prepare_chat
+from folio.server.chat_protocol import ChatCompletionRequest
+from folio.server.choices import ChoiceResult
+from folio.server.context import ServerContext
+from folio.server.errors import APIError, error_for
+from folio.server.lifetime import ClosingStreamingResponse
+from folio.server.logprobs_format import TokenText, chat_logprobs
+from folio.server.responses_items import ResponseShell, output_items, response_logprobs, usage
+from folio.server.responses_protocol import ResponsesRequest
+from folio.server.responses_stream import ResponseEvents
+
+logger = logging.getLogger("folio")
+
+
+def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
+    try:
+        return ChatCompletionRequest(**body.chat_fields())
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{where}: {first['msg']}" if where else str(first["msg"])) from None
+
+
+async def create_response(ctx: ServerContext, body: ResponsesRequest):
+    chat = _chat_request(body)
+    prepared = prepare_chat(ctx, chat)
+    shell = ResponseShell(ctx, body, chat)
+    with ctx.open_call(1, "n") as call:
+        call.generation.add(prepared.prompt.token_ids, prepared.params)
+        if body.stream:
+            events = ResponseEvents(shell, prepared, TokenText(ctx.tokenizer) if body.wants_logprobs else None)
+            return ClosingStreamingResponse(_guarded(events.run(call.generation)), on_close=call.hand_off().close)
+        result = ChoiceResult()
+        try:
+            async for _, update in call.generation:
+                result.add(update)
+        except (EngineDeadError, RequestFailedError, ValueError) as exc:
+            raise error_for(exc) from exc
+    return whole_response(ctx, body, shell, prepared, result)
+
+
+def whole_response(
+    ctx: ServerContext, body: ResponsesRequest, shell: ResponseShell, prepared: PreparedChat, result: ChoiceResult
+) -> dict[str, Any]:
+    answer = prepared.prompt.reader.read(result.text, result.finish_reason)
+    logprobs = (
+        response_logprobs(chat_logprobs(TokenText(ctx.tokenizer), result.logprobs)) if body.wants_logprobs else []
+    )
+    status = "incomplete" if result.finish_reason == "length" else "completed"
+    return shell.whole(output_items(answer, logprobs), status, usage(len(prepared.prompt.token_ids),
+                                                                     len(result.token_ids)))  # fmt: skip
+
+
+async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+    """A failure after the 200 becomes the API's `error` event."""
+    try:
+        async for item in events:
+            yield item
+    except Exception as exc:
+        error = error_for(exc)
+        if error.status >= 500:
+            logger.error("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDeadError | RequestFailedError))
+        yield ResponseEvents.error_event(error)
