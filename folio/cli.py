@@ -1,4 +1,4 @@
-"""`folio` command line: pull, models, run, chat, serve, generate, kv-calc, quantize, eval, bench.
+"""`folio` command line: pull, models, run, chat, serve, generate, run-batch, kv-calc, quantize, eval, bench.
 
 The top layer: it builds the parser (engine flags from `EngineArgs`, `folio bench`'s subcommands from
 folio/bench/cli.py) and dispatches to folio/commands.py and the tools. Nothing imports it.
@@ -60,6 +60,14 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
                      "instead of starting one")  # fmt: skip
 
 
+def _add_chat_parser_args(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto", help="how the model writes "
+                        "tool calls (default auto: from its chat template; folio's own prompt and Hermes-style "
+                        "blocks when the template shows no tools)")  # fmt: skip
+    parser.add_argument("--reasoning-parser", choices=REASONING_CHOICES, default="auto", help="split <think> "
+                        "text into reasoning_content (default auto: if the template mentions <think>)")  # fmt: skip
+
+
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     """What one request may cost (folio/server/limits.py); beyond a limit the server answers 400 (413 for
     the body)."""
@@ -116,11 +124,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "before the server answers 429 (default 256)")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
                        "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
-    serve.add_argument("--tool-call-parser", choices=PARSER_CHOICES, default="auto", help="how the model writes "
-                       "tool calls (default auto: from its chat template; folio's own prompt and Hermes-style "
-                       "blocks when the template shows no tools)")  # fmt: skip
-    serve.add_argument("--reasoning-parser", choices=REASONING_CHOICES, default="auto", help="split <think> "
-                       "text into reasoning_content (default auto: if the chat template mentions <think>)")  # fmt: skip
+    _add_chat_parser_args(serve)
     _add_limit_args(serve)
     _add_replica_args(serve)
     EngineArgs.add_cli_args(serve)
@@ -141,6 +145,18 @@ def build_parser() -> argparse.ArgumentParser:
     generate.add_argument("--output", required=True)
     _add_sampling_args(generate)
     EngineArgs.add_cli_args(generate)
+
+    batch = sub.add_parser("run-batch", help="OpenAI batch file in, batch output file out (as vllm run-batch)",
+                           description="Run every request of an OpenAI batch file (JSONL lines of custom_id, "
+                           "method, url, body; urls /v1/chat/completions, /v1/completions, /v1/embeddings, "
+                           "/v1/responses) through folio's server routes in this process, and write the batch "
+                           "output format, in the input's order.")  # fmt: skip
+    batch.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    batch.add_argument("-i", "--input-file", required=True, help="the batch file (JSONL)")
+    batch.add_argument("-o", "--output-file", required=True, help="where the output lines go (JSONL)")
+    _add_chat_parser_args(batch)
+    _add_limit_args(batch)
+    EngineArgs.add_cli_args(batch)
 
     quantize = sub.add_parser(
         "quantize", help="write a quantized checkpoint (int8, int4, GPTQ, AWQ, NF4) of a 16/32-bit model",
@@ -202,6 +218,7 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "run": commands.cmd_run,
     "chat": commands.cmd_chat,
     "generate": commands.cmd_generate,
+    "run-batch": commands.cmd_run_batch,
     "serve": commands.cmd_serve,
     "kv-calc": commands.cmd_kv_calc,
     "bench": run_bench,

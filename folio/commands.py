@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import asyncio
 import json
 import socket
 import sys
 from pathlib import Path
 from typing import Any
+
+from tqdm import tqdm
 
 from folio import LLM
 from folio.config import ParallelConfig, parse_memory
@@ -18,13 +21,14 @@ from folio.kv_calc import KV_DTYPES, WEIGHT_FORMATS, load_shape, report
 from folio.loaders.catalog import CATALOG, list_pulled, pull, resolve_model
 from folio.platform import default_device
 from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
-from folio.results import result_paths, write_json
+from folio.results import atomic_open, result_paths, write_json
 from folio.sampling_params import SamplingParams
 from folio.scale.options import ReplicaOptions
 from folio.scale.routing import RoutingConfig
+from folio.server.batch_file import run_batch
 from folio.server.chat_options import ChatOptions
 from folio.server.limits import RequestLimits
-from folio.server.serve import ServerOptions, StartupInterrupted, serve, sigterm_stops_startup
+from folio.server.serve import ServerOptions, StartupInterrupted, build_server, serve, sigterm_stops_startup
 from folio.structured.params import StructuredOutputParams
 from folio.worker.worker_host import run_worker_host
 
@@ -179,6 +183,32 @@ def cmd_generate(args: argparse.Namespace) -> int:
     return 0
 
 
+def _chat_options(args: argparse.Namespace) -> ChatOptions:
+    return ChatOptions(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
+
+
+def cmd_run_batch(args: argparse.Namespace) -> int:
+    path = Path(args.input_file)
+    if not path.exists():
+        raise FileNotFoundError(f"input file {path} does not exist")
+    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if not lines:
+        raise ValueError(f"{path} holds no requests")
+    llm = _llm(args)
+    server = build_server(llm, args.model, ServerOptions(limits=request_limits(args), chat=_chat_options(args)))
+    try:
+        with tqdm(total=len(lines), unit="request", disable=None) as bar:
+            batch = run_batch(server.app, lines, llm.engine.scheduler_config.max_num_seqs, bar.update)
+            outputs, summary = asyncio.run(batch)
+    finally:
+        server.engine.shutdown()
+    with atomic_open(Path(args.output_file)) as out:
+        out.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in outputs)
+    print(f"{summary.requests} requests: {summary.answered_ok} answered, {summary.answered_error} answered with "
+          f"an error, {summary.invalid_lines} not requests; wrote {args.output_file}", file=sys.stderr)  # fmt: skip
+    return 0
+
+
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
     if not path.exists():
         raise FileNotFoundError(f"input file {path} does not exist")
@@ -203,8 +233,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
-    chat = ChatOptions(tool_call_parser=args.tool_call_parser, reasoning_parser=args.reasoning_parser)
-    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), chat)
+    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args))
     _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
     if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None or args.disaggregate:
         return _serve_replicas(args, options)

@@ -3,7 +3,7 @@
 OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/responses, /v1/embeddings, /v1/models.
 Anthropic: /v1/messages, /v1/messages/count_tokens. Ollama: /api/chat, /api/generate, /api/embed,
 /api/tags, ... (ollama_routes.py).
-folio: /tokenize, /detokenize, /health, /metrics.
+folio and vLLM: /tokenize, /detokenize, /tokenizer_info, /health, /metrics.
 Every failure a client can cause is answered in the API's own error format and the server keeps serving.
 """
 
@@ -128,6 +128,14 @@ def create_app(
         else:
             tokens = ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
         return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+
+    @app.get("/tokenizer_info")
+    async def tokenizer_info() -> dict:
+        # vLLM's route: what a client needs to tokenize as the server does (lm-eval's "remote" tokenizer).
+        tokenizer = ctx.tokenizer
+        return {"tokenizer_class": "folio", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                "pad_token": None, "chat_template": tokenizer.chat_template, "model_max_length": ctx.max_model_len,
+                "vocab_size": ctx.vocab_size}  # fmt: skip
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
