@@ -14,7 +14,7 @@ import openai
 import pytest
 
 from tests.api.server_runner import MODEL
-from tests.api.test_tool_calling_api import HISTORY, TOOLS
+from tests.api.tool_examples import HISTORY, TOOLS
 
 GREEDY = {"temperature": 0, "num_predict": 16}
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 20}, "age": {"type": "integer"}},

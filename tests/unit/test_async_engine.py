@@ -150,6 +150,10 @@ def test_an_engine_thread_that_dies_fails_every_caller_and_refuses_new_work(engi
     errors = asyncio.run(run())
     assert len(errors) == 2
     assert not engine.is_alive and isinstance(engine.dead, Panic)
+    # The engine thread fails the callers first and reports its death after: it may still be on its way.
+    deadline = time.monotonic() + 10
+    while not engine.deaths and time.monotonic() < deadline:
+        time.sleep(0.01)
     assert [type(d) for d in engine.deaths] == [Panic]
 
     async def submit_after_death() -> None:
