@@ -6,38 +6,29 @@ ones every chat route uses; only the shapes differ."""
 from __future__ import annotations
 
 import json
-import logging
 import uuid
 from collections.abc import AsyncIterator
 from typing import Any
-
-from pydantic import ValidationError
 
 from folio.engine.async_engine import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from folio.server.chat_answer import AnswerPiece
 from folio.server.chat_prompt import PreparedChat, prepare_chat
-from folio.server.chat_protocol import ChatCompletionRequest
+from folio.server.chat_protocol import ChatCompletionRequest, chat_request_from
 from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import APIError, error_body_for, error_for
 from folio.server.lifetime import ClosingStreamingResponse
+from folio.server.sse import guarded
 from folio.tool_calls.types import ToolCall
-
-logger = logging.getLogger("folio")
 
 
 def _chat_request(ctx: ServerContext, fields: dict[str, Any], thinking: bool) -> ChatCompletionRequest:
     if thinking and not reasoning_enabled(ctx.chat.reasoning_parser, ctx.tokenizer.chat_template):
         raise APIError(400, f"'{ctx.model_name}' does not think: thinking cannot be enabled", param="thinking")
-    try:
-        return ChatCompletionRequest(**fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{where}: {first['msg']}" if where else str(first["msg"])) from None
+    return chat_request_from(fields)
 
 
 def _thinking_asked(body: CountTokensRequest) -> bool:
@@ -73,7 +64,7 @@ async def create_message(ctx: ServerContext, body: MessagesRequest):
         call.generation.add(prepared.prompt.token_ids, prepared.params)
         if body.stream:
             events = _stream(head, prepared, call.generation, _shows_thinking(body))
-            return ClosingStreamingResponse(_guarded(events), on_close=call.hand_off().close)
+            return ClosingStreamingResponse(guarded(events, _error_event), on_close=call.hand_off().close)
         result = ChoiceResult()
         try:
             async for _, update in call.generation:
@@ -159,13 +150,6 @@ async def _stream(
     yield _event({"type": "message_stop"})
 
 
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
+def _error_event(error: APIError) -> str:
     """A failure after the 200 becomes Anthropic's `error` event, which its SDK raises."""
-    try:
-        async for item in events:
-            yield item
-    except Exception as exc:
-        error = error_for(exc)
-        if error.status >= 500:
-            logger.error("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDeadError | RequestFailedError))
-        yield _event(error_body_for("/v1/messages", error.status, error.message))
+    return _event(error_body_for("/v1/messages", error.status, error.message))

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from folio.sampling_params import INT64_MAX, MAX_LOGPROBS
+from folio.server.errors import APIError
 from folio.server.messages import ChatMessage
 from folio.server.protocol import SamplingFields
 from folio.tool_calls.types import FunctionTool
@@ -98,3 +99,14 @@ class ChatCompletionRequest(SamplingFields):
     def tool_call_forced(self) -> bool:
         """The answer must be tool calls ('required' or a named function), enforced by a grammar."""
         return self.tool_choice == "required" or self.named_tool is not None
+
+
+def chat_request_from(fields: dict[str, Any]) -> ChatCompletionRequest:
+    """The chat request another API's body translates into (Ollama, Anthropic, Responses); a value that
+    fails the chat request's checks is a 400 naming where it failed."""
+    try:
+        return ChatCompletionRequest(**fields)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first.get("loc", ()))
+        raise APIError(400, f"{where}: {first['msg']}" if where else str(first["msg"])) from None

@@ -6,28 +6,24 @@ otherwise, ending with Ollama's counts and durations (nanoseconds, measured here
 from __future__ import annotations
 
 import json
-import logging
 import time
-from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
-
-from pydantic import ValidationError
 
 from folio.engine.async_engine import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader
 from folio.server.chat_prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat
-from folio.server.chat_protocol import ChatCompletionRequest
+from folio.server.chat_protocol import chat_request_from
 from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
 from folio.server.errors import APIError, error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.model_card import iso_time
 from folio.server.ollama_protocol import GeneratingBody, OllamaChatRequest, OllamaGenerateRequest, OllamaMessage
+from folio.server.sse import guarded
 from folio.tool_calls.types import ToolCall
 
-logger = logging.getLogger("folio")
 NDJSON = "application/x-ndjson"
 
 
@@ -35,15 +31,6 @@ def check_ollama_model(ctx: ServerContext, name: str) -> None:
     """Ollama names carry a tag; this server's model answers to its name with or without `:latest`."""
     if name.removesuffix(":latest") != ctx.model_name:
         raise APIError(404, f"model '{name}' not found; this server serves '{ctx.model_name}'")
-
-
-def _openai_body(fields: dict[str, Any]) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest(**fields)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{where}: {first['msg']}" if where else str(first["msg"])) from None
 
 
 def _common_fields(ctx: ServerContext, body: GeneratingBody) -> dict[str, Any]:
@@ -121,7 +108,7 @@ async def ollama_chat(ctx: ServerContext, body: OllamaChatRequest):
     fields = _common_fields(ctx, body)
     if not body.messages:  # Ollama's way of loading a model
         return _loaded(ctx, chat=True)
-    openai_body = _openai_body({**fields, "messages": _messages(body.messages), "tools": body.tools})
+    openai_body = chat_request_from({**fields, "messages": _messages(body.messages), "tools": body.tools})
     return await _answer(ctx, prepare_chat(ctx, openai_body, body.options.num_ctx), body.stream, clock, chat=True)
 
 
@@ -135,7 +122,7 @@ async def ollama_generate(ctx: ServerContext, body: OllamaGenerateRequest):
         return _loaded(ctx, chat=False)
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": body.prompt})
-    openai_body = _openai_body({**fields, "messages": messages})
+    openai_body = chat_request_from({**fields, "messages": messages})
     context = list(body.context or [])
     if body.raw or not ctx.tokenizer.chat_template:  # a base model's prompt is its own text
         ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=not context)
@@ -171,7 +158,9 @@ async def _answer(ctx: ServerContext, prepared: PreparedChat, stream: bool, cloc
         call.generation.add(prompt_ids, prepared.params)
         if stream:
             lines = _stream(ctx, prepared, call.generation, clock, chat)
-            return ClosingStreamingResponse(_guarded(lines), on_close=call.hand_off().close, media_type=NDJSON)
+            return ClosingStreamingResponse(
+                guarded(lines, _error_line), on_close=call.hand_off().close, media_type=NDJSON
+            )
         result = ChoiceResult()
         try:
             async for _, update in call.generation:
@@ -219,13 +208,6 @@ async def _stream(ctx: ServerContext, prepared: PreparedChat, generation, clock:
             yield _line({**final, **clock.stats(len(prepared.prompt.token_ids), len(output_ids))})
 
 
-async def _guarded(lines: AsyncIterator[str]) -> AsyncIterator[str]:
+def _error_line(error: APIError) -> str:
     """A failure after the 200 becomes Ollama's error line, which its clients raise."""
-    try:
-        async for line in lines:
-            yield line
-    except Exception as exc:
-        error = error_for(exc)
-        if error.status >= 500:
-            logger.error("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDeadError | RequestFailedError))
-        yield _line({"error": error.message})
+    return _line({"error": error.message})

@@ -4,45 +4,33 @@ read by the chat AnswerReader and written as output items: reasoning, a message,
 
 from __future__ import annotations
 
-import logging
-from collections.abc import AsyncIterator
 from typing import Any
-
-from pydantic import ValidationError
 
 from folio.engine.async_engine import EngineDeadError, RequestFailedError
 from folio.server.chat_prompt import PreparedChat, prepare_chat
-from folio.server.chat_protocol import ChatCompletionRequest
+from folio.server.chat_protocol import chat_request_from
 from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
-from folio.server.errors import APIError, error_for
+from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.logprobs_format import TokenText, chat_logprobs
 from folio.server.responses_items import ResponseShell, output_items, response_logprobs, usage
 from folio.server.responses_protocol import ResponsesRequest
 from folio.server.responses_stream import ResponseEvents
-
-logger = logging.getLogger("folio")
-
-
-def _chat_request(body: ResponsesRequest) -> ChatCompletionRequest:
-    try:
-        return ChatCompletionRequest(**body.chat_fields())
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        where = ".".join(str(p) for p in first.get("loc", ()))
-        raise APIError(400, f"{where}: {first['msg']}" if where else str(first["msg"])) from None
+from folio.server.sse import guarded
 
 
 async def create_response(ctx: ServerContext, body: ResponsesRequest):
-    chat = _chat_request(body)
+    chat = chat_request_from(body.chat_fields())
     prepared = prepare_chat(ctx, chat)
     shell = ResponseShell(ctx, body, chat)
     with ctx.open_call(1, "n") as call:
         call.generation.add(prepared.prompt.token_ids, prepared.params)
         if body.stream:
             events = ResponseEvents(shell, prepared, TokenText(ctx.tokenizer) if body.wants_logprobs else None)
-            return ClosingStreamingResponse(_guarded(events.run(call.generation)), on_close=call.hand_off().close)
+            return ClosingStreamingResponse(
+                guarded(events.run(call.generation), ResponseEvents.error_event), on_close=call.hand_off().close
+            )
         result = ChoiceResult()
         try:
             async for _, update in call.generation:
@@ -62,15 +50,3 @@ def whole_response(
     status = "incomplete" if result.finish_reason == "length" else "completed"
     return shell.whole(output_items(answer, logprobs), status, usage(len(prepared.prompt.token_ids),
                                                                      len(result.token_ids)))  # fmt: skip
-
-
-async def _guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """A failure after the 200 becomes the API's `error` event."""
-    try:
-        async for item in events:
-            yield item
-    except Exception as exc:
-        error = error_for(exc)
-        if error.status >= 500:
-            logger.error("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDeadError | RequestFailedError))
-        yield ResponseEvents.error_event(error)

@@ -1,13 +1,14 @@
-"""Server-sent events as OpenAI streams them: `data: {json}` per chunk, then `data: [DONE]`."""
+"""Server-sent events as OpenAI streams them: `data: {json}` per chunk, then `data: [DONE]`; and the guard
+every streamed answer (of any API) runs inside."""
 
 from __future__ import annotations
 
 import json
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 from folio.engine.async_engine import EngineDeadError, RequestFailedError
-from folio.server.errors import error_body, error_for
+from folio.server.errors import APIError, error_body, error_for
 
 logger = logging.getLogger("folio")
 
@@ -26,9 +27,16 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict:
     }
 
 
-async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
-    """Relay a response's events. A failure after the 200 (the status line is already sent) becomes an
-    error event followed by `[DONE]`, so every stream ends the way clients expect."""
+def openai_error_event(error: APIError) -> str:
+    return event(error_body(error.status, error.message, error.param, error.code)) + DONE
+
+
+async def guarded(
+    events: AsyncIterator[str], error_event: Callable[[APIError], str] = openai_error_event
+) -> AsyncIterator[str]:
+    """Relay a response's events. A failure after the 200 (the status line is already sent) becomes the
+    API's own error event (`error_event`; OpenAI's: an error event followed by `[DONE]`), so every
+    stream ends the way its clients expect."""
     try:
         async for item in events:
             yield item
@@ -36,5 +44,4 @@ async def guarded(events: AsyncIterator[str]) -> AsyncIterator[str]:
         error = error_for(exc)
         if error.status >= 500:
             logger.error("stream failed: %s", exc, exc_info=not isinstance(exc, EngineDeadError | RequestFailedError))
-        yield event(error_body(error.status, error.message, error.param, error.code))
-        yield DONE
+        yield error_event(error)

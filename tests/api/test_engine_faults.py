@@ -92,3 +92,27 @@ def test_a_dead_engine_fails_waiting_clients_at_once_and_reports_unhealthy(tmp_p
         refused = httpx.post(f"{url}/v1/completions", json={**body, "stream": False})
         assert refused.status_code == 503 and refused.json()["error"]["code"] == "engine_dead"
         _wait_for(lambda: server.context.admission.in_flight == 0)
+
+
+def _lines(url: str, path: str, body: dict) -> list[str]:
+    with httpx.stream("POST", f"{url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        return [line for line in response.iter_lines() if line]
+
+
+def test_other_apis_end_a_failed_stream_in_their_own_format(served, faulty_row):
+    url, server = served
+    model = server.context.model_name
+    chat = {"model": model, "messages": [{"role": "user", "content": "Tell me a story."}]}
+    ollama_lines = _lines(url, "/api/chat", {**chat, "options": {"top_k": MARK, "num_predict": 20}})
+    last = json.loads(ollama_lines[-1])  # Ollama's error line, which its client raises
+    assert list(last) == ["error"] and "failed inside the engine" in last["error"]
+    anthropic_lines = _lines(url, "/v1/messages", {**chat, "max_tokens": 20, "top_k": MARK, "stream": True})
+    assert anthropic_lines[-2] == "event: error"
+    error = json.loads(anthropic_lines[-1].removeprefix("data: "))
+    assert error["type"] == "error" and error["error"]["type"] == "api_error"
+    whole = httpx.post(f"{url}/v1/messages", json={**chat, "max_tokens": 20, "top_k": MARK}, timeout=60)
+    assert whole.status_code == 500 and whole.json()["error"]["type"] == "api_error"
+    whole = httpx.post(f"{url}/api/chat", json={**chat, "stream": False, "options": {"top_k": MARK}}, timeout=60)
+    assert whole.status_code == 500 and "failed inside the engine" in whole.json()["error"]
+    _wait_for(lambda: server.context.admission.in_flight == 0)

@@ -9,9 +9,6 @@ from __future__ import annotations
 import os
 import re
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections import Counter
@@ -22,80 +19,16 @@ import ollama
 import openai
 import psutil
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 from ray.cluster_utils import Cluster
 
 from folio import LLM, SamplingParams
-from tests.api.server_runner import MODEL, free_port
+from tests.api.ray_server import KEY, RayServer, stop_ray_server
+from tests.api.server_runner import MODEL
 from tests.api.tool_examples import HISTORY as TOOL_HISTORY
 from tests.api.tool_examples import TOOLS
 
-KEY = "ray-test-key"
 TENANT_A = "You are the support assistant of a bakery. Answer in one short sentence about bread. " * 4
 TENANT_B = "You are a travel agent who only talks about trains across the Alps and their timetables. " * 4
-
-
-class RayServer:
-    def __init__(self, *replica_flags: str, model: str = MODEL, cpus: int = 1) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-ray-", suffix=".log")  # noqa: SIM115
-        command = [sys.executable, "-m", "folio.cli", "serve", model, *(replica_flags or ("--replicas", "2")),
-                   "--cpus-per-replica", str(cpus), "--port", str(self.port), "--num-kv-blocks", "256",
-                   "--max-num-seqs", "8", "--api-key", KEY]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
-
-    def wait_ready(self, timeout: float, replicas: int = 2, role: str = "engine") -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, f"folio serve --replicas exited:\n{self.output()[-4000:]}"
-            if len(self.replicas(role)) == replicas:
-                return
-            time.sleep(0.5)
-        raise AssertionError(f"the replicas did not come up:\n{self.output()[-4000:]}")
-
-    def output(self) -> str:
-        self.log.flush()
-        self.log.seek(0)
-        return self.log.read()
-
-    def metrics(self) -> str:
-        response = httpx.get(f"{self.url}/metrics", headers={"Authorization": f"Bearer {KEY}"}, timeout=10)
-        response.raise_for_status()  # before the app is up, Serve's proxy answers 404 in its own words
-        return response.text
-
-    def samples(self, name: str) -> list[tuple[dict[str, str], float]]:
-        families = text_string_to_metric_families(self.metrics())
-        return [(s.labels, s.value) for family in families for s in family.samples if s.name == name]
-
-    def replicas(self, role: str = "engine") -> dict[str, int]:
-        """replica id -> pid, of the replicas of `role` whose engine runs."""
-        try:
-            info = self.samples("folio:replica_info")
-        except httpx.HTTPError:  # not serving yet (no connection, or the proxy's 404)
-            return {}
-        return {labels["replica"]: int(labels["pid"]) for labels, up in info if up == 1.0 and labels["role"] == role}
-
-    def routed(self) -> Counter:
-        """(replica, reason) -> prompts the router sent there."""
-        counts: Counter = Counter()
-        for labels, value in self.samples("folio:router_requests_total"):
-            counts[(labels["replica"], labels["reason"])] = int(value)
-        return counts
-
-    def per_replica(self, name: str) -> dict[str, float]:
-        return {labels["replica"]: value for labels, value in self.samples(name)}
-
-
-def _stop(server: RayServer) -> None:
-    if server.process.poll() is None:  # a test failed before it was stopped
-        server.process.terminate()
-        try:
-            server.process.wait(timeout=90)
-        except subprocess.TimeoutExpired:
-            server.process.kill()
-            server.process.wait(timeout=30)
-    server.log.close()
 
 
 @pytest.fixture(scope="module")
@@ -105,7 +38,7 @@ def ray_server():
         server.wait_ready(timeout=240)
         yield server
     finally:
-        _stop(server)
+        stop_ray_server(server)
 
 
 @pytest.fixture(scope="module")
@@ -310,7 +243,7 @@ def test_autoscaling_adds_a_replica_under_load():
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=90) == 0
     finally:
-        _stop(server)
+        stop_ray_server(server)
 
 
 def test_disaggregated_prefill_and_decode(client):
@@ -353,7 +286,7 @@ def test_disaggregated_prefill_and_decode(client):
         server.process.send_signal(signal.SIGTERM)
         assert server.process.wait(timeout=90) == 0
     finally:
-        _stop(server)
+        stop_ray_server(server)
 
 
 def _wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
@@ -385,7 +318,7 @@ def test_a_tensor_parallel_replica(gemma3_gguf):
         assert len(ranks) >= 2  # the two ranks (and the spawn tracker)
         _sigterm_and_check_gone(server, ranks)
     finally:
-        _stop(server)
+        stop_ray_server(server)
 
 
 def test_a_replica_split_over_two_nodes(gemma3_gguf):
@@ -414,7 +347,7 @@ def test_a_replica_split_over_two_nodes(gemma3_gguf):
         assert ranks
         _sigterm_and_check_gone(server, ranks)
     finally:
-        _stop(server)
+        stop_ray_server(server)
         cluster.shutdown()
 
 
