@@ -5,7 +5,8 @@ the model and measures
 - batch-1 decode: one request decoding `--gen-tokens` tokens after a short prompt, timed from its
   first token to its last (prefill excluded), as llama-bench's tg measures; best of `--repeats`;
 - batch-64 output throughput: 64 requests decoding `--gen-tokens` each, all submitted at once;
-- the weights' resident bytes.
+- the weights' resident bytes;
+- MBU and MFU of both rates against the machine's peaks, measured as the run starts (roofline.py).
 With `--peer llama.cpp`, llama-bench runs `-p 0 -n <gen-tokens>` (tg) with the same thread count on
 the same file, after folio has released its memory.
 """
@@ -29,8 +30,11 @@ from folio import LLM, SamplingParams
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.plots import engine_bars, engine_colors, figure
+from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.table import row
+from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
+from folio.kv_calc import load_shape
 from folio.loaders.catalog import resolve_model
 from folio.results import machine_info, result_paths, write_json
 
@@ -54,6 +58,21 @@ class VariantResult:
     weight_mib: float | None  # resident, as folio counts it; None for the peer (not measured)
     batch1_tok_s: float
     batch_tok_s: float | None  # None for the peer (llama-bench has no batched decode)
+    # Fractions of the machine's measured peaks (folio/bench/roofline.py); the peer's use the file's
+    # bytes as its resident weights.
+    batch1_mbu: float | None = None
+    batch1_mfu: float | None = None
+    batch_mbu: float | None = None
+    batch_mfu: float | None = None
+
+    def add_utilisation(self, cost: TokenCost, peaks: MachinePeaks, prompt_tokens: int, gen_tokens: int,
+                        batch: int) -> None:  # fmt: skip
+        context = prompt_tokens + gen_tokens / 2  # the mean context a decoded token attends to
+        one = cost.utilisation(self.batch1_tok_s, 1, context, peaks)
+        self.batch1_mbu, self.batch1_mfu = one["mbu"], one["mfu"]
+        if self.batch_tok_s is not None:
+            many = cost.utilisation(self.batch_tok_s, batch, context, peaks)
+            self.batch_mbu, self.batch_mfu = many["mbu"], many["mfu"]
 
 
 @dataclass
@@ -65,6 +84,7 @@ class DecodeReport:
     config: dict[str, Any]
     results: list[VariantResult]
     peer_info: dict[str, Any] = field(default_factory=dict)
+    peaks: dict[str, Any] = field(default_factory=dict)  # MachinePeaks, measured as the run started
     machine: dict[str, Any] = field(default_factory=machine_info)
 
     def to_dict(self) -> dict[str, Any]:
@@ -109,6 +129,8 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
     if path.suffix != ".gguf":
         raise ValueError(f"folio bench decode compares a GGUF file's formats, and {config.model} is {path}")
     threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    peaks = measure_peaks(parse_dtype(config.engine_args.get("dtype") or "float32"))
     results = []
     dtype = "float32"
     for name, quantization in VARIANTS.items():
@@ -118,23 +140,43 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         measure_batch1(llm, 8, 1)  # warm-up: kernels built and loaded, first-call allocations
         batch1 = measure_batch1(llm, config.gen_tokens, config.repeats)
         batched = measure_batched(llm, config.gen_tokens, config.batch)
-        results.append(VariantResult(f"folio {name}", llm.loaded.weight_bytes / 2**20, batch1, batched))
+        result = VariantResult(f"folio {name}", llm.loaded.weight_bytes / 2**20, batch1, batched)
+        prompt_tokens = len(llm.tokenizer.encode(PROMPT))
+        cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+        result.add_utilisation(cost, peaks, prompt_tokens, config.gen_tokens, config.batch)
+        results.append(result)
         del llm
         gc.collect()
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
         tok_s, peer_info = _llama_bench(path, config.gen_tokens, config.repeats, threads)
-        results.append(VariantResult("llama.cpp", None, tok_s, None))
+        peer = VariantResult("llama.cpp", None, tok_s, None)
+        # llama-bench's tg runs after an empty prompt (-p 0), holds the file's weights as they are and its
+        # KV cache in float16.
+        shape = load_shape(path).config
+        f16_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+        peer.add_utilisation(TokenCost.of(path, path.stat().st_size, f16_kv), peaks, 0, config.gen_tokens, 1)
+        results.append(peer)
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
-    return DecodeReport(command, date, config.model, dtype, settings, results, peer_info)
+    return DecodeReport(command, date, config.model, dtype, settings, results, peer_info, peaks.to_dict())
+
+
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}%"
 
 
 def format_table(report: DecodeReport) -> str:
     batch = report.config["batch"]
-    widths = [12, 15, 17]
-    lines = [row("engine", ["weights MiB", "batch-1 tok/s", f"batch-{batch} tok/s"], widths=widths)]
+    widths = [12, 15, 11, 17, 11]
+    labels = ["weights MiB", "batch-1 tok/s", "MBU", f"batch-{batch} tok/s", "MFU"]
+    lines = [row("engine", labels, widths=widths)]
     for r in report.results:
-        lines.append(row(r.engine, [r.weight_mib, r.batch1_tok_s, r.batch_tok_s], widths=widths, number=".1f"))
+        values = [r.weight_mib, r.batch1_tok_s, _percent(r.batch1_mbu), r.batch_tok_s, _percent(r.batch_mfu)]
+        lines.append(row(r.engine, values, widths=widths, number=".1f"))
+    peaks = report.peaks
+    if peaks:
+        lines.append(f"peaks measured at the start: {peaks['matmul_gflops']:.0f} GFLOP/s ({peaks['dtype']} GEMM), "
+                     f"{peaks['read_gbps']:.1f} GB/s read")  # fmt: skip
     if report.results[-1].engine == "llama.cpp":
         ratio = report.results[0].batch1_tok_s / report.results[-1].batch1_tok_s
         lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = {ratio:.2f}x")

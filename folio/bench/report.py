@@ -15,6 +15,7 @@ METRICS = (  # (key, label) of what is compared across engines
     ("requests_per_s", "requests/s"),
     ("output_tokens_per_s", "output tok/s"),
     ("total_tokens_per_s", "total tok/s"),
+    ("mfu_percent", "MFU %"),
     ("elapsed_s", "elapsed s"),
     ("load_s", "load s"),
 )
@@ -32,6 +33,13 @@ class EngineResult:
     elapsed_s: float
     load_s: float
     threads: int
+    # The workload's FLOPs (the same for every engine) per second, over the peak measured as the run
+    # started (folio/bench/roofline.py).
+    mfu: float | None = None
+
+    @property
+    def mfu_percent(self) -> float | None:
+        return None if self.mfu is None else 100 * self.mfu
 
     @property
     def requests_per_s(self) -> float:
@@ -51,6 +59,7 @@ class EngineResult:
             "requests_per_s": self.requests_per_s,
             "output_tokens_per_s": self.output_tokens_per_s,
             "total_tokens_per_s": self.total_tokens_per_s,
+            "mfu": self.mfu,
         }
 
 
@@ -67,6 +76,7 @@ class ThroughputReport:
     settings: dict[str, Any]
     results: list[EngineResult]
     machine: dict[str, Any] = field(default_factory=machine_info)
+    peaks: dict[str, Any] = field(default_factory=dict)  # MachinePeaks, measured as the run started
 
     @property
     def ratios(self) -> dict[str, float]:
@@ -93,6 +103,7 @@ class ThroughputReport:
             "seed": self.seed,
             "num_prompts": self.num_prompts,
             "settings": self.settings,
+            "peaks": self.peaks,
             "results": {r.engine: r.to_dict() for r in self.results},
             "ratios": {f"folio/{self.peer_name}": self.ratios} if self.ratios else {},
         }

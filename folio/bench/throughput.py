@@ -27,6 +27,8 @@ from folio.bench.datasets import (
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
 from folio.bench.report import EngineResult, ThroughputReport, format_table, write_report
+from folio.bench.roofline import TokenCost, measure_peaks
+from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.sampling_params import SamplingParams
@@ -110,6 +112,8 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
         humaneval_path()
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     path = resolve_model(config.model)  # pulls a catalog model now, so the download is not load time
+    torch.set_num_threads(os.cpu_count() or 1)
+    peaks = measure_peaks(parse_dtype(config.engine_args.get("dtype") or "float32"))
 
     start = time.perf_counter()
     llm = LLM(path, **config.engine_args)
@@ -118,6 +122,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
     check_fits(requests, llm.engine.max_model_len)
     results = [run_folio(llm, requests, load_s, config.use_tqdm)]
     model_path, dtype = llm.loaded.path, llm.dtype
+    cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
     del llm  # free folio's weights and KV pool before the peer loads its own copy
     gc.collect()
 
@@ -127,7 +132,11 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
         del model
         gc.collect()
 
+    work = sum(cost.sequence_flops(len(r.prompt_token_ids) + r.output_len) for r in requests)
+    for result in results:
+        result.mfu = work / result.elapsed_s / (peaks.matmul_gflops * 1e9)
     return ThroughputReport(
+        peaks=peaks.to_dict(),
         command=command,
         date_utc=date,
         model=config.model,

@@ -23,7 +23,12 @@ def test_decode_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
     assert (kept["engine"], dense["engine"]) == ("folio gguf", "folio dequantized")
     assert kept["weight_mib"] < dense["weight_mib"] / 2  # 4-bit and 8-bit against bf16
     assert kept["batch1_tok_s"] > 0 and dense["batch_tok_s"] > 0
-    assert "batch-1 tok/s" in capsys.readouterr().out
+    # Utilisation against the peaks measured at the start: the dense bf16 weights are 4x the bytes.
+    assert report["peaks"]["dtype"] == "bfloat16" and report["peaks"]["read_gbps"] > 0
+    for result in (kept, dense):
+        assert result["batch1_mbu"] > 0 and 0 < result["batch_mfu"] < 1
+    out = capsys.readouterr().out
+    assert "batch-1 tok/s" in out and "MBU" in out and "GB/s read" in out
 
 
 def test_decode_bench_refuses_an_unknown_peer(tmp_path):

@@ -57,6 +57,9 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
         assert result["elapsed_s"] > 0 and result["output_tokens_per_s"] > 0 and result["total_tokens_per_s"] > 0
         assert result["output_tokens_per_s"] == pytest.approx(wanted_output / result["elapsed_s"])
     assert folio["generated_tokens"] == wanted_output
+    # The same work over each engine's time, against the GEMM peak measured as the run started.
+    assert report["peaks"]["matmul_gflops"] > 0
+    assert 0 < folio["mfu"] < 1 and folio["mfu"] / hf["mfu"] == pytest.approx(hf["elapsed_s"] / folio["elapsed_s"])
     assert hf["generated_tokens"] >= wanted_output  # a static batch decodes to its longest request
     ratios = report["ratios"]["folio/hf"]
     assert ratios["output_tokens_per_s"] == pytest.approx(folio["output_tokens_per_s"] / hf["output_tokens_per_s"])

@@ -1,0 +1,105 @@
+"""MFU and MBU: how close a measured rate comes to this machine's own limits.
+
+- Peaks are measured when a run starts (`measure_peaks`): the matmul rate of a square GEMM in the
+  activation dtype (what the model's large products run at), and the read bandwidth of summing a
+  buffer far larger than the caches (what a decode step's weight and KV reads run at).
+- A token's cost comes from the model's shapes and formats (`TokenCost`):
+  FLOPs = 2 x the parameters every token multiplies (all projections and the LM head, not the
+  embedding lookup) + 4 x layers x query heads x head dim x the context it attends to;
+  bytes, for a decode step of B sequences = the resident weights (read once per step, shared by the
+  batch) / B + the context's KV cache (each sequence reads its own).
+- MFU = tokens/s x FLOPs per token / peak FLOP/s; MBU = tokens/s x bytes per token / peak bytes/s.
+Batch-1 decode is bound by bandwidth (MBU is the figure that says how close it is); prefill and large
+batches by arithmetic (MFU).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from folio.config import ModelConfig
+from folio.kv_calc import load_shape
+
+MATMUL_SIZE = 1024  # a 1024^3 GEMM: large enough to reach the kernel's rate, small enough to be quick
+BANDWIDTH_BYTES = 512 * 2**20  # far beyond the last-level cache
+
+
+def _best_seconds(work: Any, repeats: int) -> float:
+    work()  # warm-up: threads started, pages touched
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        work()
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+@dataclass(frozen=True)
+class MachinePeaks:
+    dtype: str
+    matmul_gflops: float  # a square GEMM in `dtype`, best of several
+    read_gbps: float  # summing a 512 MiB float32 buffer, best of several
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def measure_peaks(dtype: torch.dtype, repeats: int = 5) -> MachinePeaks:
+    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
+    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
+    gemm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
+    buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
+    read_s = _best_seconds(lambda: buffer.sum(), repeats)
+    return MachinePeaks(str(dtype).removeprefix("torch."), 2 * MATMUL_SIZE**3 / gemm_s / 1e9,
+                        BANDWIDTH_BYTES / read_s / 1e9)  # fmt: skip
+
+
+def multiplied_parameters(config: ModelConfig, num_params: int) -> int:
+    """The parameters a token multiplies: all of them but the embedding table, which is only looked up
+    (a tied LM head multiplies that same table, so then nothing is left out)."""
+    return num_params if config.tie_word_embeddings else num_params - config.vocab_size * config.hidden_size
+
+
+@dataclass(frozen=True)
+class TokenCost:
+    multiplied_params: int
+    num_layers: int
+    attention_width: int  # query heads x head dim
+    weight_bytes: int  # resident, as the engine holds them (packed formats at their packed size)
+    kv_bytes_per_token: int  # K and V of every layer for one cached token
+
+    @classmethod
+    def of(cls, path: Path, weight_bytes: int, kv_bytes_per_token: int) -> TokenCost:
+        shape = load_shape(path)
+        config = shape.config
+        return cls(multiplied_parameters(config, shape.num_params), config.num_layers,
+                   config.num_heads * config.head_dim, weight_bytes, kv_bytes_per_token)  # fmt: skip
+
+    def flops(self, context: float) -> float:
+        """One token's FLOPs when it attends to `context` tokens."""
+        return 2 * self.multiplied_params + 4 * self.num_layers * self.attention_width * context
+
+    def sequence_flops(self, num_tokens: int) -> float:
+        """A whole sequence's FLOPs (prompt and output): token i attends to the i tokens up to itself."""
+        return 2 * self.multiplied_params * num_tokens + 4 * self.num_layers * self.attention_width * (
+            num_tokens * (num_tokens + 1) / 2
+        )
+
+    def decode_bytes(self, batch: float, context: float) -> float:
+        """One decoded token's share of its step's reads, with `batch` sequences in the step."""
+        return self.weight_bytes / batch + context * self.kv_bytes_per_token
+
+    def utilisation(self, tokens_per_s: float, batch: float, context: float, peaks: MachinePeaks) -> dict[str, float]:
+        """MFU and MBU (fractions of the peaks) of a decode rate."""
+        return {
+            "mfu": tokens_per_s * self.flops(context) / (peaks.matmul_gflops * 1e9),
+            "mbu": tokens_per_s * self.decode_bytes(batch, context) / (peaks.read_gbps * 1e9),
+        }
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)

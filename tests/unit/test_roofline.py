@@ -1,0 +1,49 @@
+"""MFU and MBU arithmetic: a token's FLOPs and bytes from the model's shapes, against measured peaks."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks, multiplied_parameters
+from folio.config import ModelConfig
+
+
+def test_a_tokens_flops_and_bytes() -> None:
+    cost = TokenCost(multiplied_params=1_000_000, num_layers=4, attention_width=256, weight_bytes=8_000_000,
+                     kv_bytes_per_token=2_048)  # fmt: skip
+    # 2 FLOPs per multiplied weight, and QK^T and PV: 2 x 2 x layers x width per context token.
+    assert cost.flops(context=100) == 2_000_000 + 4 * 4 * 256 * 100
+    # The weights are read once per step and shared by the batch; each sequence reads its own KV.
+    assert cost.decode_bytes(batch=1, context=100) == 8_000_000 + 100 * 2_048
+    assert cost.decode_bytes(batch=8, context=100) == 1_000_000 + 100 * 2_048
+    peaks = MachinePeaks("float32", matmul_gflops=100.0, read_gbps=50.0)
+    shares = cost.utilisation(tokens_per_s=10.0, batch=1, context=100, peaks=peaks)
+    assert shares["mfu"] == pytest.approx(10 * cost.flops(100) / 100e9)
+    assert shares["mbu"] == pytest.approx(10 * cost.decode_bytes(1, 100) / 50e9)
+
+
+def test_the_embedding_lookup_is_not_multiplied_unless_the_head_shares_it() -> None:
+    config = ModelConfig(
+        architecture="LlamaForCausalLM",
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=128,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=16,
+        max_position_embeddings=64,
+    )
+    table = config.vocab_size * config.hidden_size
+    untied = dataclasses.replace(config, tie_word_embeddings=False)
+    tied = dataclasses.replace(config, tie_word_embeddings=True)
+    assert multiplied_parameters(untied, 10 * table) == 9 * table
+    assert multiplied_parameters(tied, 10 * table) == 10 * table
+
+
+def test_peaks_are_measured_positive() -> None:
+    peaks = measure_peaks(torch.float32, repeats=1)
+    assert peaks.matmul_gflops > 0 and peaks.read_gbps > 0 and peaks.dtype == "float32"
