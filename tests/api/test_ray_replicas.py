@@ -82,30 +82,6 @@ def test_embeddings_equal_folio_serve(ray_client, client):
     assert ours.usage.prompt_tokens == theirs.usage.prompt_tokens
 
 
-def test_every_api_answers_through_the_replicas(ray_server, ray_client, client):
-    """The Ollama, Anthropic and Responses routes and tool calls ride the same RemoteEngine: the answers
-    are the single-engine server's."""
-    messages = [{"role": "user", "content": "Name three colours."}]
-    expected = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
-    text = expected.choices[0].message.content
-    olla = ollama.Client(host=ray_server.url, headers={"Authorization": f"Bearer {KEY}"})
-    assert (
-        olla.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 12}).message.content == text
-    )
-    claude = anthropic.Anthropic(base_url=ray_server.url, api_key=KEY, max_retries=0)
-    reply = claude.messages.create(model=MODEL, max_tokens=12, messages=messages, extra_body={"temperature": 0})
-    assert reply.content[0].text == text
-    assert (
-        ray_client.responses.create(model=MODEL, input=messages, max_output_tokens=12, temperature=0).output_text
-        == text
-    )
-    ask = {"model": MODEL, "messages": [*TOOL_HISTORY, {"role": "user", "content": "What is the weather in Paris?"}],
-           "tools": TOOLS, "temperature": 0, "max_tokens": 60}  # fmt: skip
-    ours, theirs = ray_client.chat.completions.create(**ask), client.chat.completions.create(**ask)
-    assert [(c.function.name, c.function.arguments) for c in ours.choices[0].message.tool_calls] == [
-        (c.function.name, c.function.arguments) for c in theirs.choices[0].message.tool_calls]  # fmt: skip
-
-
 def test_shared_prefixes_stay_on_one_replica(ray_server, ray_client):
     """Each tenant's requests go to one replica, the two tenants to different replicas, and the
     repeats hit that replica's prefix cache."""
@@ -131,6 +107,30 @@ def test_shared_prefixes_stay_on_one_replica(ray_server, ray_client):
         time.sleep(0.5)
     else:
         raise AssertionError(f"prefix-cache hits per replica: {hits}")
+
+
+def test_every_api_answers_through_the_replicas(ray_server, ray_client, client):
+    """The Ollama, Anthropic and Responses routes and tool calls ride the same RemoteEngine: the answers
+    are the single-engine server's."""
+    messages = [{"role": "user", "content": "Name three colours."}]
+    expected = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    text = expected.choices[0].message.content
+    olla = ollama.Client(host=ray_server.url, headers={"Authorization": f"Bearer {KEY}"})
+    assert (
+        olla.chat(model=MODEL, messages=messages, options={"temperature": 0, "num_predict": 12}).message.content == text
+    )
+    claude = anthropic.Anthropic(base_url=ray_server.url, api_key=KEY, max_retries=0)
+    reply = claude.messages.create(model=MODEL, max_tokens=12, messages=messages, extra_body={"temperature": 0})
+    assert reply.content[0].text == text
+    assert (
+        ray_client.responses.create(model=MODEL, input=messages, max_output_tokens=12, temperature=0).output_text
+        == text
+    )
+    ask = {"model": MODEL, "messages": [*TOOL_HISTORY, {"role": "user", "content": "What is the weather in Paris?"}],
+           "tools": TOOLS, "temperature": 0, "max_tokens": 60}  # fmt: skip
+    ours, theirs = ray_client.chat.completions.create(**ask), client.chat.completions.create(**ask)
+    assert [(c.function.name, c.function.arguments) for c in ours.choices[0].message.tool_calls] == [
+        (c.function.name, c.function.arguments) for c in theirs.choices[0].message.tool_calls]  # fmt: skip
 
 
 def test_errors_auth_and_health(ray_server, ray_client):
