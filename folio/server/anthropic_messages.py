@@ -16,7 +16,7 @@ from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from folio.server.chat_answer import AnswerPiece
 from folio.server.chat_prompt import PreparedChat, prepare_chat
 from folio.server.chat_protocol import ChatCompletionRequest, chat_request_from
-from folio.server.choices import ChoiceResult
+from folio.server.choices import collect
 from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import APIError, error_body_for, error_for
@@ -65,10 +65,8 @@ async def create_message(ctx: ServerContext, body: MessagesRequest):
         if body.stream:
             events = _stream(head, prepared, call.generation, _shows_thinking(body))
             return ClosingStreamingResponse(guarded(events, _error_event), on_close=call.hand_off().close)
-        result = ChoiceResult()
         try:
-            async for _, update in call.generation:
-                result.add(update)
+            [result] = await collect(call.generation, 1)
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             raise error_for(exc) from exc
     answer = prepared.prompt.reader.read(result.text, result.finish_reason)

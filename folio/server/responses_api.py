@@ -9,7 +9,7 @@ from typing import Any
 from folio.engine.async_engine import EngineDeadError, RequestFailedError
 from folio.server.chat_prompt import PreparedChat, prepare_chat
 from folio.server.chat_protocol import chat_request_from
-from folio.server.choices import ChoiceResult
+from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
@@ -31,10 +31,8 @@ async def create_response(ctx: ServerContext, body: ResponsesRequest):
             return ClosingStreamingResponse(
                 guarded(events.run(call.generation), ResponseEvents.error_event), on_close=call.hand_off().close
             )
-        result = ChoiceResult()
         try:
-            async for _, update in call.generation:
-                result.add(update)
+            [result] = await collect(call.generation, 1)
         except (EngineDeadError, RequestFailedError, ValueError) as exc:
             raise error_for(exc) from exc
     return whole_response(ctx, body, shell, prepared, result)

@@ -8,7 +8,9 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 
+import httpx
 import uvicorn
+from prometheus_client.parser import text_string_to_metric_families
 
 from folio import LLM
 from folio.server.serve import Server, ServerOptions, build_server
@@ -39,3 +41,12 @@ def running_server(llm: LLM, model_name: str, options: ServerOptions | None = No
         http.should_exit = True
         thread.join(timeout=10)
         server.engine.shutdown()
+
+
+def aborted_requests(url: str) -> float:
+    """The server's count of requests that ended aborted (a client hung up), from /metrics."""
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
+        for sample in family.samples:
+            if sample.name == "folio:request_success_total" and sample.labels["finished_reason"] == "abort":
+                return sample.value
+    return 0.0

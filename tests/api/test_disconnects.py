@@ -9,23 +9,14 @@ import time
 
 import httpx
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from folio import LLM
 from folio.server.serve import ServerOptions
-from tests.api.server_runner import MODEL, running_server
+from tests.api.server_runner import MODEL, aborted_requests, running_server
 
 STORY = {"model": MODEL, "prompt": "Tell me a long story.", "max_tokens": 3000, "ignore_eos": True}
 CHAT = {"model": MODEL, "messages": [{"role": "user", "content": "Tell me a long story."}], "max_tokens": 3000,
         "ignore_eos": True}  # fmt: skip
-
-
-def _aborted(url: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "folio:request_success_total" and sample.labels["finished_reason"] == "abort":
-                return sample.value
-    return 0.0
 
 
 def _wait_for(condition, timeout: float = 10.0) -> None:
@@ -58,23 +49,23 @@ def _idle(server) -> bool:
 )
 def test_a_non_streaming_client_that_hangs_up_stops_its_generation(served, path, body, requests):
     url, server = served
-    before = _aborted(url)
+    before = aborted_requests(url)
     _hang_up_after(url, path, body, 2.0)
     started = time.monotonic()
     _wait_for(lambda: _idle(server), timeout=5)
     assert time.monotonic() - started < 2.0  # aborted within a step or so, not run to 3000 tokens
-    assert _aborted(url) == before + requests
+    assert aborted_requests(url) == before + requests
     assert server.context.admission.in_flight == 0
 
 
 def test_a_streaming_client_that_hangs_up_with_several_choices_stops_them_all(served):
     url, server = served
-    before = _aborted(url)
+    before = aborted_requests(url)
     with httpx.stream("POST", f"{url}/v1/completions", json={**STORY, "n": 3, "stream": True}, timeout=30) as r:
         for _, _line in zip(range(8), r.iter_lines(), strict=False):
             pass
     _wait_for(lambda: _idle(server), timeout=5)
-    assert _aborted(url) == before + 3 and server.context.admission.in_flight == 0
+    assert aborted_requests(url) == before + 3 and server.context.admission.in_flight == 0
 
 
 @pytest.fixture(scope="module")

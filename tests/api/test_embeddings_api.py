@@ -11,9 +11,8 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import numpy as np
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
-from tests.api.server_runner import MODEL
+from tests.api.server_runner import MODEL, aborted_requests
 
 TEXT = "The capital of France is"
 
@@ -32,14 +31,6 @@ def _vectors(response: httpx.Response) -> list[np.ndarray]:
         np.frombuffer(base64.b64decode(e), dtype="<f4") if isinstance(e, str) else np.array(e, dtype=np.float32)
         for e in (item["embedding"] for item in body["data"])
     ]
-
-
-def _aborted(url: str) -> float:
-    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics").text):
-        for sample in family.samples:
-            if sample.name == "folio:request_success_total" and sample.labels["finished_reason"] == "abort":
-                return sample.value
-    return 0.0
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +95,7 @@ def test_a_client_that_hangs_up_gives_back_its_slots_and_blocks(served):
     """32 inputs of 1,500 tokens are seconds of prefill: hanging up after 1 s aborts what is left."""
     url, server = served
     body = {"model": MODEL, "input": [[(7 * i + j) % 4000 + 100 for j in range(1500)] for i in range(32)]}
-    aborted = _aborted(url)
+    aborted = aborted_requests(url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/embeddings", json=body, timeout=1.0)
     engine = server.engine.engine
@@ -112,7 +103,7 @@ def test_a_client_that_hangs_up_gives_back_its_slots_and_blocks(served):
     while engine.has_unfinished() or engine.kv.pool.num_free_blocks != engine.kv.pool.num_blocks:
         assert time.monotonic() < deadline, "the abandoned embeddings kept running"
         time.sleep(0.02)
-    assert server.context.admission.in_flight == 0 and _aborted(url) > aborted
+    assert server.context.admission.in_flight == 0 and aborted_requests(url) > aborted
 
 
 @pytest.mark.parametrize(
