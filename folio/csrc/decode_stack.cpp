@@ -1,13 +1,14 @@
-// One decode step through all decoder layers of a Llama-family model, in C++.
+// One decode step through all decoder layers of a model, in C++: the Llama family, Qwen3 (QK-norm) and
+// Gemma 3 (QK-norm, a norm before and after both the attention and the MLP, two RoPE tables).
 //
 // At batch-1 decode a layer is ~15 kernel calls of a few microseconds each; driven from Python, each
 // also pays for module calls, argument parsing and small tensor views, which together cost more than
-// the 4-bit matmuls. This runs the same kernels, in the same order, on the same tensors, from one call
-// per step: the norms, rotary and activation of fused_ops.cpp, the 4-bit dot products of
-// int8_dot.cpp (or a dense GEMM), and the paged decode attention of paged_decode.cpp. Those live in
+// the quantized matmuls. This runs the same kernels, in the same order, on the same tensors, from one
+// call per step: the norms, rotary and activation of fused_ops.cpp, the 4-bit and 8-bit dot products
+// of int8_dot.cpp (or a dense GEMM), and the paged decode attention of paged_decode.cpp. Those live in
 // their own extensions and hand their entry points over as capsules, named and typed by
-// folio_kernels.h, so nothing is compiled twice. The Python layers (models/llama.py) stay the oracle,
-// and the path for everything this does not take (prefill, 8-bit KV caches, other weight formats).
+// folio_kernels.h, so nothing is compiled twice. The Python layers stay the oracle, and the path for
+// everything this does not take (prefill, 8-bit KV caches, other weight formats).
 #include <torch/extension.h>
 
 #include <optional>
@@ -20,6 +21,7 @@ namespace {
 
 struct Kernels {
   folio::Int4Linear::Fn int4_linear;
+  folio::Int8Linear::Fn int8_linear;
   folio::PagedDecodeAttention::Fn attention;
   folio::RmsNorm::Fn rms_norm;
   folio::AddRmsNorm::Fn add_rms_norm;
@@ -27,64 +29,97 @@ struct Kernels {
   folio::GatedActivation::Fn activation;
 };
 
-// A projection: a dense weight [N, K], or 4-bit tiles (int8_dot.cpp's layout) with N rows.
+// A projection: a dense weight [N, K], or 4-bit or 8-bit tiles (int8_dot.cpp's layouts) with N rows.
 struct Projection {
-  std::optional<torch::Tensor> weight, tiles, scales, mins, bias;
+  enum class Kind { kDense, kInt4, kInt8 };
+  Kind kind;
+  torch::Tensor weight;  // dense: the weight; else the tiles
+  std::optional<torch::Tensor> scales, mins, bias;
   int64_t group = 0, rows = 0;
 
   torch::Tensor operator()(const Kernels& k, const torch::Tensor& x) const {
-    if (weight) return torch::linear(x, *weight, bias);
-    torch::Tensor out = k.int4_linear(x, *tiles, *scales, *mins, group, rows);
+    if (kind == Kind::kDense) return torch::linear(x, weight, bias);
+    torch::Tensor out = kind == Kind::kInt4 ? k.int4_linear(x, weight, *scales, *mins, group, rows)
+                                            : k.int8_linear(x, weight, *scales, group, rows);
     return bias ? out + *bias : out;
   }
 };
 
+// A layer's norm weights. Llama: input and post_attention (before the MLP). Gemma 3 adds
+// pre_feedforward and post_feedforward, and its post_attention norm is of the attention's output.
+// Qwen3 and Gemma 3 norm each query and key head (q_norm, k_norm).
+struct Norms {
+  torch::Tensor input, post_attention;
+  std::optional<torch::Tensor> pre_feedforward, post_feedforward, q, k;
+};
+
 struct Layer {
-  torch::Tensor input_norm, post_attention_norm;
+  Norms norms;
   Projection qkv, o, gate_up, down;
   torch::Tensor k_cache, v_cache;
   int64_t window;
+  int64_t rope;  // which of forward's RoPE tables: 0, or 1 for Gemma's local layers
 };
 
 class DecodeStack {
  public:
   // entries: the merged `entries` of the fused_ops, int8_dot and paged_decode extensions.
+  // norm_offset: 0 (weight) or 1 (Gemma's 1 + weight). sandwich: Gemma 3's four norms a layer.
   DecodeStack(const py::dict& entries, int64_t num_heads, int64_t num_kv_heads, int64_t head_dim, int64_t block_size,
-              double scale, double eps, bool gelu)
-      : kernels_{folio::entry<folio::Int4Linear>(entries), folio::entry<folio::PagedDecodeAttention>(entries),
-                 folio::entry<folio::RmsNorm>(entries), folio::entry<folio::AddRmsNorm>(entries),
-                 folio::entry<folio::Rotary>(entries), folio::entry<folio::GatedActivation>(entries)},
+              double scale, double eps, double norm_offset, bool gelu, bool sandwich)
+      : kernels_{folio::entry<folio::Int4Linear>(entries), folio::entry<folio::Int8Linear>(entries),
+                 folio::entry<folio::PagedDecodeAttention>(entries), folio::entry<folio::RmsNorm>(entries),
+                 folio::entry<folio::AddRmsNorm>(entries), folio::entry<folio::Rotary>(entries),
+                 folio::entry<folio::GatedActivation>(entries)},
         heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size), scale_(scale),
-        eps_(eps), gelu_(gelu) {}
+        eps_(eps), offset_(norm_offset), gelu_(gelu), sandwich_(sandwich) {}
 
-  void add_layer(torch::Tensor input_norm, torch::Tensor post_attention_norm, Projection qkv, Projection o,
-                 Projection gate_up, Projection down, torch::Tensor k_cache, torch::Tensor v_cache, int64_t window) {
-    layers_.push_back({input_norm, post_attention_norm, qkv, o, gate_up, down, k_cache, v_cache, window});
+  void add_layer(Norms norms, Projection qkv, Projection o, Projection gate_up, Projection down, torch::Tensor k_cache,
+                 torch::Tensor v_cache, int64_t window, int64_t rope) {
+    TORCH_CHECK(norms.q.has_value() == norms.k.has_value(), "q and k norms come together");
+    TORCH_CHECK(!sandwich_ || (norms.pre_feedforward && norms.post_feedforward), "a sandwich layer has four norms");
+    TORCH_CHECK(rope == 0 || rope == 1, "rope: table 0 or 1");
+    layers_.push_back({std::move(norms), qkv, o, gate_up, down, k_cache, v_cache, window, rope});
   }
 
-  // hidden [T, D]: the embedded tokens, one per sequence; cos, sin [T, head_dim]; slots [T]; block_tables
-  // [T, max_blocks]; seq_lens [T]. Returns (the last MLP's output, the residual stream before it), as
-  // LlamaModel's layer loop leaves them; `hidden` itself becomes the residual stream (written in place).
-  std::vector<torch::Tensor> forward(torch::Tensor hidden, torch::Tensor cos, torch::Tensor sin, torch::Tensor slots,
+  // hidden [T, D]: the embedded tokens, one per sequence; rope: [cos, sin] or [cos, sin, local cos, local
+  // sin], each [T, head_dim]; slots [T]; block_tables [T, max_blocks]; seq_lens [T]. Returns (x, residual):
+  // the model's hidden states are residual + x, still to be added and normed as the Python layers'
+  // final norm does. `hidden` itself becomes the residual stream (written in place).
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, std::vector<torch::Tensor> rope, torch::Tensor slots,
                                      torch::Tensor block_tables, torch::Tensor seq_lens) const {
     const Kernels& k = kernels_;
+    TORCH_CHECK(rope.size() == 2 || rope.size() == 4, "rope: one or two (cos, sin) pairs");
     const int64_t tokens = hidden.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     torch::Tensor residual = hidden, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
       const Layer& layer = layers_[i];
-      h = i == 0 ? k.rms_norm(residual, layer.input_norm, eps_, 0.0)
-                 : k.add_rms_norm(h, residual, layer.input_norm, eps_, 0.0);
+      const Norms& norms = layer.norms;
+      h = i == 0 ? k.rms_norm(residual, norms.input, eps_, offset_) : k.add_rms_norm(h, residual, norms.input, eps_, offset_);
       const torch::Tensor qkv = layer.qkv(k, h);
-      const torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads_, head_dim_});
-      const torch::Tensor key = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
+      torch::Tensor q = qkv.narrow(1, 0, q_size).view({tokens, heads_, head_dim_});
+      torch::Tensor key = qkv.narrow(1, q_size, kv_size).view({tokens, kv_heads_, head_dim_});
       const torch::Tensor value = qkv.narrow(1, q_size + kv_size, kv_size).view({tokens, kv_heads_, head_dim_});
-      k.rotary(q, key, cos, sin);
+      if (norms.q) {  // each head's rows normed (a copy: the heads of a fused output are not evenly strided)
+        q = k.rms_norm(q.reshape({tokens * heads_, head_dim_}), *norms.q, eps_, offset_).view({tokens, heads_, head_dim_});
+        key = k.rms_norm(key.reshape({tokens * kv_heads_, head_dim_}), *norms.k, eps_, offset_)
+                  .view({tokens, kv_heads_, head_dim_});
+      }
+      const size_t table = rope.size() == 4 ? 2 * static_cast<size_t>(layer.rope) : 0;
+      k.rotary(q, key, rope[table], rope[table + 1]);
       layer.k_cache.index_copy_(0, slots, key);
       layer.v_cache.index_copy_(0, slots, value);
       const torch::Tensor attended = k.attention(q.contiguous(), layer.k_cache, layer.v_cache, block_tables, seq_lens,
                                                  block_size_, scale_, layer.window, std::nullopt, std::nullopt);
-      h = k.add_rms_norm(layer.o(k, attended.view({tokens, q_size})), residual, layer.post_attention_norm, eps_, 0.0);
+      const torch::Tensor projected = layer.o(k, attended.view({tokens, q_size}));
+      if (sandwich_) {
+        const torch::Tensor normed = k.rms_norm(projected, norms.post_attention, eps_, offset_);
+        h = k.add_rms_norm(normed, residual, *norms.pre_feedforward, eps_, offset_);
+      } else {
+        h = k.add_rms_norm(projected, residual, norms.post_attention, eps_, offset_);
+      }
       h = layer.down(k, k.activation(layer.gate_up(k, h), gelu_));
+      if (sandwich_) h = k.rms_norm(h, *norms.post_feedforward, eps_, offset_);
     }
     return {h, residual};
   }
@@ -93,24 +128,36 @@ class DecodeStack {
   Kernels kernels_;
   std::vector<Layer> layers_;
   int64_t heads_, kv_heads_, head_dim_, block_size_;
-  double scale_, eps_;
-  bool gelu_;
+  double scale_, eps_, offset_;
+  bool gelu_, sandwich_;
 };
 
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using Kind = Projection::Kind;
+  using Tensor = torch::Tensor;
+  using Maybe = std::optional<torch::Tensor>;
   py::class_<Projection>(m, "Projection")
-      .def(py::init([](std::optional<torch::Tensor> weight, std::optional<torch::Tensor> tiles,
-                       std::optional<torch::Tensor> scales, std::optional<torch::Tensor> mins, int64_t group,
-                       int64_t rows, std::optional<torch::Tensor> bias) {
-             TORCH_CHECK(weight.has_value() != tiles.has_value(), "a projection is dense or 4-bit tiles");
-             return Projection{weight, tiles, scales, mins, bias, group, rows};
-           }),
-           py::arg("weight"), py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"),
-           py::arg("bias"));
+      .def_static("dense", [](Tensor weight, Maybe bias) { return Projection{Kind::kDense, weight, {}, {}, bias}; },
+                  py::arg("weight"), py::arg("bias"))
+      .def_static("int4",
+                  [](Tensor tiles, Tensor scales, Tensor mins, int64_t group, int64_t rows, Maybe bias) {
+                    return Projection{Kind::kInt4, tiles, scales, mins, bias, group, rows};
+                  },
+                  py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("bias"))
+      .def_static("int8",
+                  [](Tensor tiles, Tensor scales, int64_t group, int64_t rows, Maybe bias) {
+                    return Projection{Kind::kInt8, tiles, scales, {}, bias, group, rows};
+                  },
+                  py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("bias"));
+  py::class_<Norms>(m, "Norms")
+      .def(py::init([](Tensor input, Tensor post_attention, Maybe pre_feedforward, Maybe post_feedforward, Maybe q,
+                       Maybe k) { return Norms{input, post_attention, pre_feedforward, post_feedforward, q, k}; }),
+           py::arg("input"), py::arg("post_attention"), py::arg("pre_feedforward"), py::arg("post_feedforward"),
+           py::arg("q"), py::arg("k"));
   py::class_<DecodeStack>(m, "DecodeStack")
-      .def(py::init<const py::dict&, int64_t, int64_t, int64_t, int64_t, double, double, bool>())
+      .def(py::init<const py::dict&, int64_t, int64_t, int64_t, int64_t, double, double, double, bool, bool>())
       .def("add_layer", &DecodeStack::add_layer)
       .def("forward", &DecodeStack::forward);
 }

@@ -51,10 +51,11 @@ struct Int4Linear {
                                int64_t group, int64_t rows);
 };
 
-// int8_dot.cpp: x [M, K] @ W^T for an 8-bit weight [N, K] in groups, scales float16 or float32.
+// int8_dot.cpp: x [M, K] @ W^T for an 8-bit weight in groups and tiles of 16 rows; N output rows.
 struct Int8Linear {
   static constexpr const char* name = "folio.int8_dot.int8_linear";
-  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group);
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group,
+                               int64_t rows);
 };
 
 // q8_linear.cpp: float32 x [M, K] @ W^T for int8 codes [N, K] with float32 scales per group.

@@ -15,7 +15,7 @@
 namespace folio_int8_dot {
 
 constexpr int64_t BLOCK = 32;  // activation block: one int8 scale per 32 values
-constexpr int64_t RUN = 64;    // 8-bit: values per vector step
+constexpr int64_t HALF = BLOCK / 2;
 // The kernels also take each activation's rounding error, in 1/256ths of the block's step: x ~
 // scale * (code + residual / 256), 15 significant bits instead of 8. Activations have outlier channels
 // (up to ~4000x the median on smollm2), and a block holding one leaves its other values a few steps
@@ -31,15 +31,16 @@ struct QuantizedRows {            // x [M, K] as int8 blocks
   std::vector<int8_t> residuals;  // [M, K]: x - codes * scale in steps of scale / 256
   std::vector<float> scales;      // [M, K / 32]
   std::vector<float> sums;        // [M, K / 32]: exact sums of x per block, for the 4-bit mins
-  std::vector<float> run_scales;  // [M, K / 64, 16]: each run's two block scales / 256 over 8 lanes (8-bit)
+  // [M, K / 16]: 128 * (256 * sum(codes) + sum(residuals)) over each half block, for the 8-bit kernel,
+  // whose weight bytes are code + 128 (the offset a half block's integer dot product then carries).
+  std::vector<int32_t> offsets;
 };
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_run_scales) {
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets) {
   const int64_t blocks = M * (K / BLOCK);
-  const int64_t runs = with_run_scales ? K / RUN : 0;
   QuantizedRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(blocks),
-                  std::vector<float>(blocks), std::vector<float>(M * runs * 16)};
+                  std::vector<float>(blocks), std::vector<int32_t>(with_offsets ? 2 * blocks : 0)};
   for (int64_t i = 0; i < blocks; ++i) {
     const T* src = x + i * BLOCK;
     float amax = 0.f, sum = 0.f;
@@ -63,10 +64,13 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_run_scal
     q.scales[i] = scale;
     q.sums[i] = sum;
   }
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t r = 0; r < runs; ++r)
-      for (int64_t lane = 0; lane < 16; ++lane)
-        q.run_scales[(m * runs + r) * 16 + lane] = q.scales[m * (K / BLOCK) + 2 * r + lane / 8] / RESIDUAL_STEPS;
+  if (with_offsets) {
+    for (int64_t h = 0; h < 2 * blocks; ++h) {
+      int32_t total = 0;
+      for (int64_t j = 0; j < HALF; ++j) total += 256 * q.codes[h * HALF + j] + q.residuals[h * HALF + j];
+      q.offsets[h] = 128 * total;
+    }
+  }
   return q;
 }
 

@@ -6,7 +6,7 @@
 // per AVX-512 VNNI instruction (vpdpbusd, unsigned x signed bytes). Only block results are scaled:
 //   4-bit, W[n, k] = codes[n, k] * s[n, g] + m[n, g]   (codes 0..15; groups 32 or a multiple of 64)
 //     y[n] = sum_b s[n, g(b)] * dx[b] * dot_b(codes, xq + xr / 256) + sum_g m[n, g] * sum_{k in g} x[k]
-//   8-bit, W[n, k] = codes[n, k] * s[n, g]             (codes -128..127)
+//   8-bit, W[n, k] = codes[n, k] * s[n, g]             (codes -128..127; groups 16, 32 or a multiple of 64)
 //     y[n] = sum_b s[n, g(b)] * dx[b] * dot_b(codes, xq + xr / 256)
 // (xr: the 8-bit code of each activation's rounding error, int8_activations.h.)
 // Decode reads each weight byte once, so these loops set batch-1 speed.
@@ -17,9 +17,7 @@
 // shift and an AND), 16 rows x 4 values, and vpdpbusd against 4 activation bytes broadcast to every
 // lane adds each row's 4 products into its own lane: a tile's 16 block sums come out in one register,
 // with no horizontal additions. Scales and mins are float16 [N / 16, G, 16], a tile's 16 rows side by
-// side. 8-bit weights stay row-major (Int8Groups' own codes): each row's block sums are reduced
-// across lanes, which costs less than the byte traffic at 8 bits; the sign of a code moves onto the
-// activation (|w| * (sign(w) * xq)), as vpdpbusd's first operand is unsigned.
+// side. 8-bit weights are tiled the same way, a byte per value (int8_tiles.h).
 // Without AVX-512 VNNI the same arithmetic runs as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -32,6 +30,7 @@
 
 #include "folio_kernels.h"
 #include "int8_activations.h"
+#include "int8_tiles.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FOLIO_VNNI 1
@@ -58,25 +57,32 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
-    __m512i sums[TILE], residual_sums[TILE];  // two chains, so consecutive vpdpbusd do not wait
-    for (int t = 0; t < TILE; ++t) sums[t] = residual_sums[t] = _mm512_setzero_si512();
+    // Low and high nibbles, codes and residuals apart: four vpdpbusd chains, so consecutive ones do not
+    // wait on each other's latency.
+    __m512i sums[TILE][2], residual_sums[TILE][2];
+    for (int t = 0; t < TILE; ++t)
+      sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i packed = _mm512_loadu_si512(block + 64 * j);
       const __m512i low = _mm512_and_si512(packed, nibble);
       const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+#pragma GCC unroll 4
       for (int t = 0; t < TILE; ++t) {
         const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
-        sums[t] = _mm512_dpbusd_epi32(sums[t], low, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
-        sums[t] = _mm512_dpbusd_epi32(sums[t], high, _mm512_set1_epi32(four_bytes(q.codes.data() + at + 16)));
+        sums[t][0] = _mm512_dpbusd_epi32(sums[t][0], low, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
+        sums[t][1] = _mm512_dpbusd_epi32(sums[t][1], high, _mm512_set1_epi32(four_bytes(q.codes.data() + at + 16)));
         const int8_t* r = q.residuals.data() + at;
-        residual_sums[t] = _mm512_dpbusd_epi32(residual_sums[t], low, _mm512_set1_epi32(four_bytes(r)));
-        residual_sums[t] = _mm512_dpbusd_epi32(residual_sums[t], high, _mm512_set1_epi32(four_bytes(r + 16)));
+        residual_sums[t][0] = _mm512_dpbusd_epi32(residual_sums[t][0], low, _mm512_set1_epi32(four_bytes(r)));
+        residual_sums[t][1] = _mm512_dpbusd_epi32(residual_sums[t][1], high, _mm512_set1_epi32(four_bytes(r + 16)));
       }
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + group_of_block[b] * TILE_ROWS)));
     for (int t = 0; t < TILE; ++t) {
       // 256 * sum(code * w) + sum(residual * w), in units of scale / 256
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(sums[t], 8), residual_sums[t]));
+      const __m512i code_sum = _mm512_add_epi32(sums[t][0], sums[t][1]);
+      const __m512i residual_sum = _mm512_add_epi32(residual_sums[t][0], residual_sums[t][1]);
+      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(code_sum, 8), residual_sum));
       const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS));
       acc[t] = _mm512_fmadd_ps(dots, scale, acc[t]);
     }
@@ -113,7 +119,7 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
 template <typename T>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
                       const at::Half* mins, int64_t N, int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K, /*with_run_scales=*/false);
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/false);
   const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
@@ -142,101 +148,43 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   });
 }
 
-// ---- 8-bit, row-major ----
+// ---- 8-bit, tiled (int8_tiles.h) ----
 
-#ifdef FOLIO_VNNI
-// The weight's scales for the two blocks of the run starting at block b, each over 8 lanes. With
-// groups of 32 the two are consecutive; with groups of a multiple of 64 the run has one.
-inline __m512 run_scales(const at::Half* scales, int64_t g, bool two_groups) {
-  if (!two_groups) return _mm512_cvtph_ps(_mm256_set1_epi16(static_cast<short>(scales[g].x)));
-  int32_t pair;
-  std::memcpy(&pair, scales + g, sizeof(pair));
-  const __m512 both = _mm512_castps128_ps512(_mm_cvtph_ps(_mm_cvtsi32_si128(pair)));
-  return _mm512_permutexvar_ps(_mm512_set_epi32(1, 1, 1, 1, 1, 1, 1, 1, 0, 0, 0, 0, 0, 0, 0, 0), both);
-}
-inline __m512 run_scales(const float* scales, int64_t g, bool two_groups) {
-  if (!two_groups) return _mm512_set1_ps(scales[g]);
-  return _mm512_insertf32x8(_mm512_set1_ps(scales[g]), _mm256_set1_ps(scales[g + 1]), 1);
-}
-#endif
-
-// sum_b s[g(b)] * dx[b] * dot_b for activation rows m0 .. m0 + TILE against one weight row, into y[t].
-template <int TILE, typename S>
-inline void int8_row(const int8_t* row, const S* scales, const int32_t* group_of_block, bool two_groups,
-                     const QuantizedRows& q, int64_t m0, int64_t K, float* y) {
-  const int64_t B = K / BLOCK;
-  int64_t k = 0;
-#ifdef FOLIO_VNNI
-  const __m512i zero = _mm512_setzero_si512();
-  const int64_t runs = K / RUN;
-  __m512 acc[2][TILE];  // two sets, alternating by run: consecutive FMAs do not wait on each other
-  for (int t = 0; t < TILE; ++t) acc[0][t] = acc[1][t] = _mm512_setzero_ps();
-  for (int64_t r = 0; r < runs; ++r, k += RUN) {
-    const __m512i w = _mm512_loadu_si512(row + k);
-    const __mmask64 negative = _mm512_movepi8_mask(w);
-    const __m512i magnitude = _mm512_abs_epi8(w);
-    const __m512 weight_scale = run_scales(scales, group_of_block[2 * r], two_groups);
-    for (int t = 0; t < TILE; ++t) {
-      const int64_t m = m0 + t;
-      __m512i a = _mm512_loadu_si512(q.codes.data() + m * K + k);
-      __m512i fine = _mm512_loadu_si512(q.residuals.data() + m * K + k);
-      a = _mm512_mask_sub_epi8(a, negative, zero, a);
-      fine = _mm512_mask_sub_epi8(fine, negative, zero, fine);
-      // lanes 0-7: block 2r; 8-15: 2r + 1; 256 * sum(code * w) + sum(residual * w)
-      const __m512i lanes = _mm512_add_epi32(_mm512_slli_epi32(_mm512_dpbusd_epi32(zero, magnitude, a), 8),
-                                             _mm512_dpbusd_epi32(zero, magnitude, fine));
-      const __m512 scale = _mm512_mul_ps(weight_scale, _mm512_loadu_ps(q.run_scales.data() + (m * runs + r) * 16));
-      acc[r & 1][t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lanes), scale, acc[r & 1][t]);
-    }
-  }
-  for (int t = 0; t < TILE; ++t) y[t] += _mm512_reduce_add_ps(_mm512_add_ps(acc[0][t], acc[1][t]));
-#endif
-  for (; k < K; k += BLOCK) {  // the scalar path, and a last block of 32
-    const int64_t b = k / BLOCK;
-    const float s = to_float(scales[group_of_block[b]]);
-    for (int t = 0; t < TILE; ++t) {
-      const int8_t* xq = q.codes.data() + (m0 + t) * K + k;
-      const int8_t* xr = q.residuals.data() + (m0 + t) * K + k;
-      int32_t dot = 0;
-      for (int64_t j = 0; j < BLOCK; ++j) dot += static_cast<int32_t>(row[k + j]) * (256 * xq[j] + xr[j]);
-      y[t] += s * q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS * static_cast<float>(dot);
-    }
-  }
-}
-
-template <typename T, typename S>
-void int8_linear_impl(const T* x, int64_t M, int64_t K, const int8_t* codes, const S* scales, int64_t N,
+template <bool SPLIT, typename T, typename S>
+void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
                       int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K, /*with_run_scales=*/true);
-  const int64_t G = K / group;
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true);
+  const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
-  const bool two_groups = group == BLOCK;
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float out[X_TILE * TILE_ROWS];
     for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
       const int64_t rows = std::min(X_TILE, M - m0);
-      for (int64_t n = begin; n < end; ++n) {
-        float out[X_TILE] = {0.f, 0.f, 0.f, 0.f};
-        const int8_t* row = codes + n * K;
-        const S* s = scales + n * G;
+      for (int64_t tile = begin; tile < end; ++tile) {
+        const uint8_t* c = codes + tile * B * INT8_TILE_BLOCK_BYTES;
+        const S* s = scales + tile * G * TILE_ROWS;
         const int32_t* gb = group_of_block.data();
         switch (rows) {
-          case 4: int8_row<4, S>(row, s, gb, two_groups, q, m0, K, out); break;
-          case 3: int8_row<3, S>(row, s, gb, two_groups, q, m0, K, out); break;
-          case 2: int8_row<2, S>(row, s, gb, two_groups, q, m0, K, out); break;
-          default: int8_row<1, S>(row, s, gb, two_groups, q, m0, K, out); break;
+          case 4: int8_tile<4, SPLIT>(c, s, q, gb, m0, K, out); break;
+          case 3: int8_tile<3, SPLIT>(c, s, q, gb, m0, K, out); break;
+          case 2: int8_tile<2, SPLIT>(c, s, q, gb, m0, K, out); break;
+          default: int8_tile<1, SPLIT>(c, s, q, gb, m0, K, out); break;
         }
-        for (int64_t t = 0; t < rows; ++t) y[(m0 + t) * N + n] = out[t];
+        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
+        for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
       }
     }
   });
 }
 
-void check_x(const torch::Tensor& x, int64_t group) {
+// 4-bit weights take groups of 32 or a multiple of 64; 8-bit ones also groups of 16 (Q6_K's).
+void check_x(const torch::Tensor& x, int64_t group, bool eight_bit) {
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "x: contiguous [M, K]");
   TORCH_CHECK(x.scalar_type() == torch::kFloat32 || x.scalar_type() == torch::kBFloat16, "x: float32 or bfloat16");
   const int64_t K = x.size(1);
   TORCH_CHECK(K % BLOCK == 0 && K % group == 0, "K must be a multiple of 32 and of the group size");
-  TORCH_CHECK(group == BLOCK || group % RUN == 0, "the group size must be 32 or a multiple of 64");
+  TORCH_CHECK(group == BLOCK || group % (2 * BLOCK) == 0 || (eight_bit && group == HALF),
+              "the group size must be 32 or a multiple of 64 (or 16 for 8-bit weights)");
 }
 
 // Calls f(typed x pointer).
@@ -258,7 +206,7 @@ torch::Tensor in_x_dtype(const torch::Tensor& y, const torch::Tensor& x) {
 // 4-bit: tiles uint8 [ceil(N / 16), K / 32 * 256] as above; scales, mins float16 [ceil(N / 16), G, 16].
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
                           int64_t group, int64_t N) {
-  check_x(x, group);
+  check_x(x, group, /*eight_bit=*/false);
   const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
               tiles.numel() == tile_count * (K / BLOCK) * TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 256]");
@@ -273,24 +221,62 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor sc
   return in_x_dtype(y, x);
 }
 
-// 8-bit: codes int8 [N, K]; scales float16 or float32 [N, K / group].
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scales, int64_t group) {
-  check_x(x, group);
-  const int64_t M = x.size(0), K = x.size(1), N = codes.size(0);
-  TORCH_CHECK(codes.scalar_type() == torch::kInt8 && codes.dim() == 2 && codes.is_contiguous() && codes.size(1) == K,
-              "codes: int8 [N, K]");
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() == N * (K / group), "scales: [N, K / group]");
+// 8-bit: tiles uint8 [ceil(N / 16), K / 32 * 512] (int8_tiles.h); scales float16 or float32 [ceil(N / 16), G, 16].
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N) {
+  check_x(x, group, /*eight_bit=*/true);
+  const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * (K / BLOCK) * INT8_TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 512]");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == tile_count * G * TILE_ROWS, "scales: [N / 16, K / group, 16]");
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
-  const int8_t* c = codes.data_ptr<int8_t>();
+  const uint8_t* c = tiles.data_ptr<uint8_t>();
   with_x(x, [&](auto* xs) {
+    auto run = [&](const auto* s) {
+      if (group == HALF) {
+        int8_linear_impl<true>(xs, M, K, c, s, N, group, y.data_ptr<float>());
+      } else {
+        int8_linear_impl<false>(xs, M, K, c, s, N, group, y.data_ptr<float>());
+      }
+    };
     if (scales.scalar_type() == torch::kHalf) {
-      int8_linear_impl(xs, M, K, c, scales.data_ptr<at::Half>(), N, group, y.data_ptr<float>());
+      run(scales.data_ptr<at::Half>());
     } else {
       TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
-      int8_linear_impl(xs, M, K, c, scales.data_ptr<float>(), N, group, y.data_ptr<float>());
+      run(scales.data_ptr<float>());
     }
   });
   return in_x_dtype(y, x);
+}
+
+// The tiled 8-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
+torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
+                              at::ScalarType dtype) {
+  const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * B * INT8_TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
+              scales.is_contiguous(), "int8 tiles and scales");
+  auto out = torch::empty({N, K}, torch::kFloat32);
+  const uint8_t* c = tiles.data_ptr<uint8_t>();
+  float* o = out.data_ptr<float>();
+  auto widen = [&](const auto* s) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
+        for (int64_t k = 0; k < K; ++k) {
+          const uint8_t byte = c[(tile * B + k / BLOCK) * INT8_TILE_BLOCK_BYTES + (k % BLOCK) / 4 * 64 + i * 4 + k % 4];
+          const float scale = scale_at(s, (tile * G + k / group) * TILE_ROWS + i);
+          o[n * K + k] = static_cast<float>(static_cast<int32_t>(byte) - 128) * scale;
+        }
+      }
+    });
+  };
+  if (scales.scalar_type() == torch::kHalf) {
+    widen(scales.data_ptr<at::Half>());
+  } else {
+    TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
+    widen(scales.data_ptr<float>());
+  }
+  return dtype == torch::kFloat32 ? out : out.to(dtype);
 }
 
 // The tiled 4-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
@@ -339,7 +325,8 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int4_linear", &int4_linear, "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products");
-  m.def("int8_linear", &int8_linear, "x @ W^T, W 8-bit in groups, by int8 dot products");
+  m.def("int8_linear", &int8_linear, "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products");
+  m.def("int8_dequantize", &int8_dequantize, "the tiled 8-bit weight widened, [N, K]");
   m.def("int4_dequantize", &int4_dequantize, "the tiled 4-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, "x as int8 blocks of 32 and their scales");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.

@@ -1,8 +1,8 @@
 """Token embedding and the LM head (which may share the embedding's weight).
 
-Either may hold its weight as 8-bit groups (`Int8Groups`, from a GGUF Q8_0 tensor): a lookup then
-dequantizes only the rows it needs, and the LM head multiplies through the int8 kernel, so the
-largest matrix of a small model never exists in 16/32 bits.
+Either may hold its weight as 8-bit groups (`Int8Groups` from a GGUF Q8_0 tensor, tiled on CPU as
+`PackedInt8`): a lookup then dequantizes only the rows it needs, and the LM head multiplies through
+the int8 kernel, so the largest matrix of a small model never exists in 16/32 bits.
 
 Under tensor parallelism both are split along the vocabulary (each rank holds a contiguous range of
 rows): a lookup embeds the ids in this rank's range, zeroes the rest and sums over ranks; the LM
@@ -18,7 +18,7 @@ from torch import nn
 from folio.distributed.tensor_parallel import TensorParallel, current
 from folio.layers.linear import default_weight_loader
 from folio.layers.weight_narrowing import narrow_weight
-from folio.quant.int8 import Int8Groups
+from folio.quant.int8 import Int8Groups, PackedInt8, packed_for_kernel
 
 
 class _QuantizableWeight(nn.Module):
@@ -33,7 +33,7 @@ class _QuantizableWeight(nn.Module):
         self.weight = nn.Parameter(torch.empty(self.num_rows, dim), requires_grad=False)
         self.weight.weight_loader = self.weight_loader
         self.weight.loads_slices = True  # narrows a lazy tensor to its rows before reading it
-        self.int8: Int8Groups | None = None
+        self.int8: PackedInt8 | Int8Groups | None = None
 
     def weight_loader(self, param: nn.Parameter, loaded: torch.Tensor | Int8Groups, shard_id: object = None) -> None:
         loaded = narrow_weight(loaded, 0, self.first_row, self.num_rows)
@@ -42,11 +42,11 @@ class _QuantizableWeight(nn.Module):
             return
         if loaded.shape != tuple(param.shape):
             raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {loaded.shape}")
-        self.int8 = loaded
+        self.int8 = packed_for_kernel(loaded)
         param.data = torch.empty(0, dtype=param.dtype, device=param.device)  # no dense copy kept
 
     @property
-    def packed(self) -> Int8Groups | None:
+    def packed(self) -> PackedInt8 | Int8Groups | None:
         """The quantized weight, for resident-size accounting (see model_loader)."""
         return self.int8
 

@@ -2,7 +2,8 @@
 
 A checkpoint may hand a layer its weight already quantized, in one of the row-separable forms folio
 has kernels for: 4-bit groups (`Int4Groups`: GGUF Q4_0/Q4_1/Q4_K, GPTQ, AWQ), per-channel int8
-(`ChannelInt8`), 8-bit groups (`Int8Groups`) or NF4 (`NF4Weight`). The rows of the first three
+(`ChannelInt8`), 8-bit groups (`Int8Groups`) or NF4 (`NF4Weight`). Once joined, 4-bit and 8-bit
+groups are tiled for their dot-product kernels (`PackedInt4`, `PackedInt8`). The rows of the first three
 depend only on their own codes and scales, so the shards of a fused layer (q|k|v, gate|up), which arrive one at a
 time, are staged as they come and joined once every row is in: no dense copy of the weight ever
 exists. A format whose parts cannot be joined exactly (NF4: its double-quantized scales run across
@@ -17,6 +18,7 @@ from typing import Protocol
 import torch
 
 from folio.quant.int4 import GROUP_SIZE, Int4Groups, PackedInt4
+from folio.quant.int8 import Int8Groups, packed_for_kernel
 from folio.quant.int8_dot import GROUP_SIZES
 
 
@@ -79,7 +81,9 @@ class RowStaging:
             joined = type(parts[0]).cat_rows(parts)
         else:
             return ConcatRows(parts)
-        return PackedInt4(joined) if isinstance(joined, Int4Groups) else joined
+        if isinstance(joined, Int4Groups):
+            return PackedInt4(joined)
+        return packed_for_kernel(joined) if isinstance(joined, Int8Groups) else joined
 
 
 class ConcatRows:

@@ -1,14 +1,16 @@
-"""A Llama-family model's decode steps in one C++ call (folio/csrc/decode_stack.cpp).
+"""A model's decode steps in one C++ call (folio/csrc/decode_stack.cpp): the Llama family, Qwen3 and Gemma 3.
 
 Built once the KV cache is bound, from the model's own tensors (nothing is copied), when every piece
-has a C++ kernel: projections dense or 4-bit (`PackedInt4`), a KV cache in the model's dtype, the
-decode attention, norm, rotary and activation kernels all built. A step takes it when every
-scheduled token is a decode and the batch is within the 4-bit kernel's rows; anything else runs the
-Python layers, which stay the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack off).
+has a C++ kernel: projections dense, 4-bit (`PackedInt4`) or 8-bit (`PackedInt8`: GGUF's Q8_0,
+Q6_K, Q5_0), a KV cache in the model's dtype, the decode attention, norm, rotary and activation
+kernels all built. A step takes it when every scheduled token is a decode and the batch is within the
+rows its weights' dot-product kernels are picked for; anything else runs the Python layers, which stay
+the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack off).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
 
@@ -20,24 +22,69 @@ from folio.layers import fused_ops
 from folio.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.linear import Linear
-from folio.quant.int4 import DOT_MAX_ROWS, PackedInt4
+from folio.layers.norm import RMSNorm
+from folio.quant import int4, int8
+
+Rope = tuple[torch.Tensor, torch.Tensor]
 
 
-def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> Any | None:
+class DecodeStack:
+    """The compiled stack and the most rows a step may have for it (its weights' kernels' limit)."""
+
+    def __init__(self, stack: Any, max_rows: int) -> None:
+        self.stack, self.max_rows = stack, max_rows
+
+    def takes_step(self, num_tokens: int, meta: AttentionMetadata) -> bool:
+        """Whether this step is one the stack runs: decodes only, within `max_rows`."""
+        groups = meta.groups
+        whole = meta.context is None  # a split context attends across ranks, which the stack cannot
+        return whole and len(groups) == 1 and groups[0].is_decode and num_tokens <= self.max_rows
+
+    def forward(self, hidden: torch.Tensor, ropes: Sequence[Rope], meta: AttentionMetadata) -> list[torch.Tensor]:
+        """hidden: the embedded tokens; ropes: (cos, sin) of the global layers, then of the local ones (if
+        the model has two). Returns (x, residual), the hidden states being residual + x before the final
+        norm."""
+        tables = [t.view(t.shape[0], -1) for rope in ropes for t in rope]
+        group = meta.groups[0]
+        return self.stack.forward(hidden, tables, meta.slot_mapping, group.block_tables, group.seq_lens)
+
+
+def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> tuple[Any, int] | None:
+    """(the C++ projection, the most rows its kernel is picked for), or None for a format it lacks."""
     packed, bias = layer.packed, layer.bias
     if packed is None and layer.weight.dtype == dtype:
-        return module.Projection(layer.weight, None, None, None, 0, 0, bias)
-    if isinstance(packed, PackedInt4):
-        rows = packed.shape[0]
-        return module.Projection(None, packed.tiles, packed.scales, packed.mins, packed.group_size, rows, bias)
-    return None  # another format: the Python layers
+        return module.Projection.dense(layer.weight, bias), int4.DOT_MAX_ROWS
+    if isinstance(packed, int4.PackedInt4):
+        projection = module.Projection.int4(packed.tiles, packed.scales, packed.mins, packed.group_size,
+                                            packed.shape[0], bias)  # fmt: skip
+        return projection, int4.DOT_MAX_ROWS
+    if isinstance(packed, int8.PackedInt8):
+        projection = module.Projection.int8(packed.tiles, packed.scales, packed.group_size, packed.shape[0], bias)
+        return projection, int8.DOT_MAX_ROWS
+    return None
 
 
-def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> Any | None:
-    """The C++ stack for a LlamaModel whose layers it can run, else None."""
+def _weight(norm: nn.Module | None) -> torch.Tensor | None:
+    return None if norm is None else norm.weight
+
+
+def build_decode_stack(
+    model: nn.Module, dtype: torch.dtype, sandwich: bool = False, rope_tables: Sequence[int] | None = None
+) -> DecodeStack | None:
+    """The C++ stack for a model body whose layers it can run, else None.
+
+    The layers are Llama-shaped (`input_layernorm`, `self_attn.qkv_proj`/`o_proj`/`attn`,
+    `post_attention_layernorm`, `mlp.gate_up_proj`/`down_proj`), with `self_attn.q_norm`/`k_norm` where
+    the model norms each head (Qwen3, Gemma 3). `sandwich`: Gemma 3's layout, where
+    `post_attention_layernorm` norms the attention's output and `pre_feedforward_layernorm` and
+    `post_feedforward_layernorm` wrap the MLP. `rope_tables`: per layer, 0 for the first (cos, sin) pair
+    `DecodeStack.forward` is given, 1 for the second.
+    """
     layers = model.layers
     attention = [layer.self_attn.attn for layer in layers]
     if not layers or any(a.cache is None or a.cache.fmt is not None or a.cache.k.dtype != dtype for a in attention):
+        return None
+    if any(a.scale != attention[0].scale or a.alibi_slopes is not None for a in attention):
         return None
     act = layers[0].mlp.act
     if act not in (silu_and_mul, gelu_tanh_and_mul) or dtype not in (torch.float32, torch.bfloat16):
@@ -48,27 +95,31 @@ def build_decode_stack(model: nn.Module, dtype: torch.dtype) -> Any | None:
     if module is None or int8_dot is None or attention_kernel is None or fused is None:
         return None
     first = layers[0]
-    entries = ops.entries(fused, int8_dot, attention_kernel)
+    reference: RMSNorm = first.input_layernorm
     stack = module.DecodeStack(
-        entries, first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim,
-        attention[0].block_size, attention[0].scale, first.input_layernorm.eps, act is gelu_tanh_and_mul,
+        ops.entries(fused, int8_dot, attention_kernel), first.self_attn.num_heads, first.self_attn.num_kv_heads,
+        first.self_attn.head_dim, attention[0].block_size, attention[0].scale, reference.eps,
+        reference.weight_offset, act is gelu_tanh_and_mul, sandwich,
     )  # fmt: skip
-    for layer, attn in zip(layers, attention, strict=True):
-        projections = [
-            _projection(module, p, dtype)
-            for p in (layer.self_attn.qkv_proj, layer.self_attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        ]
-        norms = (layer.input_layernorm, layer.post_attention_layernorm)
-        if any(p is None for p in projections) or any(n.weight_offset or n.eps != first.input_layernorm.eps
-                                                      for n in norms):  # fmt: skip
+    max_rows = int4.DOT_MAX_ROWS
+    for index, (layer, attn) in enumerate(zip(layers, attention, strict=True)):
+        self_attn, mlp = layer.self_attn, layer.mlp
+        made = [_projection(module, p, dtype)
+                for p in (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+        q_norm, k_norm = getattr(self_attn, "q_norm", None), getattr(self_attn, "k_norm", None)
+        around_mlp = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if sandwich else (None, None)
+        norms = [layer.input_layernorm, layer.post_attention_layernorm, q_norm, k_norm, *around_mlp]
+        norms = [n for n in norms if n is not None]
+        if any(m is None for m in made) or any(
+            not isinstance(n, RMSNorm) or (n.eps, n.weight_offset) != (reference.eps, reference.weight_offset)
+            for n in norms
+        ):
             return None
-        stack.add_layer(norms[0].weight, norms[1].weight, *projections, attn.cache.k, attn.cache.v,
-                        attn.sliding_window or 0)  # fmt: skip
-    return stack
-
-
-def takes_step(stack: Any | None, num_tokens: int, meta: AttentionMetadata) -> bool:
-    """Whether this step is one the stack runs: decodes only, within the 4-bit kernel's rows."""
-    groups = meta.groups
-    whole = meta.context is None  # a split context attends across ranks, which the stack cannot
-    return stack is not None and whole and len(groups) == 1 and groups[0].is_decode and num_tokens <= DOT_MAX_ROWS
+        max_rows = min(max_rows, *(rows for _, rows in made))
+        stack.add_layer(
+            module.Norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
+                         _weight(around_mlp[0]), _weight(around_mlp[1]), _weight(q_norm), _weight(k_norm)),
+            *(projection for projection, _ in made), attn.cache.k, attn.cache.v, attn.sliding_window or 0,
+            rope_tables[index] if rope_tables is not None else 0,
+        )  # fmt: skip
+    return DecodeStack(stack, max_rows)

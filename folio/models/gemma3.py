@@ -1,7 +1,7 @@
 """Gemma 3 (text): interleaved sliding-window and global layers, QK-norm, GeGLU, scaled embeddings.
 
 Norms scale by (1 + weight), following the reference checkpoints; the GGUF loader converts llama.cpp's
-pre-added ones back to that convention.
+pre-added ones back to that convention. The C++ decode step (decode_stack.py) serves whole models.
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ from folio.models.config_readers import (
     hf_common_fields,
     scaling_or_none,
 )
-from folio.models.staged import StagedBody
+from folio.models.decode_stack import DecodeStack, build_decode_stack
+from folio.models.staged import StageCarry, StagedBody
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 
@@ -96,6 +97,19 @@ class Gemma3Model(StagedBody):
             config.head_dim, config.max_position_embeddings, config.rope_local_theta or 10000.0, None
         )
         self.embed_scale = config.hidden_size**0.5
+        self.decode_stack: DecodeStack | None = None  # the C++ decode step, once the KV cache is bound (whole models)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+        carried: StageCarry | None = None,
+    ) -> torch.Tensor | StageCarry:  # fmt: skip
+        stack = self.decode_stack
+        if stack is None or not stack.takes_step(input_ids.shape[0], meta):
+            return super().forward(input_ids, positions, meta, carried)
+        hidden = self.embed(input_ids, positions)
+        ropes = [rotary.cos_sin(positions, hidden.dtype) for rotary in (self.rotary_global, self.rotary_local)]
+        hidden, residual = stack.forward(hidden, ropes, meta)
+        return self.norm.add_and_norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -121,6 +135,12 @@ class Gemma3ForCausalLM(CausalLM):
         super().__init__()
         self.model = Gemma3Model(config)
         self._finish_init(config)
+
+    def bind_decode_stack(self, dtype: torch.dtype) -> None:
+        if self.tp.size == 1 and self.stage.size == 1:  # the C++ step runs whole models only
+            body = self.model
+            local = [int(layer.self_attn.is_sliding) for layer in body.layers]  # their RoPE: the second table
+            body.decode_stack = build_decode_stack(body, dtype, sandwich=True, rope_tables=local)
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:
@@ -195,6 +215,7 @@ ARCHITECTURES = (
         _config_to_hf,
         gguf=GGUFLayout(("gemma3",), _config_from_gguf, _GGUF_BLOCK_NAMES, LLAMA_TOP_NAMES, norm_offset=1.0),
         tokenizer_family="gemma",
+        decode_stack=True,
         hf_refused={
             "Gemma3ForConditionalGeneration": "multimodal Gemma 3 checkpoints are not supported; use a text-only "
             "(Gemma3ForCausalLM) one"

@@ -1,12 +1,10 @@
 """The Llama family: Llama 2/3, Mistral, Qwen2 (q/k/v bias), SmolLM2.
 
 Forward runs on a flat batch: input_ids [T] and positions [T] of all scheduled tokens of all requests.
-The C++ decode step (decode_stack.py) serves these models.
+The C++ decode step (decode_stack.py) serves these models (and Qwen3, which reuses this body).
 """
 
 from __future__ import annotations
-
-from typing import Any
 
 import torch
 from torch import nn
@@ -28,7 +26,7 @@ from folio.models.config_readers import (
     hf_common_config,
     hf_common_fields,
 )
-from folio.models.decode_stack import build_decode_stack, takes_step
+from folio.models.decode_stack import DecodeStack, build_decode_stack
 from folio.models.staged import StageCarry, StagedBody
 
 
@@ -99,20 +97,17 @@ class LlamaModel(StagedBody):
         self.rotary = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
-        self.decode_stack: Any | None = None  # the C++ decode step, once the KV cache is bound (whole models)
+        self.decode_stack: DecodeStack | None = None  # the C++ decode step, once the KV cache is bound (whole models)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         carried: StageCarry | None = None,
     ) -> torch.Tensor | StageCarry:  # fmt: skip
-        if not takes_step(self.decode_stack, input_ids.shape[0], meta):
+        stack = self.decode_stack
+        if stack is None or not stack.takes_step(input_ids.shape[0], meta):
             return super().forward(input_ids, positions, meta, carried)
         hidden = self.embed_tokens(input_ids)
-        cos, sin = (t.view(t.shape[0], -1) for t in self.rotary.cos_sin(positions, hidden.dtype))
-        group = meta.groups[0]
-        hidden, residual = self.decode_stack.forward(
-            hidden, cos, sin, meta.slot_mapping, group.block_tables, group.seq_lens
-        )
+        hidden, residual = stack.forward(hidden, [self.rotary.cos_sin(positions, hidden.dtype)], meta)
         return self.norm.add_and_norm(hidden, residual)[0]
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """Qwen3 (dense): the Llama layout with an RMSNorm on each query and key head before RoPE (QK-norm)
-and no q/k/v bias. QK-norm has no place in the C++ decode step, so the Python layers run every step."""
+and no q/k/v bias. The C++ decode step (decode_stack.py) serves it as it serves Llama."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ from folio.models.config_readers import (
     hf_common_config,
     hf_common_fields,
 )
+from folio.models.decode_stack import build_decode_stack
 from folio.models.llama import LlamaAttention, LlamaModel
 
 
@@ -43,6 +44,10 @@ class Qwen3ForCausalLM(CausalLM):
         super().__init__()
         self.model = LlamaModel(config, Qwen3Attention)
         self._finish_init(config)
+
+    def bind_decode_stack(self, dtype: torch.dtype) -> None:
+        if self.tp.size == 1 and self.stage.size == 1:  # the C++ step runs whole models only
+            self.model.decode_stack = build_decode_stack(self.model, dtype)
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:
@@ -73,5 +78,7 @@ def _config_from_gguf(gguf: GGUFMetadata) -> ModelConfig:
 _GGUF = GGUFLayout(("qwen3",), _config_from_gguf, LLAMA_BLOCK_NAMES, LLAMA_TOP_NAMES)
 
 ARCHITECTURES = (
-    Architecture("qwen3", ("Qwen3ForCausalLM",), Qwen3ForCausalLM, _config_from_hf, _config_to_hf, gguf=_GGUF),
+    Architecture(
+        "qwen3", ("Qwen3ForCausalLM",), Qwen3ForCausalLM, _config_from_hf, _config_to_hf, gguf=_GGUF, decode_stack=True
+    ),
 )

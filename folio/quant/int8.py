@@ -1,12 +1,14 @@
-"""8-bit weights in groups along K, kept as int8 codes and float32 scales and multiplied by a small C++
-kernel: GGUF's symmetric formats of 5 to 8 bits (Q8_0 and Q5_0 in groups of 32, 1.125 bytes per weight
-against the files' 1.0625 and 0.6875; Q6_K in groups of 16, 1.25 against 0.82), whose codes fit int8
-as they are. That is what the model keeps instead of a 2- or 4-byte dense weight.
+"""8-bit weights in groups along K: GGUF's symmetric formats of 5 to 8 bits (Q8_0 and Q5_0 in groups of
+32, Q6_K in groups of 16), whose codes fit int8 as they are, and 8-bit GPTQ. That is what the model
+keeps instead of a 2- or 4-byte dense weight.
 
-W[n, k] = scales[n, k // group] * codes[n, k]. For up to 8 rows, groups of 32 or more go to the
-int8 dot-product kernel (int8_dot.py); otherwise, for few rows, the float kernel here reads the codes
-once and never builds the float weight; for many rows (or without a compiler) the weight is
-dequantized and one GEMM runs. Embedding lookups dequantize only the rows asked for.
+W[n, k] = scales[n, k // group] * codes[n, k]. `Int8Groups` is the form a loader produces (row-major
+codes, float32 scales: rows can be split and joined). On CPU a layer then holds it as `PackedInt8`:
+a byte per weight tiled by 16 rows for the int8 dot-product kernel (int8_dot.py), scales float16
+where that is exact (Q8_0's and Q5_0's are: 1.0625 bytes per weight against the files' 1.0625 and
+0.6875), else float32 (Q6_K: 1.125 against 0.82); past DOT_MAX_ROWS rows it is widened in C++ for one
+GEMM. Groups the kernel does not take stay `Int8Groups`, multiplied by the float kernel here for few
+rows or dequantized for one GEMM. Embedding lookups dequantize only the rows asked for.
 """
 
 from __future__ import annotations
@@ -18,17 +20,21 @@ import torch.nn.functional as F
 
 from folio import ops
 from folio.quant.gguf_dequant import GroupQuant
-from folio.quant.int8_dot import GROUP_SIZES
+from folio.quant.int8_dot import (
+    ACTIVATION_BLOCK,
+    INT8_GROUP_SIZES,
+    TILE_ROWS,
+    tile_groups,
+    tile_int8_codes,
+    untile_int8_codes,
+)
 
-# Rows up to which the kernel beats dequantize-then-GEMM. Measured on the project's machine for the
+# Rows up to which the float kernel beats dequantize-then-GEMM. Measured on the project's machine for the
 # 49152x576 LM head of smollm2 (2 threads): kernel 3.5 / 54 / 104 ms at 1 / 64 / 128 rows, against
-# 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB). Only embeddings and LM
-# heads use it, and those see at most one row per running sequence.
+# 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB).
 KERNEL_MAX_ROWS = 128
-# Rows up to which the int8 dot-product kernel (int8_dot.py) beats the float kernel above, for groups
-# of 32 or a multiple of 64: on the same LM head 1.5 / 3.5 / 7.1 / 12.3 ms at 1 / 4 / 8 / 16 rows
-# against 3.5 / 5.6 / 7.1 / 10.5 (a development measurement).
-DOT_MAX_ROWS = 8
+# Rows up to which the tiled dot-product kernel beats widening the weight for one GEMM.
+DOT_MAX_ROWS = 128
 
 
 @dataclass
@@ -71,27 +77,93 @@ class Int8Groups:
 
     def load_kernels(self) -> None:
         if self.codes.device.type == "cpu":
-            if self.group_size in GROUP_SIZES:
-                ops.load("int8_dot")
             ops.load("q8_linear")
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
         flat = x.reshape(-1, self.shape[1])
         rows, on_cpu = flat.shape[0], flat.device.type == "cpu"
-        # Q6_K's groups of 16 are not the dot-product kernel's; they take the float one.
-        dot = on_cpu and rows <= DOT_MAX_ROWS and self.group_size in GROUP_SIZES
-        dot_kernel = ops.load("int8_dot") if dot else None
-        kernel = ops.load("q8_linear") if on_cpu and dot_kernel is None and rows <= KERNEL_MAX_ROWS else None
-        if dot_kernel is not None:
-            out = dot_kernel.int8_linear(flat.contiguous(), self.codes, self.scales, self.group_size)
-        elif kernel is not None:
+        kernel = ops.load("q8_linear") if on_cpu and rows <= KERNEL_MAX_ROWS else None
+        if kernel is not None:
             out = kernel.q8_linear(flat.float().contiguous(), self.codes, self.scales, self.group_size).to(x.dtype)
         else:
             out = F.linear(flat, self.dequantize(x.dtype))
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.shape[0])
+
+
+def tiles_take(groups: Int8Groups) -> bool:
+    """Whether the tiled dot-product kernel takes these groups: on CPU, K a multiple of 32, groups of 16,
+    32 or a multiple of 64."""
+    cols = groups.shape[1]
+    return groups.codes.device.type == "cpu" and cols % ACTIVATION_BLOCK == 0 and groups.group_size in INT8_GROUP_SIZES
+
+
+class PackedInt8:
+    """A [N, K] weight held as a byte per value, tiled by 16 rows for the int8 dot-product kernel
+    (`int8_dot.tile_int8_codes`), with its scales per group tiled alongside (`tile_groups`). Multiplied
+    by that kernel up to DOT_MAX_ROWS rows; past them, or without a compiler, widened for one GEMM."""
+
+    def __init__(self, groups: Int8Groups) -> None:
+        self.shape = groups.shape
+        self.group_size = groups.group_size
+        self.tiles = tile_int8_codes(groups.codes)
+        scales = groups.scales.float()
+        exact = bool(torch.equal(scales.half().float(), scales))  # GGUF's Q8_0 and Q5_0 store float16 scales
+        self.scales = tile_groups(scales, torch.float16 if exact else torch.float32)
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes + self.scales.nbytes
+
+    def codes(self) -> torch.Tensor:
+        """The [N, K] int8 codes."""
+        return untile_int8_codes(self.tiles, self.shape[0], self.shape[1])
+
+    def _row_scales(self, rows: torch.Tensor | None = None) -> torch.Tensor:
+        """[N, G] (or [len(rows), G]) float32 scales."""
+        if rows is None:
+            return self.scales.transpose(1, 2).reshape(-1, self.scales.shape[1])[: self.shape[0]].float()
+        return self.scales[rows // TILE_ROWS, :, rows % TILE_ROWS].float()
+
+    def _widen(self, codes: torch.Tensor, scales: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        grouped = codes.view(codes.shape[0], -1, self.group_size).float() * scales.unsqueeze(-1)
+        return grouped.view(codes.shape[0], -1).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        kernel = ops.load("int8_dot") if self.tiles.device.type == "cpu" else None
+        if kernel is not None:
+            return kernel.int8_dequantize(self.tiles, self.scales, self.group_size, *self.shape, dtype)
+        return self._widen(self.codes(), self._row_scales(), dtype)
+
+    def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the weight, dequantized."""
+        flat = ids.flatten()
+        codes = untile_int8_codes(self.tiles, flat, self.shape[1])
+        return self._widen(codes, self._row_scales(flat), dtype).view(*ids.shape, self.shape[1])
+
+    def load_kernels(self) -> None:
+        if self.tiles.device.type == "cpu":
+            ops.load("int8_dot")
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
+        flat = x.reshape(-1, self.shape[1])
+        takes = flat.shape[0] <= DOT_MAX_ROWS and flat.dtype in (torch.float32, torch.bfloat16)
+        kernel = ops.load("int8_dot") if takes and flat.device.type == "cpu" else None
+        if kernel is not None:
+            out = kernel.int8_linear(flat.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0])
+        else:
+            out = F.linear(flat, self.dequantize(x.dtype))
+        if bias is not None:
+            out = out + bias
+        return out.view(*x.shape[:-1], self.shape[0])
+
+
+def packed_for_kernel(groups: Int8Groups) -> PackedInt8 | Int8Groups:
+    """The groups as the tiled kernel holds them, where it takes them."""
+    return PackedInt8(groups) if tiles_take(groups) else groups
 
 
 def int8_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int8Groups | None:

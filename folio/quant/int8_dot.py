@@ -15,8 +15,9 @@ import torch
 from folio import ops
 
 ACTIVATION_BLOCK = 32
-TILE_ROWS = 16  # 4-bit weights are tiled by 16 rows: one vector lane per row
-GROUP_SIZES = (32, 64, 128, 256)  # weight groups the kernels take: 32, or a multiple of 64
+TILE_ROWS = 16  # weights are tiled by 16 rows: one vector lane per row
+GROUP_SIZES = (32, 64, 128, 256)  # weight groups the 4-bit kernel takes: 32, or a multiple of 64
+INT8_GROUP_SIZES = (16, *GROUP_SIZES)  # and the 8-bit one: also Q6_K's groups of 16
 
 
 def tile_codes(codes: torch.Tensor) -> torch.Tensor:
@@ -38,9 +39,31 @@ def untile_codes(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return both.reshape(-1, cols)[:rows]
 
 
-def tile_groups(values: torch.Tensor) -> torch.Tensor:
-    """Per-group [N, G] scales or mins -> float16 [ceil(N / 16), G, 16], a tile's rows side by side."""
-    padded = _pad_rows(values.to(torch.float16), TILE_ROWS)
+def tile_int8_codes(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] int8 codes -> the 8-bit kernel's tiles, uint8 [ceil(N / 16), K / 32 * 512]: rows in tiles of
+    16 (the last padded with zeros), and per tile and block of 32 values, byte (j, i, t) holds value
+    4j + t of row i, plus 128."""
+    rows, cols = codes.shape
+    shifted = (codes.to(torch.int16) + 128).to(torch.uint8)
+    padded = _pad_rows(shifted, TILE_ROWS, fill=128)
+    parts = padded.view(-1, TILE_ROWS, cols // ACTIVATION_BLOCK, 8, 4)  # [tile, i, block, j, t]
+    return parts.permute(0, 2, 3, 1, 4).reshape(padded.shape[0] // TILE_ROWS, -1).contiguous()
+
+
+def untile_int8_codes(tiles: torch.Tensor, rows: torch.Tensor | int, cols: int) -> torch.Tensor:
+    """The inverse of `tile_int8_codes`: [N, K] int8 codes, of all rows (`rows` an int: how many) or of
+    the rows an index tensor names (an embedding lookup)."""
+    per_tile = tiles.view(tiles.shape[0], cols // ACTIVATION_BLOCK, 8, TILE_ROWS, 4)  # [tile, block, j, i, t]
+    if isinstance(rows, int):
+        picked = per_tile.permute(0, 3, 1, 2, 4).reshape(-1, cols)[:rows]
+    else:
+        picked = per_tile[rows // TILE_ROWS, :, :, rows % TILE_ROWS, :].reshape(-1, cols)  # [n, block, j, t]
+    return (picked.to(torch.int16) - 128).to(torch.int8)
+
+
+def tile_groups(values: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Per-group [N, G] scales or mins -> [ceil(N / 16), G, 16] in `dtype`, a tile's rows side by side."""
+    padded = _pad_rows(values.to(dtype), TILE_ROWS)
     return padded.view(-1, TILE_ROWS, values.shape[1]).transpose(1, 2).contiguous()
 
 
@@ -48,9 +71,9 @@ def untile_groups(tiled: torch.Tensor, rows: int) -> torch.Tensor:
     return tiled.transpose(1, 2).reshape(-1, tiled.shape[1])[:rows]
 
 
-def _pad_rows(t: torch.Tensor, multiple: int) -> torch.Tensor:
+def _pad_rows(t: torch.Tensor, multiple: int, fill: int = 0) -> torch.Tensor:
     extra = -t.shape[0] % multiple
-    return t if not extra else torch.cat([t, t.new_zeros(extra, *t.shape[1:])])
+    return t if not extra else torch.cat([t, t.new_full((extra, *t.shape[1:]), fill)])
 
 
 def quantize_activations(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

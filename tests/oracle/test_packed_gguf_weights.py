@@ -50,16 +50,17 @@ def test_packed_weights_are_smaller_and_score_like_the_dequantized_ones(both):
 
 
 def test_gemma3_keeps_its_5_6_and_8_bit_projections_as_int8_groups(gemma3_gguf):
-    """gemma3-270m's file holds Q5_0 q/k/v/gate/up, Q6_K or Q4_K down and Q8_0 v: none is widened."""
+    """gemma3-270m's file holds Q5_0 q/k/v/gate/up, Q6_K or Q4_K down and Q8_0 v: none is widened (the 8-bit
+    ones are tiled for the dot-product kernel)."""
     from folio.layers.linear import Linear
     from folio.loaders.gguf_file import GGUFFile
     from folio.quant.gguf_dequant import dequantize_tensor, unpack
     from folio.quant.int4 import PackedInt4
-    from folio.quant.int8 import Int8Groups, int8_groups
+    from folio.quant.int8 import PackedInt8, int8_groups
 
     loaded = load_model(gemma3_gguf, torch.bfloat16, torch.device("cpu"))
     kinds = {type(m.packed) for m in loaded.model.modules() if isinstance(m, Linear)}
-    assert kinds == {Int8Groups, PackedInt4}
+    assert kinds == {PackedInt8, PackedInt4}
     assert all(m.weight.numel() == 0 for m in loaded.model.modules() if isinstance(m, Linear))
     gguf = GGUFFile(gemma3_gguf)
     [name] = [n for n, t in gguf.tensors.items() if t.ggml_type.name == "Q6_K"][:1]

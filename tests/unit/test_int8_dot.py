@@ -4,9 +4,9 @@ Activations are coded in blocks of 32 as int8 codes plus int8 residuals (their r
 a step), so products are checked twice: against the same arithmetic on the kernel's own coded activations
 (the integer block dot products must be exact, leaving only float32 accumulation error) and against the
 uncoded product (the rounding must stay small). Shapes cover the row tiles of 4 (M = 1..5, 8), output rows
-split across threads and a last 4-bit tile of 16 rows only partly filled (N = 50), the 8-bit K % 64 == 32
-tail, each group-size branch, bfloat16 activations, -128 weight codes, and the tiled layout of the 4-bit
-codes.
+split across threads and a last tile of 16 rows only partly filled (N = 50), each group-size branch (Q6_K's
+16 for 8-bit weights), float16 and float32 scales, bfloat16 activations, -128 weight codes, and the tiled
+layouts of the 4-bit and 8-bit codes.
 """
 
 from __future__ import annotations
@@ -21,12 +21,15 @@ from folio.quant.int8_dot import (
     quantize_activations,
     tile_codes,
     tile_groups,
+    tile_int8_codes,
     untile_codes,
     untile_groups,
+    untile_int8_codes,
 )
 
 N = 50  # not a multiple of the 16-row tiles
 SHAPES = [(608, 32), (1536, 128), (640, 64), (96, 32)]  # (K, group): tail + pairs of groups, wide groups, one run
+INT8_SHAPES = [*SHAPES, (608, 16), (2048, 16)]  # 8-bit weights also come in Q6_K's groups of 16 (with a tail)
 ROWS = [1, 2, 3, 4, 5, 8]
 
 
@@ -54,8 +57,13 @@ def _int4(k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, to
 def _int8(k: int, group: int, seed: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     gen = torch.Generator().manual_seed(seed)
     codes = torch.randint(-128, 128, (N, k), generator=gen, dtype=torch.int8)
-    codes[:, ::7] = -128  # |-128| does not fit in int8: the kernel's sign trick must still get it right
+    codes[:, ::7] = -128  # stored as 0 once offset by 128
     return codes, (torch.rand(N, k // group, generator=gen) * 0.02 + 0.001).to(scale_dtype)
+
+
+def _int8_linear(kernel: ModuleType, x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, group: int):
+    """The 8-bit kernel on row-major codes and scales, tiled as PackedInt8 holds them."""
+    return kernel.int8_linear(x, tile_int8_codes(codes), tile_groups(scales, scales.dtype), group, codes.shape[0])
 
 
 def _per_column(groups: torch.Tensor, group: int) -> torch.Tensor:
@@ -98,6 +106,20 @@ def test_codes_follow_the_tile_layout_and_round_trip(rows: int, k: int) -> None:
     assert torch.equal(untile_codes(tiles, rows, k).long(), codes)
     groups = torch.rand(rows, k // 32)
     assert torch.equal(untile_groups(tile_groups(groups), rows), groups.half())
+
+
+@pytest.mark.parametrize(("rows", "k"), [(16, 32), (50, 64), (3, 96)])
+def test_int8_codes_follow_their_tile_layout_and_round_trip(rows: int, k: int) -> None:
+    codes = torch.randint(-128, 128, (rows, k), generator=torch.Generator().manual_seed(k), dtype=torch.int8)
+    tiles = tile_int8_codes(codes)
+    assert tiles.shape == (-(-rows // 16), k // 32 * 512) and tiles.dtype == torch.uint8
+    n, b, j, t = rows - 1, k // 32 - 1, 5, 2  # value 32b + 4j + t of the last row, at byte (j, i, t) of block b
+    assert tiles[n // 16, b * 512 + j * 64 + (n % 16) * 4 + t].item() == codes[n, 32 * b + 4 * j + t].item() + 128
+    assert torch.equal(untile_int8_codes(tiles, rows, k), codes)
+    picked = torch.tensor([rows - 1, 0, rows // 2, 0])
+    assert torch.equal(untile_int8_codes(tiles, picked, k), codes[picked])
+    if rows % 16:
+        assert (tiles.view(-1, k // 32, 8, 16, 4)[-1, :, :, rows % 16 :] == 128).all()  # padding rows: code 0
 
 
 def test_tile_hand_checked_byte() -> None:
@@ -149,7 +171,7 @@ def test_integer_block_products_are_exact(kernel: ModuleType, k: int, group: int
     assert got.dtype == dtype and got.shape == (m, N)
     _assert_close(got, want, tolerance)
     codes, scales8 = _int8(k, group, seed=k, scale_dtype=torch.float16)
-    got = kernel.int8_linear(x, codes, scales8, group)
+    got = _int8_linear(kernel, x, codes, scales8, group)
     assert got.dtype == dtype and got.shape == (m, N)
     _assert_close(got, xq @ (codes.double() * _per_column(scales8, group)).T, tolerance)
 
@@ -157,14 +179,14 @@ def test_integer_block_products_are_exact(kernel: ModuleType, k: int, group: int
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
 @pytest.mark.parametrize("m", [1, 5])
 def test_int8_negative_codes_and_scale_dtypes(kernel: ModuleType, m: int, scale_dtype: torch.dtype) -> None:
-    for k, group in SHAPES:
+    for k, group in INT8_SHAPES:
         x = _x(m, k, seed=m)
         codes, scales = _int8(k, group, seed=k + 1, scale_dtype=scale_dtype)
         want = _dequantized_activations(x) @ (codes.double() * _per_column(scales, group)).T
-        _assert_close(kernel.int8_linear(x, codes, scales, group), want, 1e-5)
+        _assert_close(_int8_linear(kernel, x, codes, scales, group), want, 1e-5)
     # All -128 against x = 1 (codes 127, scale 1/127): y = -128 * K.
     lowest = torch.full((N, 608), -128, dtype=torch.int8)
-    got = kernel.int8_linear(torch.ones(m, 608), lowest, torch.ones(N, 19, dtype=scale_dtype), 32)
+    got = _int8_linear(kernel, torch.ones(m, 608), lowest, torch.ones(N, 19, dtype=scale_dtype), 32)
     assert torch.allclose(got.double(), torch.full((m, N), -128.0 * 608, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
@@ -177,7 +199,7 @@ def test_error_against_the_unquantized_product_is_small(kernel: ModuleType, k: i
     _assert_close(kernel.int4_linear(x, tiles, scales, mins, group, N), x.double() @ weight.T, 1e-4)
     codes, scales8 = _int8(k, group, seed=k + 3, scale_dtype=torch.float16)
     weight8 = codes.double() * _per_column(scales8, group)
-    _assert_close(kernel.int8_linear(x, codes, scales8, group), x.double() @ weight8.T, 1e-4)
+    _assert_close(_int8_linear(kernel, x, codes, scales8, group), x.double() @ weight8.T, 1e-4)
 
 
 @pytest.mark.parametrize(("k", "group"), [*SHAPES, (32, 32)])
@@ -189,12 +211,37 @@ def test_int4_dequantize(kernel: ModuleType, k: int, group: int) -> None:
     assert torch.equal(bf16, wide.to(torch.bfloat16))
 
 
+@pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize(("k", "group"), [*INT8_SHAPES, (32, 32)])
+def test_int8_dequantize(kernel: ModuleType, k: int, group: int, scale_dtype: torch.dtype) -> None:
+    codes, scales = _int8(k, group, seed=k + 6, scale_dtype=scale_dtype)
+    tiled = tile_groups(scales, scale_dtype)
+    wide = kernel.int8_dequantize(tile_int8_codes(codes), tiled, group, N, k, torch.float32)
+    assert torch.equal(wide, (codes.double() * _per_column(scales, group)).float())
+    bf16 = kernel.int8_dequantize(tile_int8_codes(codes), tiled, group, N, k, torch.bfloat16)
+    assert torch.equal(bf16, wide.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 3])
+@pytest.mark.parametrize("k", [608, 2048])
+def test_int8_groups_of_16_against_the_unquantized_product(kernel: ModuleType, k: int, m: int) -> None:
+    x = _x(m, k, seed=200 + m, dtype=torch.bfloat16)
+    codes, scales = _int8(k, 16, seed=k + 5, scale_dtype=torch.float32)
+    weight = codes.double() * _per_column(scales, 16)
+    _assert_close(_int8_linear(kernel, x, codes, scales, 16), x.double() @ weight.T, 1e-2)
+
+
 @pytest.mark.parametrize(("k", "group"), [(48, 48), (192, 96)])
 def test_bad_shapes_are_refused(kernel: ModuleType, k: int, group: int) -> None:
     x = torch.ones(2, k)
-    scales = torch.ones(N, k // group, dtype=torch.float16)
     tiled = torch.ones(4, k // group, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError):
         kernel.int4_linear(x, torch.zeros(4, k // 32 * 256, dtype=torch.uint8), tiled, tiled, group, N)
     with pytest.raises(RuntimeError):
-        kernel.int8_linear(x, torch.zeros(N, k, dtype=torch.int8), scales, group)
+        kernel.int8_linear(x, torch.zeros(4, k // 32 * 512, dtype=torch.uint8), tiled, group, N)
+
+
+def test_groups_of_16_are_8_bit_only(kernel: ModuleType) -> None:
+    tiled = torch.ones(4, 4, 16, dtype=torch.float16)
+    with pytest.raises(RuntimeError, match="16 for 8-bit"):
+        kernel.int4_linear(torch.ones(2, 64), torch.zeros(4, 2 * 256, dtype=torch.uint8), tiled, tiled, 16, N)

@@ -1,6 +1,6 @@
-"""8-bit GGUF weights (Q8_0) kept as codes and scales: exact against the GGUF dequantization, and the
-two C++ kernels (int8 dot products for few rows, float for more), the dense fallback and embedding
-lookups equal dequantize-then-matmul."""
+"""8-bit GGUF weights (Q8_0) kept as codes and scales: exact against the GGUF dequantization; tiled for
+the int8 dot-product kernel (`PackedInt8`) and as loaded (`Int8Groups`, the float kernel), every path
+(kernels, widened GEMM, embedding lookups) equals dequantize-then-matmul."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from folio import ops
 from folio.layers.embedding import LMHead, VocabEmbedding
 from folio.quant import int8
 from folio.quant.gguf_dequant import dequantize, unpack
-from folio.quant.int8 import int8_groups
+from folio.quant.int8 import Int8Groups, PackedInt8, int8_groups, packed_for_kernel
 
 
 @pytest.fixture(scope="module")
@@ -46,24 +46,39 @@ def test_formats_with_a_bias_are_refused():
         assert int8_groups(unpack(raw, kind, (64, 64)), (64, 64)) is None
 
 
-def test_the_kernel_is_built():
+def test_the_kernels_are_built():
     assert ops.load("q8_linear") is not None  # a C++ compiler is part of the project's setup
+    assert ops.load("int8_dot") is not None
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(
-    "rows", [1, 5, int8.DOT_MAX_ROWS, int8.DOT_MAX_ROWS + 1, int8.KERNEL_MAX_ROWS, int8.KERNEL_MAX_ROWS + 1, 200]
-)
-def test_kernel_and_dense_paths_equal_dequantize_then_matmul(q8, dtype, rows):
+def test_packed_form_is_exact_and_keeps_float16_scales_only_where_exact(q8):
     groups, weight = q8
+    packed = packed_for_kernel(groups)
+    assert isinstance(packed, PackedInt8) and packed.scales.dtype == torch.float16  # Q8_0's scales are float16
+    assert torch.equal(packed.codes(), groups.codes) and torch.equal(packed.dequantize(), weight)
+    assert packed.nbytes == 320 * 256 + 2 * 320 * 256 // 32
+    finer = Int8Groups(groups.codes, groups.scales * (1 + 2**-20))  # not a float16 value any more
+    assert packed_for_kernel(finer).scales.dtype == torch.float32
+    assert torch.equal(packed_for_kernel(finer).dequantize(), finer.dequantize())
+    odd = Int8Groups(groups.codes[:, :48].contiguous(), groups.scales[:, :1] * 0 + 1)  # groups of 48
+    assert packed_for_kernel(odd) is odd
+
+
+@pytest.mark.parametrize("form", ["packed", "loaded"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 5, int8.KERNEL_MAX_ROWS, int8.DOT_MAX_ROWS + 1, 200])
+def test_kernel_and_dense_paths_equal_dequantize_then_matmul(q8, dtype, rows, form):
+    groups, weight = q8
+    weights = packed_for_kernel(groups) if form == "packed" else groups
     x = torch.randn(rows, 256, generator=torch.Generator().manual_seed(rows)).to(dtype)
     bias = torch.randn(320).to(dtype)
     expected = F.linear(x.double(), weight.double(), bias.double())
-    got = groups.linear(x, bias)
+    got = weights.linear(x, bias)
     assert got.dtype == dtype and got.shape == (rows, 320)
-    # bf16: the output's rounding; up to DOT_MAX_ROWS, activations coded in 8 + 8 bits (int8_dot's tests
-    # check that kernel's integer arithmetic exactly).
-    tolerance = (1e-5 if rows > int8.DOT_MAX_ROWS else 1e-4) if dtype == torch.float32 else 1e-2
+    # bf16: the output's rounding; the dot-product kernel codes activations in 8 + 8 bits (int8_dot's tests
+    # check its integer arithmetic exactly).
+    dot = form == "packed" and rows <= int8.DOT_MAX_ROWS
+    tolerance = (1e-4 if dot else 1e-5) if dtype == torch.float32 else 1e-2
     assert (got.double() - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
 
@@ -72,7 +87,7 @@ def test_embedding_and_tied_head_keep_the_weight_quantized(q8):
     embedding = VocabEmbedding(320, 256)
     embedding.weight.weight_loader(embedding.weight, groups)
     head = LMHead(320, 256, tied_to=embedding)
-    assert embedding.weight.numel() == 0 and embedding.packed is groups
+    assert embedding.weight.numel() == 0 and isinstance(embedding.packed, PackedInt8)
     ids = torch.tensor([[0, 7, 319], [5, 5, 1]])
     assert torch.equal(embedding(ids), F.embedding(ids, weight))
     hidden = torch.randn(3, 256)

@@ -50,7 +50,7 @@ def test_every_extension_builds_against_the_header_and_no_other_makes_capsules()
 
 
 def _stack(modules: dict[str, ModuleType], entries: dict) -> object:
-    return modules["decode_stack"].DecodeStack(entries, 4, 2, 16, 4, 0.25, 1e-6, False)
+    return modules["decode_stack"].DecodeStack(entries, 4, 2, 16, 4, 0.25, 1e-6, 0.0, False, False)
 
 
 def test_the_decode_step_takes_the_entries_it_is_given(modules):
