@@ -5,10 +5,11 @@ the model and measures
 - batch-1 decode: one request decoding `--gen-tokens` tokens after a short prompt, timed from its
   first token to its last (prefill excluded), as llama-bench's tg measures; best of `--repeats`;
 - batch-64 output throughput: 64 requests decoding `--gen-tokens` each, all submitted at once;
+- prefill: prompt tok/s for prompts of each `--prompt-tokens` length (prefill.py), as llama-bench's pp;
 - the weights' resident bytes;
-- MBU and MFU of both rates against the machine's peaks, measured as the run starts (roofline.py).
-With `--peer llama.cpp`, llama-bench runs `-p 0 -n <gen-tokens>` (tg) with the same thread count on
-the same file, after folio has released its memory.
+- MBU and MFU of these rates against the machine's peaks, measured as the run starts (roofline.py).
+With `--peer llama.cpp`, llama-bench runs `-p <prompt-tokens> -n <gen-tokens>` (pp and tg) with the
+same thread count on the same file, after folio has released its memory.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from folio import LLM, SamplingParams
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.plots import engine_bars, engine_colors, figure
+from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill, prefill_mfu
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.table import row
 from folio.config import parse_dtype
@@ -50,6 +52,7 @@ class DecodeConfig:
     repeats: int = 3
     peer: str | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
+    prompt_tokens: tuple[int, ...] = DEFAULT_LENGTHS
 
 
 @dataclass
@@ -64,6 +67,9 @@ class VariantResult:
     batch1_mfu: float | None = None
     batch_mbu: float | None = None
     batch_mfu: float | None = None
+    # Prompt length (as a string: JSON keys) -> prompt tok/s, and its MFU.
+    prefill_tok_s: dict[str, float] = field(default_factory=dict)
+    prefill_mfu: dict[str, float] = field(default_factory=dict)
 
     def add_utilisation(self, cost: TokenCost, peaks: MachinePeaks, prompt_tokens: int, gen_tokens: int,
                         batch: int) -> None:  # fmt: skip
@@ -73,6 +79,7 @@ class VariantResult:
         if self.batch_tok_s is not None:
             many = cost.utilisation(self.batch_tok_s, batch, context, peaks)
             self.batch_mbu, self.batch_mfu = many["mbu"], many["mfu"]
+        self.prefill_mfu = {n: prefill_mfu(cost, int(n), rate, peaks) for n, rate in self.prefill_tok_s.items()}
 
 
 @dataclass
@@ -110,15 +117,20 @@ def measure_batched(llm: Any, gen_tokens: int, batch: int) -> float:
     return sum(len(o.outputs[0].token_ids) for o in outputs) / elapsed
 
 
-def _llama_bench(path: Path, gen_tokens: int, repeats: int, threads: int) -> tuple[float, dict[str, Any]]:
+def _llama_bench(path: Path, gen_tokens: int, prompt_tokens: tuple[int, ...], repeats: int,
+                 threads: int) -> tuple[float, dict[str, float], dict[str, Any]]:  # fmt: skip
+    """llama-bench's tg tok/s, its pp tok/s per prompt length, and how it ran."""
     binaries = build_llama_cpp()
-    cmd = [str(binaries.bench), "-m", str(path), "-p", "0", "-n", str(gen_tokens), "-t", str(threads),
+    prompts = ",".join(str(n) for n in prompt_tokens) or "0"
+    cmd = [str(binaries.bench), "-m", str(path), "-p", prompts, "-n", str(gen_tokens), "-t", str(threads),
            "-r", str(repeats), "-o", "json"]  # fmt: skip
     out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=1800)
-    [record] = [r for r in json.loads(out.stdout) if r.get("n_gen") == gen_tokens]
+    records = json.loads(out.stdout)
+    [tg] = [r for r in records if r.get("n_gen") == gen_tokens and not r.get("n_prompt")]
+    pp = {str(r["n_prompt"]): float(r["avg_ts"]) for r in records if r.get("n_prompt") and not r.get("n_gen")}
     info = {"llama_cpp_version": binaries.version, "llama_cpp_commit": binaries.commit, "command": " ".join(cmd),
-            "stddev_ts": record.get("stddev_ts")}  # fmt: skip
-    return float(record["avg_ts"]), info
+            "stddev_ts": tg.get("stddev_ts")}  # fmt: skip
+    return float(tg["avg_ts"]), pp, info
 
 
 def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
@@ -141,6 +153,7 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         batch1 = measure_batch1(llm, config.gen_tokens, config.repeats)
         batched = measure_batched(llm, config.gen_tokens, config.batch)
         result = VariantResult(f"folio {name}", llm.loaded.weight_bytes / 2**20, batch1, batched)
+        result.prefill_tok_s = {str(n): measure_prefill(llm, n, config.repeats) for n in config.prompt_tokens}
         prompt_tokens = len(llm.tokenizer.encode(PROMPT))
         cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
         result.add_utilisation(cost, peaks, prompt_tokens, config.gen_tokens, config.batch)
@@ -149,8 +162,8 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         gc.collect()
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
-        tok_s, peer_info = _llama_bench(path, config.gen_tokens, config.repeats, threads)
-        peer = VariantResult("llama.cpp", None, tok_s, None)
+        tok_s, pp, peer_info = _llama_bench(path, config.gen_tokens, config.prompt_tokens, config.repeats, threads)
+        peer = VariantResult("llama.cpp", None, tok_s, None, prefill_tok_s=pp)
         # llama-bench's tg runs after an empty prompt (-p 0), holds the file's weights as they are and its
         # KV cache in float16.
         shape = load_shape(path).config
@@ -167,20 +180,35 @@ def _percent(value: float | None) -> str | None:
 
 def format_table(report: DecodeReport) -> str:
     batch = report.config["batch"]
-    widths = [12, 15, 11, 17, 11]
-    labels = ["weights MiB", "batch-1 tok/s", "MBU", f"batch-{batch} tok/s", "MFU"]
+    lengths = [str(n) for n in report.config.get("prompt_tokens", ())]
+    widths = [12, 15, 11, 17, 11] + [16] * len(lengths)
+    labels = ["weights MiB", "batch-1 tok/s", "MBU", f"batch-{batch} tok/s", "MFU"] + [f"pp{n} (MFU)" for n in lengths]
     lines = [row("engine", labels, widths=widths)]
     for r in report.results:
         values = [r.weight_mib, r.batch1_tok_s, _percent(r.batch1_mbu), r.batch_tok_s, _percent(r.batch_mfu)]
+        values += [_prefill_cell(r, n) for n in lengths]
         lines.append(row(r.engine, values, widths=widths, number=".1f"))
     peaks = report.peaks
     if peaks:
         lines.append(f"peaks measured at the start: {peaks['matmul_gflops']:.0f} GFLOP/s ({peaks['dtype']} GEMM), "
                      f"{peaks['read_gbps']:.1f} GB/s read")  # fmt: skip
-    if report.results[-1].engine == "llama.cpp":
-        ratio = report.results[0].batch1_tok_s / report.results[-1].batch1_tok_s
-        lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = {ratio:.2f}x")
+    first, peer = report.results[0], report.results[-1]
+    if peer.engine == "llama.cpp":
+        lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = "
+                     f"{first.batch1_tok_s / peer.batch1_tok_s:.2f}x")  # fmt: skip
+        for n in lengths:
+            best = max(r.prefill_tok_s.get(n, 0.0) for r in report.results[:-1])
+            if peer.prefill_tok_s.get(n):
+                lines.append(f"prefill: best folio / llama.cpp pp{n} = {best / peer.prefill_tok_s[n]:.2f}x")
     return "\n".join(lines)
+
+
+def _prefill_cell(result: VariantResult, length: str) -> str | None:
+    rate = result.prefill_tok_s.get(length)
+    if rate is None:
+        return None
+    mfu = result.prefill_mfu.get(length)
+    return f"{rate:.0f}" + (f" ({_percent(mfu)})" if mfu is not None else "")
 
 
 def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
@@ -193,13 +221,16 @@ def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:
 def _plot(report: DecodeReport, path: Path) -> None:
     names = [r.engine for r in report.results]
     colors = engine_colors(names, peer="llama.cpp")
-    panels = [("batch1_tok_s", "batch-1 decode tok/s"), ("batch_tok_s", f"batch-{report.config['batch']} tok/s"),
-              ("weight_mib", "resident weights MiB")]  # fmt: skip
+    lengths = [str(n) for n in report.config.get("prompt_tokens", ())]
+    panels = [(lambda r: r.batch1_tok_s, "batch-1 decode tok/s"),
+              (lambda r: r.batch_tok_s, f"batch-{report.config['batch']} tok/s")]  # fmt: skip
+    panels += [(lambda r, n=n: r.prefill_tok_s.get(n), f"pp{n} prompt tok/s") for n in lengths]
+    panels.append((lambda r: r.weight_mib, "resident weights MiB"))
     title = (f"{Path(report.model).name} ({report.dtype} activations), {report.machine['cpu']} "
              f"({report.machine['cores']} cores)")  # fmt: skip
-    with figure(path, 3, (12, 3.8), title) as (_, axes):
-        for ax, (key, label) in zip(axes, panels, strict=True):
-            engine_bars(ax, names, [getattr(r, key) for r in report.results], colors, label, label_size=8)
+    with figure(path, len(panels), (4 * len(panels), 3.8), title) as (_, axes):
+        for ax, (value, label) in zip(axes, panels, strict=True):
+            engine_bars(ax, names, [value(r) for r in report.results], colors, label, label_size=8)
             ax.tick_params(axis="x", labelsize=7)
 
 
@@ -208,13 +239,16 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "decode",
         help="decode speed of a GGUF file's weights kept quantized vs dequantized, optionally vs llama-bench",
         description="Load a GGUF model twice (its weights kept quantized, then dequantized to --dtype) and measure "
-        "batch-1 decode tok/s (prefill excluded, best of --repeats), batch-N output tok/s and resident weight "
-        "memory; with --peer llama.cpp also llama-bench's tg on the same file with the same threads.",
+        "batch-1 decode tok/s (prefill excluded, best of --repeats), batch-N output tok/s, prefill tok/s of each "
+        "--prompt-tokens length and resident weight memory; with --peer llama.cpp also llama-bench's tg and pp on "
+        "the same file with the same threads.",
     )
     parser.add_argument("model", help="catalog name or .gguf file")
     parser.add_argument("--gen-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
     parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
-    parser.add_argument("--repeats", type=int, default=3, help="batch-1 runs, best kept (default 3)")
+    parser.add_argument("--repeats", type=int, default=3, help="batch-1 and prefill runs, best kept (default 3)")
+    parser.add_argument("--prompt-tokens", type=int, nargs="*", default=list(DEFAULT_LENGTHS),
+                        help="prompt lengths whose prefill is measured (default 128 512 2048)")  # fmt: skip
     parser.add_argument("--peer", default=None, help="also run llama-bench on the same file: llama.cpp")
     add_output_dir(parser)
     EngineArgs.add_cli_args(parser)
@@ -224,7 +258,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 def run_decode_command(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli_args(args).llm_kwargs()
     del engine["quantization"]  # both variants run, each with its own
-    config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine)
+    config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine,
+                          tuple(args.prompt_tokens))  # fmt: skip
     report = run_decode(config, command_line(args))
     print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
     print(format_table(report))

@@ -5,7 +5,8 @@
   buffer far larger than the caches (what a decode step's weight and KV reads run at).
 - A token's cost comes from the model's shapes and formats (`TokenCost`):
   FLOPs = 2 x the parameters every token multiplies (all projections and the LM head, not the
-  embedding lookup) + 4 x layers x query heads x head dim x the context it attends to;
+  embedding lookup) + 4 x layers x query heads x head dim x the context it attends to (a prompt's
+  tokens but its last skip the LM head);
   bytes, for a decode step of B sequences = the resident weights (read once per step, shared by the
   batch) / B + the context's KV cache (each sequence reads its own).
 - MFU = tokens/s x FLOPs per token / peak FLOP/s; MBU = tokens/s x bytes per token / peak bytes/s.
@@ -72,13 +73,15 @@ class TokenCost:
     attention_width: int  # query heads x head dim
     weight_bytes: int  # resident, as the engine holds them (packed formats at their packed size)
     kv_bytes_per_token: int  # K and V of every layer for one cached token
+    head_params: int = 0  # the LM head's (vocab x hidden), part of multiplied_params: a prompt runs it once
 
     @classmethod
     def of(cls, path: Path, weight_bytes: int, kv_bytes_per_token: int) -> TokenCost:
         shape = load_shape(path)
         config = shape.config
         return cls(multiplied_parameters(config, shape.num_params), config.num_layers,
-                   config.num_heads * config.head_dim, weight_bytes, kv_bytes_per_token)  # fmt: skip
+                   config.num_heads * config.head_dim, weight_bytes, kv_bytes_per_token,
+                   config.vocab_size * config.hidden_size)  # fmt: skip
 
     def flops(self, context: float) -> float:
         """One token's FLOPs when it attends to `context` tokens."""
@@ -89,6 +92,10 @@ class TokenCost:
         return 2 * self.multiplied_params * num_tokens + 4 * self.num_layers * self.attention_width * (
             num_tokens * (num_tokens + 1) / 2
         )
+
+    def prefill_flops(self, num_tokens: int) -> float:
+        """A prompt's FLOPs: every token through the layers, the LM head on its last one only."""
+        return self.sequence_flops(num_tokens) - 2 * self.head_params * (num_tokens - 1)
 
     def decode_bytes(self, batch: float, context: float) -> float:
         """One decoded token's share of its step's reads, with `batch` sequences in the step."""

@@ -14,7 +14,8 @@ pytest.importorskip("matplotlib")
 def test_decode_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
     out_dir = tmp_path / "results"
     code = main(["bench", "decode", str(smollm2_gguf), "--gen-tokens", "8", "--batch", "4", "--repeats", "1",
-                 "--dtype", "bfloat16", "--kv-cache-memory", "64MiB", "--output-dir", str(out_dir)])  # fmt: skip
+                 "--prompt-tokens", "40", "--dtype", "bfloat16", "--kv-cache-memory", "64MiB",
+                 "--output-dir", str(out_dir)])  # fmt: skip
     assert code == 0
     [json_file], [png_file] = list(out_dir.glob("*.json")), list(out_dir.glob("*.png"))
     assert json_file.stem == png_file.stem and json_file.stem.startswith("decode_") and "bfloat16" in json_file.stem
@@ -27,8 +28,9 @@ def test_decode_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
     assert report["peaks"]["dtype"] == "bfloat16" and report["peaks"]["read_gbps"] > 0
     for result in (kept, dense):
         assert result["batch1_mbu"] > 0 and 0 < result["batch_mfu"] < 1
+        assert result["prefill_tok_s"]["40"] > 0 and 0 < result["prefill_mfu"]["40"] < 1
     out = capsys.readouterr().out
-    assert "batch-1 tok/s" in out and "MBU" in out and "GB/s read" in out
+    assert "batch-1 tok/s" in out and "MBU" in out and "GB/s read" in out and "pp40 (MFU)" in out
 
 
 def test_decode_bench_refuses_an_unknown_peer(tmp_path):

@@ -25,6 +25,14 @@ def test_a_tokens_flops_and_bytes() -> None:
     assert shares["mbu"] == pytest.approx(10 * cost.decode_bytes(1, 100) / 50e9)
 
 
+def test_a_prompt_runs_the_lm_head_once() -> None:
+    cost = TokenCost(multiplied_params=1_000_000, num_layers=4, attention_width=256, weight_bytes=8_000_000,
+                     kv_bytes_per_token=2_048, head_params=300_000)  # fmt: skip
+    layers = 2 * 700_000 * 512 + 4 * 4 * 256 * (512 * 513 / 2)  # token i attends to the i tokens up to itself
+    assert cost.prefill_flops(512) == pytest.approx(layers + 2 * 300_000)
+    assert cost.prefill_flops(1) == cost.flops(context=1)
+
+
 def test_the_embedding_lookup_is_not_multiplied_unless_the_head_shares_it() -> None:
     config = ModelConfig(
         architecture="LlamaForCausalLM",
