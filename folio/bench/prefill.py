@@ -24,13 +24,14 @@ def random_prompt(llm: LLM, num_tokens: int, seed: int) -> list[int]:
     return torch.randint(low, high, (num_tokens,), generator=generator).tolist()
 
 
-def measure_prefill(llm: LLM, num_tokens: int, repeats: int) -> float:
-    """Best prompt tok/s over `repeats` prompts of `num_tokens` random tokens."""
+def measure_prefill(llm: LLM, num_tokens: int, repeats: int, seed: int = 0) -> float:
+    """Best prompt tok/s over `repeats` prompts of `num_tokens` random tokens (an engine measured again
+    needs another `seed`: its cache holds the prompts of this one)."""
     params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
     best = 0.0
     for repeat in range(repeats):
-        [out] = llm.generate([random_prompt(llm, num_tokens, seed=num_tokens * 1000 + repeat)], params,
-                             use_tqdm=False)  # fmt: skip
+        prompt = random_prompt(llm, num_tokens, seed=(seed * 100 + repeat) * 100_003 + num_tokens)
+        [out] = llm.generate([prompt], params, use_tqdm=False)
         if out.metrics.num_cached_tokens:
             raise RuntimeError("a random prompt hit the prefix cache: the measurement would not be a prefill")
         best = max(best, num_tokens / out.metrics.time_to_first_token)

@@ -26,6 +26,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "folio_kernels.h"
@@ -197,6 +198,38 @@ void with_x(const torch::Tensor& x, F f) {
   }
 }
 
+// dst[0 .. 32) = src, rounded to O (to nearest even, as torch's conversions round).
+template <typename O>
+inline void store_block(O* dst, const float* src) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<O, at::BFloat16>) {
+    for (int64_t k = 0; k < BLOCK; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < BLOCK; ++k) dst[k] = static_cast<O>(src[k]);
+}
+
+// What a weight is widened to: `dtype` where f below writes it, else float32 (then converted).
+at::ScalarType widened_dtype(at::ScalarType dtype) {
+  const bool written = dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf;
+  return written ? dtype : torch::kFloat32;
+}
+
+// Calls f(typed pointer) for a widened weight's output: float32, bfloat16 or float16.
+template <typename F>
+void with_output(torch::Tensor& out, F f) {
+  if (out.scalar_type() == torch::kBFloat16) {
+    f(out.data_ptr<at::BFloat16>());
+  } else if (out.scalar_type() == torch::kHalf) {
+    f(out.data_ptr<at::Half>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32, "a weight widens to float32, bfloat16 or float16");
+    f(out.data_ptr<float>());
+  }
+}
+
 torch::Tensor in_x_dtype(const torch::Tensor& y, const torch::Tensor& x) {
   return x.scalar_type() == torch::kFloat32 ? y : y.to(x.scalar_type());
 }
@@ -255,28 +288,35 @@ torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
               tiles.numel() == tile_count * B * INT8_TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
               scales.is_contiguous(), "int8 tiles and scales");
-  auto out = torch::empty({N, K}, torch::kFloat32);
+  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
   const uint8_t* c = tiles.data_ptr<uint8_t>();
-  float* o = out.data_ptr<float>();
-  auto widen = [&](const auto* s) {
+  auto widen = [&](const auto* s, auto* o) {
     at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
       for (int64_t n = begin; n < end; ++n) {
         const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
-        for (int64_t k = 0; k < K; ++k) {
-          const uint8_t byte = c[(tile * B + k / BLOCK) * INT8_TILE_BLOCK_BYTES + (k % BLOCK) / 4 * 64 + i * 4 + k % 4];
-          const float scale = scale_at(s, (tile * G + k / group) * TILE_ROWS + i);
-          o[n * K + k] = static_cast<float>(static_cast<int32_t>(byte) - 128) * scale;
+        for (int64_t b = 0; b < B; ++b) {
+          const uint8_t* block = c + (tile * B + b) * INT8_TILE_BLOCK_BYTES + i * 4;
+          float values[BLOCK];
+          for (int64_t half = 0; half < 2; ++half) {  // a group of 16 covers half a block
+            const float scale = scale_at(s, (tile * G + (b * BLOCK + half * HALF) / group) * TILE_ROWS + i);
+            for (int64_t j = 4 * half; j < 4 * half + 4; ++j)
+              for (int64_t t = 0; t < 4; ++t)
+                values[4 * j + t] = static_cast<float>(static_cast<int32_t>(block[j * 64 + t]) - 128) * scale;
+          }
+          store_block(o + n * K + b * BLOCK, values);
         }
       }
     });
   };
-  if (scales.scalar_type() == torch::kHalf) {
-    widen(scales.data_ptr<at::Half>());
-  } else {
-    TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
-    widen(scales.data_ptr<float>());
-  }
-  return dtype == torch::kFloat32 ? out : out.to(dtype);
+  with_output(out, [&](auto* o) {
+    if (scales.scalar_type() == torch::kHalf) {
+      widen(scales.data_ptr<at::Half>(), o);
+    } else {
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
+      widen(scales.data_ptr<float>(), o);
+    }
+  });
+  return out.to(dtype);
 }
 
 // The tiled 4-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
@@ -287,28 +327,31 @@ torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, torch::
               tiles.numel() == tile_count * B * TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
               mins.numel() == scales.numel() && scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf,
               "int4 tiles, scales and mins");
-  auto out = torch::empty({N, K}, torch::kFloat32);
+  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
   const uint8_t* c = tiles.data_ptr<uint8_t>();
   const at::Half* s = scales.data_ptr<at::Half>();
   const at::Half* m = mins.data_ptr<at::Half>();
-  float* o = out.data_ptr<float>();
-  at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t n = begin; n < end; ++n) {
-      const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
-      for (int64_t b = 0; b < B; ++b) {
-        const uint8_t* block = c + (tile * B + b) * TILE_BLOCK_BYTES;
-        const int64_t g = (tile * G + b * BLOCK / group) * TILE_ROWS + i;
-        const float scale = to_float(s[g]), min = to_float(m[g]);
-        for (int64_t j = 0; j < 4; ++j)
-          for (int64_t v = 0; v < 4; ++v) {
-            const uint8_t byte = block[j * 64 + i * 4 + v];
-            o[n * K + b * BLOCK + 4 * j + v] = static_cast<float>(byte & 0x0F) * scale + min;
-            o[n * K + b * BLOCK + 16 + 4 * j + v] = static_cast<float>(byte >> 4) * scale + min;
-          }
+  with_output(out, [&](auto* o) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
+        for (int64_t b = 0; b < B; ++b) {
+          const uint8_t* block = c + (tile * B + b) * TILE_BLOCK_BYTES;
+          const int64_t g = (tile * G + b * BLOCK / group) * TILE_ROWS + i;
+          const float scale = to_float(s[g]), min = to_float(m[g]);
+          float values[BLOCK];
+          for (int64_t j = 0; j < 4; ++j)
+            for (int64_t v = 0; v < 4; ++v) {
+              const uint8_t byte = block[j * 64 + i * 4 + v];
+              values[4 * j + v] = static_cast<float>(byte & 0x0F) * scale + min;
+              values[16 + 4 * j + v] = static_cast<float>(byte >> 4) * scale + min;
+            }
+          store_block(o + n * K + b * BLOCK, values);
+        }
       }
-    }
+    });
   });
-  return dtype == torch::kFloat32 ? out : out.to(dtype);
+  return out.to(dtype);
 }
 
 // x's rows as the kernels see them: int8 codes, one float scale per block of 32, and the residual codes

@@ -4,12 +4,14 @@ Built once the KV cache is bound, from the model's own tensors (nothing is copie
 has a C++ kernel: projections dense, 4-bit (`PackedInt4`) or 8-bit (`PackedInt8`: GGUF's Q8_0,
 Q6_K, Q5_0), a KV cache in the model's dtype, the decode attention, norm, rotary and activation
 kernels all built. A step takes it when every scheduled token is a decode and the batch is within the
-rows its weights' dot-product kernels are picked for; anything else runs the Python layers, which stay
-the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack off).
+rows its weights' dot-product kernels are picked for (all of them with float32 activations); anything
+else runs the Python layers, which stay the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack
+off).
 """
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Sequence
 from types import ModuleType
 from typing import Any
@@ -53,14 +55,14 @@ def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> tuple[
     """(the C++ projection, the most rows its kernel is picked for), or None for a format it lacks."""
     packed, bias = layer.packed, layer.bias
     if packed is None and layer.weight.dtype == dtype:
-        return module.Projection.dense(layer.weight, bias), int4.DOT_MAX_ROWS
+        return module.Projection.dense(layer.weight, bias), sys.maxsize
     if isinstance(packed, int4.PackedInt4):
         projection = module.Projection.int4(packed.tiles, packed.scales, packed.mins, packed.group_size,
                                             packed.shape[0], bias)  # fmt: skip
-        return projection, int4.DOT_MAX_ROWS
+        return projection, int4.dot_max_rows(dtype)
     if isinstance(packed, int8.PackedInt8):
         projection = module.Projection.int8(packed.tiles, packed.scales, packed.group_size, packed.shape[0], bias)
-        return projection, int8.DOT_MAX_ROWS
+        return projection, int8.dot_max_rows(dtype)
     return None
 
 
@@ -101,7 +103,7 @@ def build_decode_stack(
         first.self_attn.head_dim, attention[0].block_size, attention[0].scale, reference.eps,
         reference.weight_offset, act is gelu_tanh_and_mul, sandwich,
     )  # fmt: skip
-    max_rows = int4.DOT_MAX_ROWS
+    max_rows = sys.maxsize
     for index, (layer, attn) in enumerate(zip(layers, attention, strict=True)):
         self_attn, mlp = layer.self_attn, layer.mlp
         made = [_projection(module, p, dtype)

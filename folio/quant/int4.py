@@ -13,6 +13,7 @@ does for its 4-bit dot products. `LLM(quantization="none")` keeps everything in 
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +29,18 @@ from folio.quant.int8_dot import (
 )
 
 GROUP_SIZE = 32  # GGUF's 4-bit formats, and the default of round-to-nearest
-# Rows up to which the dot-product kernel beats widening to bf16 + one GEMM, on 30 layers of smollm2's
-# shapes (q|k|v, o, gate|up, down; 2 threads): 11 / 66 / 137 / 247 / 527 ms at 8 / 64 / 128 / 256 / 512
-# rows, against 58 / 99 / 142 / 196 / 344 (a development measurement, noisy to ~10%).
-DOT_MAX_ROWS = 128
+# Rows up to which the dot-product kernel beats widening the weight for one GEMM, by activation dtype.
+# float32: every row count. On 2 threads the kernel runs 230-270 GFLOP/s from 64 to 1,024 rows (3072x576
+# and 4096x640 weights), against 80-150 for widening + a float32 GEMM and 90-140 for a float32 GEMM on
+# an already dense weight. bfloat16: up to 128 rows (248 / 230 against 173 / 193 GFLOP/s at 128 rows;
+# 173 / 244 against 252 / 259 at 256), where bf16 GEMMs overtake it (development measurements, noisy
+# to ~10%).
+DOT_MAX_ROWS_BF16 = 128
+
+
+def dot_max_rows(dtype: torch.dtype) -> int:
+    """The most activation rows of `dtype` the dot-product kernel is picked for."""
+    return sys.maxsize if dtype == torch.float32 else DOT_MAX_ROWS_BF16
 
 
 @dataclass
@@ -133,7 +142,7 @@ class PackedInt4:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [M, K] -> x @ W.T + bias in x's dtype."""
         kernel = ops.load("int8_dot")
-        if kernel is None or x.shape[0] > DOT_MAX_ROWS or x.device.type != "cpu":
+        if kernel is None or x.shape[0] > dot_max_rows(x.dtype) or x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype), bias)
         out = kernel.int4_linear(x.contiguous(), self.tiles, self.scales, self.mins, self.group_size, self.shape[0])
         return out if bias is None else out + bias

@@ -6,13 +6,14 @@ W[n, k] = scales[n, k // group] * codes[n, k]. `Int8Groups` is the form a loader
 codes, float32 scales: rows can be split and joined). On CPU a layer then holds it as `PackedInt8`:
 a byte per weight tiled by 16 rows for the int8 dot-product kernel (int8_dot.py), scales float16
 where that is exact (Q8_0's and Q5_0's are: 1.0625 bytes per weight against the files' 1.0625 and
-0.6875), else float32 (Q6_K: 1.125 against 0.82); past DOT_MAX_ROWS rows it is widened in C++ for one
-GEMM. Groups the kernel does not take stay `Int8Groups`, multiplied by the float kernel here for few
+0.6875), else float32 (Q6_K: 1.125 against 0.82); past `dot_max_rows` rows it is widened in C++ for
+one GEMM. Groups the kernel does not take stay `Int8Groups`, multiplied by the float kernel here for few
 rows or dequantized for one GEMM. Embedding lookups dequantize only the rows asked for.
 """
 
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +34,16 @@ from folio.quant.int8_dot import (
 # 49152x576 LM head of smollm2 (2 threads): kernel 3.5 / 54 / 104 ms at 1 / 64 / 128 rows, against
 # 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB).
 KERNEL_MAX_ROWS = 128
-# Rows up to which the tiled dot-product kernel beats widening the weight for one GEMM.
-DOT_MAX_ROWS = 128
+# Rows of bfloat16 activations up to which the tiled dot-product kernel beats widening the weight for
+# one GEMM (4096x640 and 3072x576, 2 threads: 248 / 256 against 110 / 99 GFLOP/s at 128 rows, 257 / 209
+# against 171 / 151 at 256, 250 / 183 against 230 / 236 at 512); float32 activations take it at every
+# row count, as 4-bit weights do (int4.dot_max_rows).
+DOT_MAX_ROWS_BF16 = 256
+
+
+def dot_max_rows(dtype: torch.dtype) -> int:
+    """The most activation rows of `dtype` the dot-product kernel is picked for."""
+    return sys.maxsize if dtype == torch.float32 else DOT_MAX_ROWS_BF16
 
 
 @dataclass
@@ -103,7 +112,7 @@ def tiles_take(groups: Int8Groups) -> bool:
 class PackedInt8:
     """A [N, K] weight held as a byte per value, tiled by 16 rows for the int8 dot-product kernel
     (`int8_dot.tile_int8_codes`), with its scales per group tiled alongside (`tile_groups`). Multiplied
-    by that kernel up to DOT_MAX_ROWS rows; past them, or without a compiler, widened for one GEMM."""
+    by that kernel up to `dot_max_rows` rows; past them, or without a compiler, widened for one GEMM."""
 
     def __init__(self, groups: Int8Groups) -> None:
         self.shape = groups.shape
@@ -150,7 +159,7 @@ class PackedInt8:
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [..., K] -> x @ W.T (+ bias) in x's dtype."""
         flat = x.reshape(-1, self.shape[1])
-        takes = flat.shape[0] <= DOT_MAX_ROWS and flat.dtype in (torch.float32, torch.bfloat16)
+        takes = flat.dtype in (torch.float32, torch.bfloat16) and flat.shape[0] <= dot_max_rows(flat.dtype)
         kernel = ops.load("int8_dot") if takes and flat.device.type == "cpu" else None
         if kernel is not None:
             out = kernel.int8_linear(flat.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0])

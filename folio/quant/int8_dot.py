@@ -3,8 +3,9 @@ multiplied with 4-bit or 8-bit weight codes by AVX-512 VNNI, as llama.cpp's CPU 
 4-bit kernel also multiplies each activation's rounding error, coded in 8 more bits.
 
 They read each weight byte once and do the block arithmetic in integers, so they set batch-1 decode
-speed. Their cost grows with every activation row, so past a row count each caller measured
-(int4.DOT_MAX_ROWS, int8.DOT_MAX_ROWS) the weight is widened for one GEMM instead. The integer part
+speed. Their cost grows with every activation row; with float32 activations they still beat any
+float32 GEMM at every row count, with bfloat16 ones past a row count each caller measured
+(int4.dot_max_rows, int8.dot_max_rows) the weight is widened for one bf16 GEMM instead. The integer part
 is exact; what rounding costs is bounded in the tests.
 """
 

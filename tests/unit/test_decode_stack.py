@@ -10,6 +10,7 @@ Python layers.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import pytest
@@ -17,7 +18,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.layers.linear import Linear
-from folio.quant import int4, int8
+from folio.quant import int4
 from folio.quant.int8 import Int8Groups, PackedInt8
 from tests.tiny_models import make_tiny_model
 
@@ -100,10 +101,11 @@ def test_gemma3_file_through_the_stack_generates_what_the_python_layers_generate
     _assert_stack_equals_python_layers(lambda path, d: LLM(path, dtype=d, kv_cache_memory="32MiB"), gemma3_gguf, dtype)
 
 
-def test_eight_bit_weights_cap_the_rows_a_stack_step_takes(tmp_path):
+def test_the_weights_kernels_cap_the_rows_a_stack_step_takes(tmp_path):
     folder = make_tiny_model("llama", tmp_path / "llama")
-    assert _model(_llm(folder, "int8-groups")).decode_stack.max_rows == int8.DOT_MAX_ROWS
-    assert _model(_llm(folder, "int4")).decode_stack.max_rows == int4.DOT_MAX_ROWS
+    assert _model(_llm(folder, "int4")).decode_stack.max_rows == int4.dot_max_rows(torch.bfloat16)
+    assert _model(_llm(folder, "bf16")).decode_stack.max_rows == sys.maxsize
+    assert _model(_llm(folder, "int8-groups")).decode_stack.max_rows == sys.maxsize  # float32: every row count
 
 
 @pytest.mark.parametrize(

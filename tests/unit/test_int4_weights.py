@@ -66,7 +66,7 @@ def test_packed_layout_round_trips(gguf_tensor):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 3, 64, int4.DOT_MAX_ROWS, int4.DOT_MAX_ROWS + 1])
+@pytest.mark.parametrize("rows", [1, 3, 64, int4.DOT_MAX_ROWS_BF16, int4.DOT_MAX_ROWS_BF16 + 1])
 def test_both_multiply_paths_equal_dequantize_then_matmul(gguf_tensor, dtype, rows):
     ggml_type, data, shape = gguf_tensor
     weight = dequantize(data, ggml_type, shape)

@@ -66,7 +66,7 @@ def test_packed_form_is_exact_and_keeps_float16_scales_only_where_exact(q8):
 
 @pytest.mark.parametrize("form", ["packed", "loaded"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("rows", [1, 5, int8.KERNEL_MAX_ROWS, int8.DOT_MAX_ROWS + 1, 200])
+@pytest.mark.parametrize("rows", [1, 5, int8.KERNEL_MAX_ROWS, int8.DOT_MAX_ROWS_BF16 + 1])
 def test_kernel_and_dense_paths_equal_dequantize_then_matmul(q8, dtype, rows, form):
     groups, weight = q8
     weights = packed_for_kernel(groups) if form == "packed" else groups
@@ -77,7 +77,7 @@ def test_kernel_and_dense_paths_equal_dequantize_then_matmul(q8, dtype, rows, fo
     assert got.dtype == dtype and got.shape == (rows, 320)
     # bf16: the output's rounding; the dot-product kernel codes activations in 8 + 8 bits (int8_dot's tests
     # check its integer arithmetic exactly).
-    dot = form == "packed" and rows <= int8.DOT_MAX_ROWS
+    dot = form == "packed" and rows <= int8.dot_max_rows(dtype)
     tolerance = (1e-4 if dot else 1e-5) if dtype == torch.float32 else 1e-2
     assert (got.double() - expected).abs().max().item() <= tolerance * expected.abs().max().item()
 
