@@ -1,7 +1,8 @@
-"""Build llama.cpp's `llama-server` and `llama-bench` from source, once, for the llama.cpp benchmark peer.
+"""Build llama.cpp's `llama-server`, `llama-bench` and `llama-batched-bench` from source, once, for the
+llama.cpp benchmark peer.
 
 The llama-cpp-python sdist on PyPI vendors llama.cpp under vendor/llama.cpp, so a package registry is
-all the build needs. We compile only the two tools, statically linked and tuned for this CPU
+all the build needs. We compile only those tools, statically linked and tuned for this CPU
 (GGML_NATIVE), into `folio_home()/peers/llama.cpp/<version>/bin`; the folder appears in one rename once
 the build is complete, so its existence means the binaries are usable. Because of GGML_NATIVE the cache
 belongs to this machine: do not copy it to another CPU.
@@ -25,7 +26,8 @@ from pathlib import Path
 from folio.loaders.catalog import folio_home
 
 PACKAGE = "llama-cpp-python"
-SERVER, BENCH = "llama-server", "llama-bench"
+SERVER, BENCH, BATCHED_BENCH = "llama-server", "llama-bench", "llama-batched-bench"
+TOOLS = (SERVER, BENCH, BATCHED_BENCH)
 BUILD_INFO = "build.json"
 _VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+!_-]*$")  # a PEP 440 version; also safe as a folder name
 
@@ -36,6 +38,10 @@ class LlamaCppBinaries:
     bench: Path
     version: str  # of llama-cpp-python, whose sdist pins the llama.cpp commit
     commit: str = "unknown"  # llama.cpp commit, from the sdist's changelog
+
+    @property
+    def batched_bench(self) -> Path:
+        return self.bench.parent / BATCHED_BENCH
 
 
 class LlamaCppBuildError(RuntimeError):
@@ -55,9 +61,9 @@ def install_dir(version: str, home: Path | None = None) -> Path:
 def installed(version: str, home: Path | None = None) -> LlamaCppBinaries | None:
     """The binaries of `version` if a complete build of it is installed, else None."""
     folder = install_dir(version, home)
-    server, bench = folder / "bin" / SERVER, folder / "bin" / BENCH
-    if not (os.access(server, os.X_OK) and os.access(bench, os.X_OK)):
+    if not all(os.access(folder / "bin" / tool, os.X_OK) for tool in TOOLS):
         return None
+    server, bench = folder / "bin" / SERVER, folder / "bin" / BENCH
     try:
         commit = str(json.loads((folder / BUILD_INFO).read_text(encoding="utf-8")).get("llama_cpp_commit", "unknown"))
     except (OSError, ValueError):
@@ -161,7 +167,8 @@ def _download_sdist(version: str | None, dest: Path, log: Path) -> Path:
 
 
 def build_llama_cpp(home: Path | None = None, version: str | None = None) -> LlamaCppBinaries:
-    """`llama-server` and `llama-bench` of llama-cpp-python `version`, built on first use.
+    """`llama-server`, `llama-bench` and `llama-batched-bench` of llama-cpp-python `version`, built on first
+    use (again where an install of it lacks one of them).
 
     With no version, an installed build (the newest) is reused, else PyPI's latest release is built.
     """
@@ -203,17 +210,13 @@ def build_llama_cpp(home: Path | None = None, version: str | None = None) -> Lla
             shutil.rmtree(build, ignore_errors=True)
             _run([cmake, *cmake_configure_args(source, build, commit=commit, shared=True)], log)
         jobs = str(os.cpu_count() or 2)
-        _say(f"compiling {SERVER} and {BENCH} with {jobs} jobs (several minutes)")
-        _run(
-            [cmake, "--build", str(build), "--config", "Release", "--target", SERVER, BENCH, "-j", jobs],
-            log,
-            progress=True,
-        )
+        _say(f"compiling {', '.join(TOOLS)} with {jobs} jobs (several minutes)")
+        _run([cmake, "--build", str(build), "--config", "Release", "--target", *TOOLS, "-j", jobs], log, progress=True)
 
         stage = work / "install"
         (stage / "bin").mkdir(parents=True)
         built = build / "bin"
-        for name in (SERVER, BENCH):
+        for name in TOOLS:
             shutil.copy2(built / name, stage / "bin" / name)
         for lib in built.glob("*.so*") if shared else ():
             shutil.copy2(lib, stage / "bin" / lib.name, follow_symlinks=False)
@@ -222,6 +225,8 @@ def build_llama_cpp(home: Path | None = None, version: str | None = None) -> Lla
         (stage / BUILD_INFO).write_text(json.dumps(info, indent=2) + "\n", encoding="utf-8")
         shutil.copy2(log, stage / "build.log")
         target = install_dir(version, home)
+        if target.exists() and not installed(version, home):  # an earlier install lacking a tool
+            target.rename(work / "incomplete")
         try:
             stage.rename(target)
         except OSError:

@@ -3,9 +3,10 @@
 // Work is shaped so that each loaded K/V row serves as many queries as possible and no step reduces
 // across a vector:
 //  - Runs: consecutive rows with the same block table whose seq_lens grow by one are one sequence's
-//    speculative verification (k + 1 rows over one context). One task per (run, KV head) attends all
-//    of the run's rows x the group's query heads against each loaded block of keys, each row masking
-//    the keys past its own length (and outside its window), so a verification reads its context once.
+//    speculative verification (k + 1 rows over one context) or a prefill chunk (attention.layer passes
+//    its rows so). One task per (run, KV head) attends all of the run's rows x the group's query heads
+//    against each loaded block of keys, each row masking the keys past its own length (and outside its
+//    window), so a verification reads its context once and a chunk its keys once per 16 rows.
 //  - Tiles of 16 keys: a tile's K rows are transposed to [head_dim, 16] once, then each query's 16
 //    scores accumulate with head_dim broadcast FMAs; exp runs 16 lanes at a time (a polynomial, as
 //    std::exp is a scalar call here); V accumulates with broadcast weights into register blocks.
@@ -55,6 +56,11 @@ static std::vector<Run> find_runs(const int64_t* tables, const int64_t* lens, in
   }
   return runs;
 }
+
+// Run i of n in an order that gives each thread's contiguous share of the tasks a like amount of work
+// (0, n - 1, 1, n - 2, ...): a prefill chunk's runs are its rows 16 at a time, each attending every key
+// up to its own position, so in their own order the last thread would get most of the work.
+static inline int64_t balanced(int64_t i, int64_t n) { return i % 2 == 0 ? i / 2 : n - 1 - i / 2; }
 
 // How many key chunks each (run, KV head) is split into: 1 unless the tasks are too few for the
 // threads, then enough that the task count is a multiple of the threads (parallel_for hands each
@@ -113,7 +119,7 @@ static void attention(torch::Tensor& out, const torch::Tensor& query, const torc
     w.vt.resize(kTile * D);
     for (int64_t task = begin; task < end; ++task) {
       const int64_t chunk = task % chunks, kv_head = task / chunks % num_kv_heads;
-      const Run& run = runs[task / chunks / num_kv_heads];
+      const Run& run = runs[balanced(task / chunks / num_kv_heads, static_cast<int64_t>(runs.size()))];
       const int64_t nq = run.rows * group;
       const int64_t last = run.row + run.rows - 1;
       const int64_t lo = first_key(run.row), hi = lens[last];

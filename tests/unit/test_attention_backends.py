@@ -1,4 +1,5 @@
-"""The compiled decode kernel equals the pure-PyTorch paged attention (the oracle) on random caches."""
+"""The compiled paged attention kernel equals the pure-PyTorch paged attention (the oracle) on random
+caches: decodes, speculative verifications, and prefill chunks sent to it by the attention layer."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from folio import ops
 from folio.kv_cache.quant import FORMATS
 from folio.layers.attention.alibi import alibi_slopes
 from folio.layers.attention.kv_tensors import LayerKV, scale_zeros
+from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.layers.attention.torch_paged import attend_group
 
@@ -212,3 +214,56 @@ def test_decode_kernel_splits_a_long_context_across_threads_exactly(threads, req
         query, cache.k, cache.v, group.block_tables, group.seq_lens, 16, scale, window or 0, None, None
     )
     torch.testing.assert_close(got.view(expected.shape), expected, atol=1e-5, rtol=1e-5)
+
+
+def _prefill_step(starts, lens, num_heads, num_kv_heads, head_dim, dtype, seed):
+    """A step of prefill chunks (keys before each chunk already cached, the chunk's rows), blocks
+    scattered through the pool, and a cache whose earlier keys are random."""
+    generator = torch.Generator().manual_seed(seed)
+    block_size = 16
+    counts = [-(-(start + rows) // block_size) for start, rows in zip(starts, lens, strict=True)]
+    num_blocks = sum(counts) + 4
+    perm = torch.randperm(num_blocks, generator=generator).tolist()
+    tables = [perm[sum(counts[:i]) : sum(counts[: i + 1])] for i in range(len(counts))]
+    shape = (num_blocks * block_size, num_kv_heads, head_dim)
+    k_cache, v_cache = (torch.randn(shape, generator=generator).to(dtype) for _ in range(2))
+    meta = build_attention_metadata(starts, lens, tables, block_size)
+    rows = sum(lens)
+    q, k, v = (torch.randn(rows, h, head_dim, generator=generator).to(dtype)
+               for h in (num_heads, num_kv_heads, num_kv_heads))  # fmt: skip
+    return meta, block_size, k_cache, v_cache, q, k, v
+
+
+@needs_kernel
+@pytest.mark.parametrize("threads", [1, 2], indirect=True)
+@pytest.mark.parametrize("heads", [(6, 2), (4, 1)], ids=["gqa", "mqa"])
+@pytest.mark.parametrize("window", [None, 37])
+@pytest.mark.parametrize("alibi", [False, True], ids=["plain", "alibi"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_prefill_chunks_through_the_kernel_equal_the_torch_path(threads, heads, window, alibi, dtype):
+    """The attention layer sends prefill chunks to the kernel as rows of runs: a fresh 300-token prompt,
+    a 90-row chunk after 70 cached keys and a 5-row one, beside a decode, equal the PyTorch path."""
+    num_heads, num_kv_heads = heads
+    head_dim = 64
+    meta, block_size, k_cache, v_cache, q, k, v = _prefill_step([0, 70, 0, 9], [300, 90, 1, 5], num_heads,
+                                                                 num_kv_heads, head_dim, dtype, seed=11)  # fmt: skip
+    assert [g.is_decode for g in meta.groups] == [True, False, False, False]
+    slopes = alibi_slopes(num_heads) if alibi else None
+    outputs = []
+    for use_kernel in (True, False):
+        layer = PagedAttention(num_heads, num_kv_heads, head_dim, head_dim**-0.5, window, slopes)
+        layer.bind_cache(LayerKV(k_cache.clone(), v_cache.clone()), block_size)
+        if not use_kernel:
+            layer.decode_kernel = None
+        outputs.append(layer(q, k, v, meta))
+    got, expected = outputs
+    tolerance = 1e-5 if dtype == torch.float32 else 2e-2  # bf16 output rounding
+    torch.testing.assert_close(got.float(), expected.float(), atol=tolerance, rtol=tolerance)
+
+
+def test_an_8_bit_cache_keeps_prefill_chunks_on_the_torch_path(monkeypatch):
+    meta, block_size, k_cache, v_cache, q, k, v = _prefill_step([0], [40], 4, 2, 32, torch.float32, seed=3)
+    layer = PagedAttention(4, 2, 32, 32**-0.5)
+    layer.bind_cache(_quantized_cache(k_cache, v_cache, "int8"), block_size)
+    monkeypatch.setattr(layer, "_decode", lambda *args: pytest.fail("the kernel attended an 8-bit prefill chunk"))
+    assert layer(q, k, v, meta).shape == (40, 4 * 32)

@@ -16,10 +16,11 @@ from folio.bench import llama_cpp_server as server
 from folio.bench.llama_cpp_build import LlamaCppBinaries, LlamaCppBuildError
 
 
-def _fake_install(home: Path, version: str, commit: str | None = "0c1e57098", executable: bool = True) -> Path:
+def _fake_install(home: Path, version: str, commit: str | None = "0c1e57098", executable: bool = True,
+                  tools: tuple[str, ...] = build.TOOLS) -> Path:  # fmt: skip
     folder = home / "peers" / "llama.cpp" / version
     (folder / "bin").mkdir(parents=True)
-    for name in ("llama-server", "llama-bench"):
+    for name in tools:
         (folder / "bin" / name).write_text("#!/bin/sh\n")
         (folder / "bin" / name).chmod(0o755 if executable else 0o644)
     if commit is not None:
@@ -36,13 +37,17 @@ def test_install_dir_lives_under_folio_home(tmp_path: Path, monkeypatch: pytest.
             build.install_dir(bad, tmp_path)
 
 
-def test_installed_needs_both_executables(tmp_path: Path) -> None:
+def test_installed_needs_every_executable(tmp_path: Path) -> None:
     assert build.installed("0.3.36", tmp_path) is None
     folder = _fake_install(tmp_path, "0.3.36")
     bin_dir = folder / "bin"
-    assert build.installed("0.3.36", tmp_path) == LlamaCppBinaries(
+    found = build.installed("0.3.36", tmp_path)
+    assert found == LlamaCppBinaries(
         server=bin_dir / "llama-server", bench=bin_dir / "llama-bench", version="0.3.36", commit="0c1e57098"
     )
+    assert found.batched_bench == bin_dir / "llama-batched-bench"
+    _fake_install(tmp_path, "0.3.35", tools=("llama-server", "llama-bench"))  # an install from before batched-bench
+    assert build.installed("0.3.35", tmp_path) is None
     _fake_install(tmp_path, "0.3.1", commit=None)
     assert build.installed("0.3.1", tmp_path).commit == "unknown"  # type: ignore[union-attr]
     _fake_install(tmp_path, "0.3.2", executable=False)

@@ -27,6 +27,7 @@ class AttentionGroup:
     seq_lens: torch.Tensor  # [b] keys each sequence has after this step
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _alibi: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
+    _rows: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @property
     def num_seqs(self) -> int:
@@ -39,6 +40,15 @@ class AttentionGroup:
     @property
     def query_len(self) -> int:
         return self.query_positions.shape[1]
+
+    def as_decode_rows(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(block tables [t, max_blocks], seq_lens [t]): every query row as a decode of its own, seeing the
+        keys up to its position, for the paged attention kernel (which attends a sequence's consecutive
+        rows together). Built once per step and shared by every layer."""
+        if self._rows is None:
+            tables = self.block_tables.repeat_interleave(self.query_len, dim=0)
+            self._rows = tables, self.query_positions.flatten() + 1
+        return self._rows
 
     def alibi_bias(self, window: int | None, slopes: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """[b, H, q, keys] additive bias: ALiBi's slope * (key - query) where mask() allows, -inf elsewhere.
