@@ -8,8 +8,10 @@ the model and measures
 - prefill: prompt tok/s for prompts of each `--prompt-tokens` length (prefill.py), as llama-bench's pp;
 - the weights' resident bytes;
 - MBU and MFU of these rates against the machine's peaks, measured as the run starts (roofline.py).
-With `--peer llama.cpp`, llama-bench runs `-p <prompt-tokens> -n <gen-tokens>` (pp and tg) with the
-same thread count on the same file, after folio has released its memory.
+With `--peer llama.cpp`, llama-bench runs `-p <prompt-tokens> -n <gen-tokens>` (pp and tg), and
+llama-batched-bench decodes `--gen-tokens` after 16-token prompts at 1 to `--batch` parallel sequences
+(its aggregate rate at each, the best reported as its batched rate), with the same thread count on the
+same file, after folio has released its memory.
 """
 
 from __future__ import annotations
@@ -133,6 +135,22 @@ def _llama_bench(path: Path, gen_tokens: int, prompt_tokens: tuple[int, ...], re
     return float(tg["avg_ts"]), pp, info
 
 
+BATCHED_PROMPT_TOKENS = 16  # llama-batched-bench's prompts: folio's batched run's are about as long
+
+
+def _llama_batched_bench(path: Path, gen_tokens: int, batch: int, threads: int) -> dict[str, float]:
+    """llama-batched-bench's aggregate decode tok/s (S_TG) at each parallel-sequence count up to `batch`."""
+    binaries = build_llama_cpp()
+    counts = sorted({n for n in (1, 2, 4, 8, 16, 32, 64) if n < batch} | {batch})
+    context = batch * (BATCHED_PROMPT_TOKENS + gen_tokens)
+    cmd = [str(binaries.batched_bench), "-m", str(path), "-c", str(context), "-b", "2048", "-ub", "512", "-kvu",
+           "-npp", str(BATCHED_PROMPT_TOKENS), "-ntg", str(gen_tokens), "-npl", ",".join(map(str, counts)),
+           "-t", str(threads), "--output-format", "jsonl"]  # fmt: skip
+    out = subprocess.run(cmd, capture_output=True, text=True, check=True, timeout=3600)
+    records = [json.loads(line) for line in out.stdout.splitlines() if line.startswith("{")]
+    return {str(r["pl"]): float(r["speed_tg"]) for r in records}
+
+
 def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
     if config.peer not in (None, "llama.cpp"):
         raise ValueError(f"unknown peer {config.peer!r}; choose llama.cpp")
@@ -163,12 +181,20 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
         tok_s, pp, peer_info = _llama_bench(path, config.gen_tokens, config.prompt_tokens, config.repeats, threads)
-        peer = VariantResult("llama.cpp", None, tok_s, None, prefill_tok_s=pp)
+        batched = _llama_batched_bench(path, config.gen_tokens, config.batch, threads)
+        peer_info["batched_tok_s"] = batched  # by parallel sequences; the best is its batched rate
+        peer = VariantResult("llama.cpp", None, tok_s, max(batched.values(), default=None), prefill_tok_s=pp)
         # llama-bench's tg runs after an empty prompt (-p 0), holds the file's weights as they are and its
         # KV cache in float16.
         shape = load_shape(path).config
         f16_kv = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * 2
+        best_batch = int(max(batched, key=lambda n: batched[n])) if batched else 1
         peer.add_utilisation(TokenCost.of(path, path.stat().st_size, f16_kv), peaks, 0, config.gen_tokens, 1)
+        if peer.batch_tok_s is not None:  # at the parallel-sequence count that gave its best rate
+            best = TokenCost.of(path, path.stat().st_size, f16_kv).utilisation(
+                peer.batch_tok_s, best_batch, BATCHED_PROMPT_TOKENS + config.gen_tokens / 2, peaks
+            )
+            peer.batch_mbu, peer.batch_mfu = best["mbu"], best["mfu"]
         results.append(peer)
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
     return DecodeReport(command, date, config.model, dtype, settings, results, peer_info, peaks.to_dict())
@@ -196,6 +222,12 @@ def format_table(report: DecodeReport) -> str:
     if peer.engine == "llama.cpp":
         lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = "
                      f"{first.batch1_tok_s / peer.batch1_tok_s:.2f}x")  # fmt: skip
+        batched = report.peer_info.get("batched_tok_s") or {}
+        if batched and peer.batch_tok_s:
+            best_n = max(batched, key=lambda n: batched[n])
+            folio_best = max(r.batch_tok_s or 0.0 for r in report.results[:-1])
+            lines.append(f"batch-{batch}: best folio / llama-batched-bench's best ({best_n} sequences) = "
+                         f"{folio_best / peer.batch_tok_s:.2f}x")  # fmt: skip
         for n in lengths:
             best = max(r.prefill_tok_s.get(n, 0.0) for r in report.results[:-1])
             if peer.prefill_tok_s.get(n):

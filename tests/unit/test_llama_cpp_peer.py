@@ -166,3 +166,19 @@ def test_serve_cli_passes_flags_through(tmp_path: Path, monkeypatch: pytest.Monk
     assert seen["parallel"] == 3 and seen["ctx_size"] == 3 * 2048 and seen["threads"] == 1
     assert seen["extra_args"] == ["--kv-unified"]
     assert peer.signal.getsignal(peer.signal.SIGTERM) == before  # main put back the handler it replaced
+
+
+def test_batched_bench_rates_by_parallel_sequences(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """folio bench decode's peer: llama-batched-bench's JSONL lines, its S_TG keyed by parallel sequences."""
+    from folio.bench import decode
+
+    folder = _fake_install(tmp_path, "0.3.36")
+    script = folder / "bin" / "llama-batched-bench"
+    lines = [{"pl": 1, "speed_tg": 130.5}, {"pl": 16, "speed_tg": 250.0}, {"pl": 64, "speed_tg": 170.25}]
+    body = "".join(f"echo '{json.dumps(line)}'\n" for line in lines)
+    script.write_text(f'#!/bin/sh\necho "$@" > {tmp_path / "args"}\necho "| a markdown line |"\n{body}')
+    monkeypatch.setattr(decode, "build_llama_cpp", lambda: build.installed("0.3.36", tmp_path))
+    rates = decode._llama_batched_bench(tmp_path / "m.gguf", gen_tokens=32, batch=64, threads=2)
+    assert rates == {"1": 130.5, "16": 250.0, "64": 170.25}
+    args = (tmp_path / "args").read_text().split()
+    assert args[args.index("-npl") + 1] == "1,2,4,8,16,32,64" and args[args.index("-c") + 1] == str(64 * (16 + 32))
