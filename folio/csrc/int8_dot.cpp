@@ -126,11 +126,12 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) group_sums[m * G + group_of_block[b]] += q.sums[m * B + b];
+  // Each tile's weights stay in L1 while every activation row passes over them (int8_linear_impl).
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     float out[X_TILE * TILE_ROWS];
-    for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
-      const int64_t rows = std::min(X_TILE, M - m0);
-      for (int64_t tile = begin; tile < end; ++tile) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
+        const int64_t rows = std::min(X_TILE, M - m0);
         const uint8_t* c = codes + tile * B * TILE_BLOCK_BYTES;
         const at::Half* s = scales + tile * G * TILE_ROWS;
         const at::Half* mn = mins + tile * G * TILE_ROWS;
@@ -157,11 +158,13 @@ void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true);
   const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
+  // Each tile's weights stay in L1 while every activation row passes over them (a batch's activations
+  // fit in L2; a weight matrix often does not fit in any cache).
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     float out[X_TILE * TILE_ROWS];
-    for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
-      const int64_t rows = std::min(X_TILE, M - m0);
-      for (int64_t tile = begin; tile < end; ++tile) {
+    for (int64_t tile = begin; tile < end; ++tile) {
+      for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
+        const int64_t rows = std::min(X_TILE, M - m0);
         const uint8_t* c = codes + tile * B * INT8_TILE_BLOCK_BYTES;
         const S* s = scales + tile * G * TILE_ROWS;
         const int32_t* gb = group_of_block.data();

@@ -30,12 +30,12 @@ from folio.quant.int8_dot import (
 
 GROUP_SIZE = 32  # GGUF's 4-bit formats, and the default of round-to-nearest
 # Rows up to which the dot-product kernel beats widening the weight for one GEMM, by activation dtype.
-# float32: every row count. On 2 threads the kernel runs 230-270 GFLOP/s from 64 to 1,024 rows (3072x576
-# and 4096x640 weights), against 80-150 for widening + a float32 GEMM and 90-140 for a float32 GEMM on
-# an already dense weight. bfloat16: up to 128 rows (248 / 230 against 173 / 193 GFLOP/s at 128 rows;
-# 173 / 244 against 252 / 259 at 256), where bf16 GEMMs overtake it (development measurements, noisy
-# to ~10%).
-DOT_MAX_ROWS_BF16 = 128
+# float32: every row count. On 2 threads the kernel runs 235-330 GFLOP/s from 64 to 1,024 rows (3072x576,
+# 4096x640 and 576x1536 weights), against 110-200 for widening + a float32 GEMM and 150-200 for a
+# float32 GEMM on an already dense weight. bfloat16: up to 64 rows (303 / 315 against 285 / 291 GFLOP/s
+# at 64 rows; 306 / 317 against 353 / 350 at 128), where bf16 GEMMs overtake it (development
+# measurements, noisy to ~10%).
+DOT_MAX_ROWS_BF16 = 64
 
 
 def dot_max_rows(dtype: torch.dtype) -> int:

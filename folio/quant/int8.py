@@ -35,10 +35,10 @@ from folio.quant.int8_dot import (
 # 94 / 121 / 118 ms (fp32 dequantize + GEMM; the widened copy alone is 113 MB).
 KERNEL_MAX_ROWS = 128
 # Rows of bfloat16 activations up to which the tiled dot-product kernel beats widening the weight for
-# one GEMM (4096x640 and 3072x576, 2 threads: 248 / 256 against 110 / 99 GFLOP/s at 128 rows, 257 / 209
-# against 171 / 151 at 256, 250 / 183 against 230 / 236 at 512); float32 activations take it at every
-# row count, as 4-bit weights do (int4.dot_max_rows).
-DOT_MAX_ROWS_BF16 = 256
+# one GEMM (3072x576 and 4096x640, 2 threads: 311 / 320 against 307 / 307 GFLOP/s at 128 rows, 309 /
+# 317 against 356 / 360 at 256); float32 activations take it at every row count, as 4-bit weights do
+# (int4.dot_max_rows).
+DOT_MAX_ROWS_BF16 = 128
 
 
 def dot_max_rows(dtype: torch.dtype) -> int:
