@@ -159,5 +159,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<const py::dict&, int64_t, int64_t, int64_t, int64_t, double, double, double, bool, bool>())
       .def("add_layer", &DecodeStack::add_layer)
-      .def("forward", &DecodeStack::forward);
+      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
 }

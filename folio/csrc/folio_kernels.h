@@ -10,6 +10,10 @@
 //     another name.
 // Both sides compile against this header and every build's key covers it (folio/cpp_extension.py),
 // so changing a signature breaks a build, never a call through a stale pointer.
+//
+// Every Python entry point of these extensions releases the GIL while it runs
+// (py::call_guard<py::gil_scoped_release>): none touches a Python object, and a served engine's step
+// then leaves the interpreter to the server's event loop instead of holding it for the whole step.
 #pragma once
 
 #include <torch/extension.h>

@@ -214,10 +214,10 @@ torch::Tensor gated_activation(torch::Tensor x, bool gelu) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("rms_norm", &rms_norm, "RMSNorm of rows");
-  m.def("add_rms_norm", &add_rms_norm, "residual += x; RMSNorm(residual)");
-  m.def("rotary_", &rotary_, "rotate-half rotary embedding of q and k, in place");
-  m.def("gated_activation", &gated_activation, "act(gate) * up");
+  m.def("rms_norm", &rms_norm, py::call_guard<py::gil_scoped_release>(), "RMSNorm of rows");
+  m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "residual += x; RMSNorm(residual)");
+  m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>(), "rotate-half rotary embedding of q and k, in place");
+  m.def("gated_activation", &gated_activation, py::call_guard<py::gil_scoped_release>(), "act(gate) * up");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::RmsNorm>(entries, &rms_norm);

@@ -370,11 +370,11 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products");
-  m.def("int8_linear", &int8_linear, "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products");
-  m.def("int8_dequantize", &int8_dequantize, "the tiled 8-bit weight widened, [N, K]");
-  m.def("int4_dequantize", &int4_dequantize, "the tiled 4-bit weight widened, [N, K]");
-  m.def("quantize_activations", &quantize_activations, "x as int8 blocks of 32 and their scales");
+  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products");
+  m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products");
+  m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
+  m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4-bit weight widened, [N, K]");
+  m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::Int4Linear>(entries, &int4_linear);

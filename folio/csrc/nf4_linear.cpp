@@ -113,7 +113,7 @@ torch::Tensor nf4_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor abs
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("nf4_linear", &nf4_linear, "x @ W^T for NF4 codes with double-quantized block absmax");
+  m.def("nf4_linear", &nf4_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T for NF4 codes with double-quantized block absmax");
   py::dict entries;  // for C++ callers in other extensions, typed by folio_kernels.h
   folio::add_entry<folio::Nf4Linear>(entries, &nf4_linear);
   m.attr("entries") = entries;

@@ -235,8 +235,8 @@ torch::Tensor paged_decode_attention_alibi(
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("paged_decode_attention", &paged_decode_attention, "paged decode attention (CPU)");
-  m.def("paged_decode_attention_alibi", &paged_decode_attention_alibi, "paged decode attention with ALiBi (CPU)");
+  m.def("paged_decode_attention", &paged_decode_attention, py::call_guard<py::gil_scoped_release>(), "paged decode attention (CPU)");
+  m.def("paged_decode_attention_alibi", &paged_decode_attention_alibi, py::call_guard<py::gil_scoped_release>(), "paged decode attention with ALiBi (CPU)");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::PagedDecodeAttention>(entries, &paged_decode_attention);

@@ -76,7 +76,7 @@ torch::Tensor q8_linear(torch::Tensor x, torch::Tensor codes, torch::Tensor scal
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("q8_linear", &q8_linear, "x @ W^T for int8 codes with per-group float scales");
+  m.def("q8_linear", &q8_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T for int8 codes with per-group float scales");
   py::dict entries;  // for C++ callers in other extensions, typed by folio_kernels.h
   folio::add_entry<folio::Q8Linear>(entries, &q8_linear);
   m.attr("entries") = entries;
