@@ -35,6 +35,7 @@ from folio.engine.output_processor import OutputDelta, OutputProcessor
 from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
 from folio.outputs import TokenLogprob
+from folio.platform import release_openmp_workers
 from folio.sampling_params import SamplingParams
 from folio.worker.executor import WorkerDiedError
 
@@ -196,6 +197,10 @@ class AsyncEngine:
         self._streams: dict[str, _Stream] = {}
         self._outputs = OutputProcessor(engine, tokenizer)  # used on the engine thread only
         self._ids = itertools.count()
+        # From here the engine steps on its own thread: this one's OpenMP workers, started by loading the
+        # model, would leave libgomp managing more threads than cores, and it then stops spinning at the
+        # barriers of every kernel (platform.release_openmp_workers).
+        release_openmp_workers()
         self._thread = threading.Thread(target=self._run, name="folio-engine", daemon=True)
         self._thread.start()
 
