@@ -33,7 +33,7 @@ from folio import LLM, SamplingParams
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.plots import engine_bars, engine_colors, figure
-from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill, prefill_mfu
+from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.table import row
 from folio.config import parse_dtype
@@ -81,7 +81,7 @@ class VariantResult:
         if self.batch_tok_s is not None:
             many = cost.utilisation(self.batch_tok_s, batch, context, peaks)
             self.batch_mbu, self.batch_mfu = many["mbu"], many["mfu"]
-        self.prefill_mfu = {n: prefill_mfu(cost, int(n), rate, peaks) for n, rate in self.prefill_tok_s.items()}
+        self.prefill_mfu = {n: cost.prefill_mfu(int(n), rate, peaks) for n, rate in self.prefill_tok_s.items()}
 
 
 @dataclass

@@ -14,7 +14,9 @@ machine's drift hits each alike:
   to its first token (what context parallelism divides);
 - for split engines, rank 0's time per step in collectives (all-reduces and the logits' all-gather)
   and in waiting on its sends to the next stage, with the bytes it moved, and its share of the step.
-Ratios are against the whole model's figure of the same round.
+Ratios are against the whole model's figure of the same round. MBU of batch 1, MFU of batch N and of the
+long prefill are against the machine's peaks measured as the run starts (roofline.py): every engine
+runs on the same cores, and a split one's ranks together read and multiply the whole model.
 """
 
 from __future__ import annotations
@@ -29,6 +31,8 @@ from typing import Any
 
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.parallel_report import format_table, write_plot
+from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
+from folio.config import parse_dtype
 from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
 from folio.results import machine_info, result_paths, write_json
@@ -177,6 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if engines.get("tp1") != Split():
         raise ValueError("--engines must include tp1: every ratio is against the whole model")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    peaks = measure_peaks(parse_dtype(args.dtype))  # before any model takes memory or cores
     llms: dict[str, LLM] = {}
     for name, split in engines.items():
         engine = EngineArgs(args.model, dtype=args.dtype, quantization=args.quantization,
@@ -191,6 +196,8 @@ def run(args: argparse.Namespace) -> int:
                             cpu_collectives=split.cpu_collectives)  # fmt: skip
         llms[name] = LLM.from_engine_args(engine)
     first = next(iter(llms.values()))
+    whole = llms["tp1"]
+    cost = TokenCost.of(whole.loaded.path, whole.loaded.weight_bytes, whole.engine.kv_bytes_per_token)
     prompts = _prompts(first, args.batch, args.prompt_tokens)
     long_prompt = _long_prompt(first, args.long_prompt_tokens) if args.long_prompt_tokens else []
     measures = {name: Measure() for name in llms}
@@ -209,7 +216,7 @@ def run(args: argparse.Namespace) -> int:
     finally:
         for llm in llms.values():
             llm.close()
-    report = _report(args, date, measures)
+    report = _report(args, date, measures, cost, peaks)
     json_path, png_path = result_paths(Path(args.output_dir), "parallel", args.model, date)
     write_json(json_path, report)
     write_plot(png_path, report)
@@ -218,7 +225,19 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _report(args: argparse.Namespace, date: str, measures: dict[str, Measure]) -> dict[str, Any]:
+def _utilisation(args: argparse.Namespace, summary: dict[str, Any], cost: TokenCost,
+                 peaks: MachinePeaks) -> dict[str, float | None]:  # fmt: skip
+    """MBU of the batch-1 rate, MFU of the batch-N rate and of the long prefill, from an engine's medians."""
+    batch1 = cost.utilisation(summary["batch1_decode_tok_s"], 1, args.prompt_tokens + args.batch1_tokens / 2, peaks)
+    many = cost.utilisation(summary["batch_output_tok_s"], args.batch, args.prompt_tokens + args.batch_tokens / 2,
+                            peaks)  # fmt: skip
+    long = summary["long_prefill_tok_s"]
+    return {"batch1_mbu": batch1["mbu"], "batch_mfu": many["mfu"],
+            "long_prefill_mfu": cost.prefill_mfu(args.long_prompt_tokens, long, peaks) if long else None}  # fmt: skip
+
+
+def _report(args: argparse.Namespace, date: str, measures: dict[str, Measure], cost: TokenCost,
+            peaks: MachinePeaks) -> dict[str, Any]:  # fmt: skip
     base = measures["tp1"]
     engines = {}
     for name, m in measures.items():
@@ -228,8 +247,10 @@ def _report(args: argparse.Namespace, date: str, measures: dict[str, Measure]) -
         summary = {key: statistics.median(values) if values else None for key, values in asdict(m).items()}
         summary |= {"batch1_ratio": statistics.median(ratios1), "batch_ratio": statistics.median(ratios),
                     "long_prefill_ratio": statistics.median(ratios_long) if ratios_long else None}  # fmt: skip
+        summary |= _utilisation(args, summary, cost, peaks)
         engines[name] = {"median": summary, "rounds": asdict(m)}
     return {"benchmark": "parallel", "date_utc": date, "command": command_line(args), "model": args.model,
             "batch": args.batch, "long_prompt_tokens": args.long_prompt_tokens,
             "max_num_batched_tokens": args.max_num_batched_tokens, "micro_batches": args.micro_batches,
-            "pipeline_layers": args.pipeline_layers, "machine": machine_info(), "engines": engines}  # fmt: skip
+            "pipeline_layers": args.pipeline_layers, "machine": machine_info(), "peaks": peaks.to_dict(),
+            "engines": engines}  # fmt: skip

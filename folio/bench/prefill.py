@@ -11,7 +11,6 @@ from __future__ import annotations
 import torch
 
 from folio import LLM, SamplingParams
-from folio.bench.roofline import MachinePeaks, TokenCost
 
 DEFAULT_LENGTHS = (128, 512, 2048)
 
@@ -36,8 +35,3 @@ def measure_prefill(llm: LLM, num_tokens: int, repeats: int, seed: int = 0) -> f
             raise RuntimeError("a random prompt hit the prefix cache: the measurement would not be a prefill")
         best = max(best, num_tokens / out.metrics.time_to_first_token)
     return best
-
-
-def prefill_mfu(cost: TokenCost, num_tokens: int, tokens_per_s: float, peaks: MachinePeaks) -> float:
-    """The fraction of the matmul peak a prefill rate reaches."""
-    return tokens_per_s / num_tokens * cost.prefill_flops(num_tokens) / (peaks.matmul_gflops * 1e9)

@@ -60,6 +60,14 @@ def measure_peaks(dtype: torch.dtype, repeats: int = 5) -> MachinePeaks:
                         BANDWIDTH_BYTES / read_s / 1e9)  # fmt: skip
 
 
+def measure_machine_peaks(repeats: int = 3) -> MachinePeaks:
+    """The machine's best matmul rate, whichever of float32 and bfloat16 GEMMs is faster, and its read
+    bandwidth: the peaks of a run whose server's activation dtype the client does not know."""
+    best = max((measure_peaks(dtype, repeats) for dtype in (torch.float32, torch.bfloat16)),
+               key=lambda peaks: peaks.matmul_gflops)  # fmt: skip
+    return best
+
+
 def multiplied_parameters(config: ModelConfig, num_params: int) -> int:
     """The parameters a token multiplies: all of them but the embedding table, which is only looked up
     (a tied LM head multiplies that same table, so then nothing is left out)."""
@@ -97,9 +105,25 @@ class TokenCost:
         """A prompt's FLOPs: every token through the layers, the LM head on its last one only."""
         return self.sequence_flops(num_tokens) - 2 * self.head_params * (num_tokens - 1)
 
+    def request_flops(self, prompt_tokens: int, output_tokens: int) -> float:
+        """A served request's FLOPs: its prompt's prefill (which samples the first output token), then each
+        later output token attending to everything before it."""
+        decoded = max(output_tokens - 1, 0)
+        contexts = decoded * prompt_tokens + decoded * (decoded + 1) / 2  # token i attends to prompt + i tokens
+        return (
+            self.prefill_flops(prompt_tokens)
+            + decoded * 2 * self.multiplied_params
+            + (4 * self.num_layers * self.attention_width * contexts)
+        )
+
     def decode_bytes(self, batch: float, context: float) -> float:
         """One decoded token's share of its step's reads, with `batch` sequences in the step."""
         return self.weight_bytes / batch + context * self.kv_bytes_per_token
+
+    def prefill_mfu(self, num_tokens: int, tokens_per_s: float, peaks: MachinePeaks) -> float:
+        """The fraction of the matmul peak a prefill of `num_tokens`-token prompts reaches at `tokens_per_s`
+        prompt tokens a second."""
+        return tokens_per_s / num_tokens * self.prefill_flops(num_tokens) / (peaks.matmul_gflops * 1e9)
 
     def utilisation(self, tokens_per_s: float, batch: float, context: float, peaks: MachinePeaks) -> dict[str, float]:
         """MFU and MBU (fractions of the peaks) of a decode rate."""

@@ -4,7 +4,9 @@
 One seeded workload is sent at each request rate in turn: Poisson arrivals, every request streamed, greedy
 with EOS ignored so each decodes exactly its output length. Per request it records TTFT, the gaps between
 chunks (ITL), TPOT and end-to-end latency; per rate, latency percentiles, request and token throughput,
-goodput under the SLOs given and the cost of a million output tokens at a given hourly price.
+goodput under the SLOs given, the cost of a million output tokens at a given hourly price, and MFU: the
+requests' FLOPs (from the model's shapes, roofline.py) over the wall time, against the machine's best GEMM
+rate measured before the first rate (the client does not know the server's activation dtype).
 `--extra-body JSON` is merged into every request, e.g. '{"cache_prompt": false}' for llama-server, whose
 prompt cache is on by default.
 
@@ -27,6 +29,7 @@ from typing import Any
 
 from folio.bench.datasets import LengthRange
 from folio.bench.flags import add_output_dir, command_line
+from folio.bench.roofline import MachinePeaks, TokenCost, measure_machine_peaks
 from folio.bench.serve_client import (
     ServeRequest,
     Target,
@@ -36,7 +39,7 @@ from folio.bench.serve_client import (
 )
 from folio.bench.serve_metrics import kv_transfer_delta, prefix_cache_delta, scrape_kv_transfer, scrape_prefix_cache
 from folio.bench.serve_report import format_table, write_report
-from folio.bench.serve_stats import parse_slo, summarize
+from folio.bench.serve_stats import RequestRecord, parse_slo, summarize
 from folio.bench.serve_types import RateResult, ServeConfig, ServeReport
 from folio.bench.serve_workload import build_serve_requests, check_dataset, load_tokenizer
 from folio.results import machine_info
@@ -75,6 +78,8 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
     if not target.include_usage:
         print("folio: the server refused stream_options; counting output tokens from chunks", file=sys.stderr)
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+    peaks = measure_machine_peaks()  # the server idle: nothing sent yet but the probe
+    cost = TokenCost.of(bench_tokenizer.path, 0, 0)  # FLOPs only: the server's resident bytes are its own
     results = []
     lag = config.metrics_lag_s
     if lag > 0 and config.probe_request:
@@ -86,6 +91,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
             run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
         )
         summary = summarize(records, duration, config.slo, config.price_per_hour)
+        summary["mfu"] = served_mfu(records, duration, cost, peaks)
         if before is not None and lag > 0:
             time.sleep(lag)  # outside the timed run: every request of the rate counted in "after"
         summary["prefix_cache"] = prefix_cache_delta(
@@ -104,7 +110,18 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         workload=_workload(requests) | workload.facts,
         results=results,
         machine=machine_info(),
+        peaks=peaks.to_dict(),
     )
+
+
+def served_mfu(records: list[RequestRecord], duration_s: float, cost: TokenCost, peaks: MachinePeaks) -> float | None:
+    """The fraction of the machine's matmul peak the completed requests' FLOPs (the model's shapes, the
+    prompt and output tokens each request had) come to over the run's wall time."""
+    if duration_s <= 0:
+        return None
+    done = [r for r in records if r.success]
+    work = sum(cost.request_flops(r.prompt_tokens or r.prompt_len, r.output_tokens) for r in done)
+    return work / duration_s / (peaks.matmul_gflops * 1e9)
 
 
 def _workload(requests: list[ServeRequest]) -> dict[str, Any]:

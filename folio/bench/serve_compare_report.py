@@ -24,6 +24,7 @@ from folio.results import write_text_atomic
 METRICS = (
     ("requests_per_s", "requests/s", ("requests_per_s",), "higher"),
     ("output_tokens_per_s", "output tok/s", ("output_tokens_per_s",), "higher"),
+    ("mfu", "MFU %", ("mfu",), "higher"),  # a fraction in the JSON
     ("goodput_requests_per_s", "goodput req/s", ("goodput_requests_per_s",), "higher"),
     ("cost_per_1m_output_tokens", "$/1M output tok", ("cost_per_1m_output_tokens",), "lower"),
     ("mean_ttft_ms", "mean TTFT ms", ("ttft_ms", "mean"), "lower"),
@@ -59,6 +60,8 @@ def _shown(report: CompareReport) -> list[tuple[str, str, tuple[str, ...], str]]
     results = [result for run in report.runs for result in run.report.results]
     if all(hit_rate(result.summary) is None for result in results):
         skip.add("prefix_cache_hit_rate")
+    if all(metric_value(result, ("mfu",)) is None for result in results):
+        skip.add("mfu")  # a report written before MFU was measured
     if all(metric_value(result, ("kv_transfer", "mean_ms")) is None for result in results):
         skip.add("kv_handover_ms")
     if not workload.slo:
@@ -120,11 +123,16 @@ def format_table(report: CompareReport) -> str:
         for key, label, _, better in _shown(report):
             m = rate["metrics"][key]
             shown = None if m["ratio"] is None else f"{m['ratio']:.2f}x"
-            lines.append(table_row(label, [m[ours.name], m[theirs.name], shown], widths=widths) + f"  {better}")
+            values = [_as_shown(key, m[ours.name]), _as_shown(key, m[theirs.name])]
+            lines.append(table_row(label, [*values, shown], widths=widths) + f"  {better}")
     if w.slo:
         slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in w.slo.items())
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
     return "\n".join(lines)
+
+
+def _as_shown(key: str, value: float | None) -> float | None:
+    return value * 100 if key == "mfu" and value is not None else value
 
 
 def file_stem(report: CompareReport) -> str:

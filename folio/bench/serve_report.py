@@ -36,6 +36,7 @@ def format_table(report: ServeReport) -> str:
         lines.append(row("goodput req/s", [r.summary["goodput_requests_per_s"] for r in results]))
     lines.append(row("output tok/s", [r.summary["output_tokens_per_s"] for r in results]))
     lines.append(row("total tok/s", [r.summary["total_tokens_per_s"] for r in results]))
+    lines.append(row("MFU %", [_percent_of(r.summary.get("mfu")) for r in results]))
     if report.config.price_per_hour is not None:
         lines.append(row("$/1M output tok", [r.summary["cost_per_1m_output_tokens"] for r in results]))
     caches = [r.summary.get("prefix_cache") for r in results]
@@ -51,7 +52,14 @@ def format_table(report: ServeReport) -> str:
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
     if not any(isinstance(cache, dict) for cache in caches):
         lines.append("prefix cache: not reported (the server has no prefix_cache_* counters at /metrics)")
+    if report.peaks:
+        lines.append(f"MFU: the requests' FLOPs over the machine's {report.peaks['matmul_gflops']:.0f} GFLOP/s "
+                     f"({report.peaks['dtype']} GEMM, measured at the start)")  # fmt: skip
     return "\n".join(lines)
+
+
+def _percent_of(fraction: float | None) -> float | None:
+    return None if fraction is None else 100 * fraction
 
 
 def _dataset_detail(report: ServeReport) -> str:

@@ -99,6 +99,7 @@ class ServeReport:
     workload: dict[str, Any]
     results: list[RateResult]
     machine: dict[str, Any]
+    peaks: dict[str, Any] | None = None  # roofline.MachinePeaks, measured before the first rate
 
     def to_dict(self) -> dict[str, Any]:
         c = self.config
@@ -108,6 +109,7 @@ class ServeReport:
             "command": self.command,
             "date_utc": self.date_utc,
             "machine": self.machine,
+            "peaks": self.peaks,
             "label": self.label,
             "base_url": c.base_url,
             "model": c.model,

@@ -34,12 +34,15 @@ def test_parallel_bench_end_to_end(tmp_path, capsys):
         assert median["long_prefill_tok_s"] > 0 and median["long_prefill_ratio"] > 0
         assert 0 < median["comm_ms_per_step_batch1"] < median["step_ms_batch1"]
         assert median["comm_kib_per_step_batch"] > 0
+        assert median["batch1_mbu"] > 0 and median["batch_mfu"] > 0 and median["long_prefill_mfu"] > 0
     # The long prompt's 100 tokens in chunks of at most 32 (25 rows a step on average): in each of 3
     # layers every row's query [4 heads x 16] is gathered and its partials [4 x 17] swapped.
     assert engines["cp2"]["median"]["comm_kib_per_step_long"] >= 3 * 25 * 4 * 16 * 4 / 1024
     # A pipeline's stage 0 sends each token's hidden state and residual: at least [2, 1, 64] float32 a step.
     assert engines["pp2"]["median"]["comm_kib_per_step_batch1"] >= 2 * 64 * 4 / 1024
-    assert "tp2-gloo" in capsys.readouterr().out
+    assert report["peaks"]["read_gbps"] > 0
+    out = capsys.readouterr().out
+    assert "tp2-gloo" in out and "b1 MBU" in out and "long MFU" in out
 
 
 @pytest.mark.parametrize("name", ["tp", "tp0", "pp", "tp2xtp2", "pp2x", "tp2-nccl", "dp2", "cp2xtp2"])

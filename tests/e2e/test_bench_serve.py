@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 from folio.bench.datasets import LengthRange, chat_prompts, chat_requests, random_requests
+from folio.bench.roofline import TokenCost
 from folio.bench.serve import ServeConfig, run_serve
 from folio.bench.serve_client import (
     arrival_offsets,
@@ -85,12 +86,18 @@ def test_serve_end_to_end_at_two_rates(tiny_llama, base_url, tmp_path, capsys):
         assert 0 <= result["goodput_requests_per_s"] <= result["requests_per_s"]
         assert result["requests_per_s"] == pytest.approx(8 / result["duration_s"])
         assert result["cost_per_1m_output_tokens"] == pytest.approx(2.0 / (result["output_tokens_per_s"] * 3600) * 1e6)
+        # MFU: the requests' FLOPs from the tiny model's shapes over the run, against the peak measured first.
+        cost = TokenCost.of(tiny_llama, 0, 0)
+        work = sum(cost.request_flops(r["prompt_tokens"] or r["prompt_len"], r["output_tokens"])
+                   for r in result["requests"])  # fmt: skip
+        peak = report["peaks"]["matmul_gflops"] * 1e9
+        assert result["mfu"] == pytest.approx(work / result["duration_s"] / peak) and 0 < result["mfu"] < 1
     # Poisson arrivals at 20/s spread the sends out; at inf they all leave together.
     starts = {r["request_rate"]: [q["start_s"] for q in r["requests"]] for r in report["results"]}
     assert max(starts["inf"]) < 0.5
     assert starts["20"][-1] >= arrival_offsets(8, 20.0, 3)[-1] - 1e-3
     printed = capsys.readouterr().out
-    assert "p99 TTFT ms" in printed and "goodput req/s" in printed and str(json_path) in printed
+    assert "p99 TTFT ms" in printed and "goodput req/s" in printed and "MFU %" in printed and str(json_path) in printed
 
 
 def test_chat_dataset_against_the_server(tiny_llama, base_url, tmp_path):

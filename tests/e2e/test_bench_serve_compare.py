@@ -114,11 +114,11 @@ def test_folio_against_a_stand_in_peer(tiny_llama, tmp_path, capsys, monkeypatch
     # Ratios are folio / twin of the two results, metric by metric.
     where = {"mean_ttft_ms": ("ttft_ms", "mean"), "p99_e2e_ms": ("e2e_ms", "p99"), "mean_itl_ms": ("itl_ms", "mean"),
              "requests_per_s": ("requests_per_s",), "goodput_requests_per_s": ("goodput_requests_per_s",),
-             "cost_per_1m_output_tokens": ("cost_per_1m_output_tokens",)}  # fmt: skip
+             "cost_per_1m_output_tokens": ("cost_per_1m_output_tokens",), "mfu": ("mfu",)}  # fmt: skip
     for row, ours, theirs in zip(report["ratios"], folio["result"]["results"], twin["result"]["results"], strict=True):
         assert row["request_rate"] == ours["request_rate"]
-        # goodput and cost included (--slo and --price-per-hour were given), and both servers' prefix hit rates
-        assert len(row["metrics"]) == 12
+        # goodput and cost included (--slo and --price-per-hour were given), MFU, and both servers' prefix hit rates
+        assert len(row["metrics"]) == 13
         for key, path in where.items():
             a, b = ours, theirs
             for part in path:
@@ -128,12 +128,13 @@ def test_folio_against_a_stand_in_peer(tiny_llama, tmp_path, capsys, monkeypatch
             assert metric["ratio"] == pytest.approx(a / b)
         assert row["metrics"]["requests_per_s"]["better"] == "higher"
         assert row["metrics"]["p99_e2e_ms"]["better"] == "lower"
+        assert 0 < row["metrics"]["mfu"]["folio"] < 1 and row["metrics"]["mfu"]["better"] == "higher"
 
     printed = capsys.readouterr().out
     assert printed.startswith(f"folio vs twin: {tiny_llama}, random, 6 requests, seed 3")
     assert "rate inf req/s" in printed and "rate 20 req/s" in printed and "folio/twin" in printed
     for label in ("requests/s", "output tok/s", "p50 TTFT ms", "p99 TPOT ms", "p99 E2E ms", "goodput req/s",
-                  "$/1M output tok"):  # fmt: skip
+                  "$/1M output tok", "MFU %"):  # fmt: skip
         assert label in printed
     assert f"twin: {twin['command']}" in printed and str(json_path) in printed
 
@@ -289,4 +290,13 @@ def test_ratios_and_table_by_hand():
     assert "requests/s                  3.00        1.50            2.00x  higher" in table
     assert "mean TTFT ms               50.00      100.00            0.50x  lower" in table
     assert "p99 TTFT ms                90.00           -                -  lower" in table
-    assert "llama.cpp: llama.cpp --serve" in table
+    assert "llama.cpp: llama.cpp --serve" in table and "MFU" not in table  # neither measured it
+
+    ours.summary["mfu"], theirs.summary["mfu"] = 0.125, 0.0625  # a fraction in the JSON, a percentage shown
+    assert ratios(report)[0]["metrics"]["mfu"] == {
+        "folio": 0.125,
+        "llama.cpp": 0.0625,
+        "ratio": 2.0,
+        "better": "higher",
+    }
+    assert "MFU %                      12.50        6.25            2.00x  higher" in format_table(report)

@@ -31,6 +31,16 @@ def test_a_prompt_runs_the_lm_head_once() -> None:
     layers = 2 * 700_000 * 512 + 4 * 4 * 256 * (512 * 513 / 2)  # token i attends to the i tokens up to itself
     assert cost.prefill_flops(512) == pytest.approx(layers + 2 * 300_000)
     assert cost.prefill_flops(1) == cost.flops(context=1)
+    peaks = MachinePeaks("float32", matmul_gflops=100.0, read_gbps=50.0)
+    assert cost.prefill_mfu(512, 1000.0, peaks) == pytest.approx(1000 / 512 * cost.prefill_flops(512) / 100e9)
+
+
+def test_a_served_requests_flops_are_its_prefill_then_each_later_token() -> None:
+    cost = TokenCost(multiplied_params=1_000_000, num_layers=4, attention_width=256, weight_bytes=0,
+                     kv_bytes_per_token=0, head_params=300_000)  # fmt: skip
+    later = sum(cost.flops(context=100 + i) for i in range(1, 20))  # tokens 2..20 attend to 101..119 tokens
+    assert cost.request_flops(100, 20) == pytest.approx(cost.prefill_flops(100) + later)
+    assert cost.request_flops(100, 1) == cost.prefill_flops(100)
 
 
 def test_the_embedding_lookup_is_not_multiplied_unless_the_head_shares_it() -> None:
