@@ -71,6 +71,13 @@ class ModelConfig:
     def is_sliding(self, layer_index: int) -> bool:
         return bool(self.layer_types and self.layer_types[layer_index] == "sliding_attention")
 
+    @property
+    def window_of_every_layer(self) -> int | None:
+        """The sliding window, when every layer attends through it (Mistral v0.1, Phi-3); else None."""
+        if self.sliding_window and self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
+            return self.sliding_window
+        return None
+
 
 @dataclass
 class CacheConfig:

@@ -13,12 +13,15 @@ from folio.engine.request import Request
 from tests.tiny_models import VOCAB
 
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}  # (token budget, blocks of 4)
+WINDOWED_POOL = 9  # a model whose every layer has an 8-token window gives blocks back: it preempts in fewer
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
 
 def speculating_engine(loaded, schedule: str, speculative: SpeculativeConfig | None, draft=None) -> EngineCore:
     """`loaded`: a LoadedModel; `draft`: the draft's model, for the draft method."""
     budget, num_blocks = SCHEDULES[schedule]
+    if schedule == "preempting" and loaded.config.window_of_every_layer is not None:
+        num_blocks = WINDOWED_POOL
     return EngineCore(loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
                       SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
                       torch.float32, torch.device("cpu"), speculative, draft)  # fmt: skip

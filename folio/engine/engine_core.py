@@ -75,9 +75,12 @@ class EngineCore:
                     f"kv_cache_memory of {memory} bytes holds no block of {cache_config.block_size} tokens "
                     f"({bytes_per_token} bytes per token)"
                 )
-        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching)
+        self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
+                                 model_config.window_of_every_layer)  # fmt: skip
         # A request must always fit the pool alone, or preemption could never make room for it.
-        max_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings, self.kv.capacity_tokens)
+        max_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings)
+        if (fits := self.kv.longest_request_tokens(scheduler_config.max_num_batched_tokens)) is not None:
+            max_len = min(max_len, fits)
         scheduler_config.max_model_len = max_len
         self.scheduler_config = scheduler_config
         self.scheduler = Scheduler(scheduler_config, self.kv, model_config.vocab_size)
@@ -112,7 +115,7 @@ class EngineCore:
         self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
-            "prefix caching %s",
+            "prefix caching %s%s",
             num_blocks,
             cache_config.block_size,
             self.kv.capacity_tokens,
@@ -122,6 +125,7 @@ class EngineCore:
             cache_config.kv_cache_dtype,
             max_len,
             "on" if cache_config.enable_prefix_caching else "off",
+            f"; blocks behind the {self.kv.sliding_window}-token window freed" if self.kv.sliding_window else "",
         )
 
     @property

@@ -3,6 +3,15 @@
 With prefix caching on, a request being admitted first takes every cached block of its longest
 cached prefix (`find_cached_prefix`), and each block it fills afterwards is registered in the pool
 (`cache_full_blocks`), so the next request with that prefix skips computing it.
+
+When every layer attends through the same sliding window (Mistral v0.1, Phi-3), a block whose tokens
+no later query can see is given back as soon as the request has computed past it (`drop_out_of_window`):
+its place in the table is taken by a placeholder, one block shared by every such place, so the
+runner's table keeps its shape and indices. Attention never reads a placeholder's keys unmasked (the
+kernels start at the window's first key; the PyTorch path masks them), and the placeholder is a full,
+computed block that nobody writes again, so what it holds is always finite. A request then holds at
+most the window and the blocks it writes, whatever its length. (Gemma 3's global layers need every
+block: with one table for all layers, a model that mixes window and global layers drops nothing.)
 """
 
 from __future__ import annotations
@@ -18,8 +27,10 @@ if TYPE_CHECKING:
 
 
 class KVCacheManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 sliding_window: int | None = None) -> None:  # fmt: skip
         self.block_size = block_size
+        self.sliding_window = sliding_window  # every layer's, or None: nothing is dropped
         self.pool = BlockPool(num_blocks)
         self.block_tables: dict[str, list[int]] = {}
         self.enable_prefix_caching = enable_prefix_caching
@@ -27,10 +38,21 @@ class KVCacheManager:
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV came from the cache
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
+        self._num_dropped: dict[str, int] = {}  # leading blocks of each table replaced by the placeholder
+        self._placeholder: int | None = None  # held once by the manager while any table has dropped blocks
 
     @property
     def capacity_tokens(self) -> int:
         return self.pool.num_blocks * self.block_size
+
+    def longest_request_tokens(self, max_num_batched_tokens: int) -> int | None:
+        """The longest request the pool can always hold alone (None: any length). Past the window a
+        request holds at most the window's blocks and those its step writes into, plus a partial one and
+        the placeholder."""
+        window = self.sliding_window
+        if window is not None and self.blocks_needed(window - 1 + max_num_batched_tokens) + 2 <= self.pool.num_blocks:
+            return None
+        return self.capacity_tokens
 
     def blocks_needed(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
@@ -93,6 +115,8 @@ class KVCacheManager:
             self.pool.share(block)
         self.block_tables[child_id] = table
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
+        if parent_id in self._num_dropped:
+            self._num_dropped[child_id] = self._num_dropped[parent_id]
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -125,11 +149,41 @@ class KVCacheManager:
             self.pool.free(table[keep:])
             del table[keep:]
 
+    def drop_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
+        """Give back the request's blocks that fell out of the sliding window: the next query sits at
+        `num_computed_tokens` and sees keys from `num_computed_tokens - window + 1` on. Call it after the
+        step's blocks were registered (a dropped block keeps its prefix-cache key on the free list).
+        Returns how many blocks went back to the pool."""
+        table = self.block_tables.get(request_id)
+        if self.sliding_window is None or not table:
+            return 0
+        first_seen = max(num_computed_tokens - self.sliding_window + 1, 0)
+        done = self._num_dropped.get(request_id, 0)
+        droppable = min(first_seen // self.block_size, len(table))
+        freed = 0
+        for index in range(done, droppable):
+            block = table[index]
+            if self._placeholder is None:  # the first block dropped becomes the placeholder itself
+                self._placeholder = block
+                self.pool.share(block)
+            elif block != self._placeholder:
+                self.pool.share(self._placeholder)
+                self.pool.free([block])
+                table[index] = self._placeholder
+                freed += 1
+        if droppable > done:
+            self._num_dropped[request_id] = droppable
+        return freed
+
     def free(self, request_id: str) -> None:
         self._num_registered.pop(request_id, None)
+        self._num_dropped.pop(request_id, None)
         table = self.block_tables.pop(request_id, None)
         if table:
             self.pool.free(table)
+        if self._placeholder is not None and not self._num_dropped:
+            self.pool.free([self._placeholder])  # no table uses it any more
+            self._placeholder = None
 
     def block_table(self, request_id: str) -> list[int]:
         return self.block_tables[request_id]

@@ -11,6 +11,7 @@ from folio.engine.engine_core import EngineCore
 from folio.loaders.model_loader import load_model
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.reference import reference_greedy
+from tests.speculation import WINDOWED_POOL
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -28,7 +29,8 @@ def tiny(request, tmp_path_factory):
 
 
 # (token budget per step, KV blocks of 4 tokens): whole prompts; 7-token chunks; a pool too small for
-# all three requests at once, which forces preemption and recomputation.
+# all three requests at once, which forces preemption and recomputation. A model whose every layer has
+# an 8-token window gives blocks back as they leave it: its pool is smaller still, shorter than one request.
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}
 
 
@@ -37,6 +39,9 @@ SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}
 def test_logits_and_greedy_tokens_match(tiny, schedule, attention):
     kind, loaded, reference = tiny
     budget, num_blocks = SCHEDULES[schedule]
+    windowed = loaded.config.window_of_every_layer is not None
+    if windowed and schedule == "preempting":
+        num_blocks = WINDOWED_POOL
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (40, 5, 23)]
     engine = EngineCore(
@@ -58,4 +63,6 @@ def test_logits_and_greedy_tokens_match(tiny, schedule, attention):
         torch.testing.assert_close(folio_logits, ref_logits, atol=TOLERANCE, rtol=0)
     if schedule == "preempting":
         assert engine.scheduler.num_preemptions > 0
+        if windowed:  # 72-token sequences through a 36-token pool
+            assert engine.kv.capacity_tokens < len(prompts[0]) + DECODE_STEPS
     assert engine.kv.pool.num_free_blocks == num_blocks  # everything returned to the pool
