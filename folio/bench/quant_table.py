@@ -10,8 +10,11 @@ Rows are weight formats, each with each KV cache format:
 Columns: resident weight MiB, KV bytes per token, perplexity on the held-out text (prefilled in
 chunks of 64, so that the KV format matters) and its change from the fp32 row, greedy agreement with
 the fp32 model (full-precision KV), batch-1 decode tok/s and batch-N output tok/s (measured as
-folio/bench/decode.py measures them). All rows run back to back in one process on the same text
-and prompts.
+folio/bench/decode.py measures them), and their MBU and MFU (roofline.py): fractions of the machine's
+peaks, measured once as the run starts in the run's --dtype (so an fp32 row's MFU is against that dtype's
+GEMM rate). Each row's MBU counts its own resident weight bytes and KV bytes per token: a 4-bit format
+reads fewer bytes a token, so it can be faster at the same MBU. All rows run back to back in one process
+on the same text and prompts.
 """
 
 from __future__ import annotations
@@ -27,9 +30,11 @@ from typing import Any
 import torch
 
 from folio import LLM
-from folio.bench.decode import measure_batch1, measure_batched
+from folio.bench.decode import PROMPT, measure_batch1, measure_batched
 from folio.bench.flags import add_output_dir, command_line
+from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.table import row as table_row
+from folio.config import parse_dtype
 from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
 from folio.eval.corpus import held_out_windows
 from folio.eval.perplexity import score_windows
@@ -74,6 +79,9 @@ class Row:
     batch1_tok_s: float
     batch_tok_s: float
     quantize_seconds: float | None = None
+    # Fractions of the machine's peaks: batch-1 decode against read bandwidth, batch-N against matmul.
+    batch1_mbu: float | None = None
+    batch_mfu: float | None = None
 
 
 @dataclass
@@ -83,6 +91,7 @@ class TableReport:
     model: str
     config: dict[str, Any]
     rows: list[Row]
+    peaks: dict[str, Any] = field(default_factory=dict)  # MachinePeaks, measured as the run started
     machine: dict[str, Any] = field(default_factory=machine_info)
 
     def to_dict(self) -> dict[str, Any]:
@@ -105,6 +114,8 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     source = resolve_model(config.model)
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     threads = os.cpu_count() or 1
+    torch.set_num_threads(threads)
+    peaks = measure_peaks(parse_dtype(config.dtype))  # before any model takes memory or cores
     chats = eval_prompts(config.num_prompts)
     pool = {"enable_prefix_caching": False, "kv_cache_memory": config.kv_cache_memory}
     reference = LLM(source, quantization="none", dtype="float32", **pool)
@@ -134,11 +145,14 @@ def run_table(config: TableConfig, command: str) -> TableReport:
             rows.append(Row(weights, kv, dtype, llm.loaded.weight_bytes / 2**20, llm.engine.kv_bytes_per_token,
                             float(torch.tensor(total / count).exp()), sum(a == b for a, b in zip(got, expected,
                             strict=True)), sum(shares) / len(shares), *batch1, seconds))  # fmt: skip
+            # Shapes from the source: a checkpoint's packed tensors would miscount the parameters.
+            cost = TokenCost.of(source, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+            add_utilisation(rows[-1], cost, peaks, len(llm.tokenizer.encode(PROMPT)), config)
             print(format_row(rows[-1], config.num_prompts), flush=True)
             del llm
             gc.collect()
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
-    return TableReport(command, date, config.model, settings, rows)
+    return TableReport(command, date, config.model, settings, rows, peaks.to_dict())
 
 
 def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
@@ -146,15 +160,26 @@ def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
     return measure_batch1(llm, config.gen_tokens, config.repeats), measure_batched(llm, config.gen_tokens, config.batch)
 
 
-WIDTHS = [8, 10, 9, 8, 10, 10]  # after the three left-aligned columns: weights (8), KV (6), dtype (10)
-HEADER = table_row(
-    f"{'weights':8}{'KV':6}{'dtype':10}", ["MiB", "KV B/tok", "ppl", "agree", "b1 tok/s", "bN tok/s"], 24, WIDTHS
-)
+def add_utilisation(row: Row, cost: TokenCost, peaks: MachinePeaks, prompt_tokens: int, config: TableConfig) -> None:
+    """The row's batch-1 MBU and batch-N MFU, as decode.py's VariantResult.add_utilisation computes them."""
+    context = prompt_tokens + config.gen_tokens / 2  # the mean context a decoded token attends to
+    row.batch1_mbu = cost.utilisation(row.batch1_tok_s, 1, context, peaks)["mbu"]
+    row.batch_mfu = cost.utilisation(row.batch_tok_s, config.batch, context, peaks)["mfu"]
+
+
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}"
+
+
+WIDTHS = [8, 10, 9, 8, 10, 10, 10, 7]  # after the three left-aligned columns: weights (8), KV (6), dtype (10)
+COLUMNS = ["MiB", "KV B/tok", "ppl", "agree", "b1 tok/s", "b1 MBU %", "bN tok/s", "MFU %"]
+HEADER = table_row(f"{'weights':8}{'KV':6}{'dtype':10}", COLUMNS, 24, WIDTHS)
 
 
 def format_row(row: Row, num_prompts: int) -> str:
     values = [f"{row.weight_mib:.1f}", str(row.kv_bytes_per_token), f"{row.perplexity:.3f}",
-              f"{row.identical}/{num_prompts}", f"{row.batch1_tok_s:.1f}", f"{row.batch_tok_s:.1f}"]  # fmt: skip
+              f"{row.identical}/{num_prompts}", f"{row.batch1_tok_s:.1f}", _percent(row.batch1_mbu),
+              f"{row.batch_tok_s:.1f}", _percent(row.batch_mfu)]  # fmt: skip
     return table_row(f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}", values, 24, WIDTHS)
 
 
@@ -165,6 +190,10 @@ def format_table(report: TableReport) -> str:
     for row in report.rows:
         delta = f"  {100 * (row.perplexity / base - 1):+.2f}%" if base else ""
         lines.append(format_row(row, prompts) + delta)
+    peaks = report.peaks
+    if peaks:
+        lines.append(f"MBU, MFU: against peaks measured at the start: {peaks['read_gbps']:.1f} GB/s read, "
+                     f"{peaks['matmul_gflops']:.0f} GFLOP/s ({peaks['dtype']} GEMM)")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -181,7 +210,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         description="For each weight format (fp32/bf16 dequantized, the GGUF file's own, and int8/int4/gptq/awq/nf4 "
         "checkpoints made by `folio quantize` from the fp32 model) with each KV cache format: resident weight MiB, "
         "KV bytes per token, held-out perplexity, greedy agreement with the fp32 model, batch-1 decode tok/s "
-        "and batch-N output tok/s.",
+        "and its MBU, and batch-N output tok/s and its MFU.",
     )  # fmt: skip
     parser.add_argument("model", help="catalog name, .gguf file or Hugging Face folder")
     parser.add_argument("--formats", default=",".join(FORMATS), help=f"comma-separated ({','.join(FORMATS)})")

@@ -17,6 +17,7 @@ batches by arithmetic (MFU).
 from __future__ import annotations
 
 import time
+from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -115,6 +116,14 @@ class TokenCost:
             + decoded * 2 * self.multiplied_params
             + (4 * self.num_layers * self.attention_width * contexts)
         )
+
+    def requests_mfu(self, lengths: Iterable[tuple[int, int]], seconds: float, peaks: MachinePeaks) -> float | None:
+        """The fraction of the matmul peak that requests of these (prompt, output) token counts, served in
+        `seconds` of wall time, come to; None without time to divide by."""
+        if seconds <= 0:
+            return None
+        work = sum(self.request_flops(prompt, output) for prompt, output in lengths)
+        return work / seconds / (peaks.matmul_gflops * 1e9)
 
     def decode_bytes(self, batch: float, context: float) -> float:
         """One decoded token's share of its step's reads, with `batch` sequences in the step."""

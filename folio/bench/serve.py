@@ -117,11 +117,8 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
 def served_mfu(records: list[RequestRecord], duration_s: float, cost: TokenCost, peaks: MachinePeaks) -> float | None:
     """The fraction of the machine's matmul peak the completed requests' FLOPs (the model's shapes, the
     prompt and output tokens each request had) come to over the run's wall time."""
-    if duration_s <= 0:
-        return None
-    done = [r for r in records if r.success]
-    work = sum(cost.request_flops(r.prompt_tokens or r.prompt_len, r.output_tokens) for r in done)
-    return work / duration_s / (peaks.matmul_gflops * 1e9)
+    lengths = [(r.prompt_tokens or r.prompt_len, r.output_tokens) for r in records if r.success]
+    return cost.requests_mfu(lengths, duration_s, peaks)
 
 
 def _workload(requests: list[ServeRequest]) -> dict[str, Any]:

@@ -13,6 +13,9 @@ Every speedup is output tok/s over the baseline's at the same workload and setti
 (a GGUF target served dense, drafted by the same file kept 4-bit) runs its target at
 `--draft-target-quantization` (none: dense); when that differs from the run's `--quantization`, the target
 alone at that quantization runs too, as the draft's baseline.
+Every cell has its MFU and a batch-1 cell its MBU (spec_types.py's `Cell`: effective utilisation under
+speculation), against the machine's peaks measured before the first run in the run's --dtype (llama-server's
+cells too, as `folio bench decode` measures its peer).
 """
 
 from __future__ import annotations
@@ -24,6 +27,7 @@ from pathlib import Path
 
 from folio.bench.datasets import LengthRange
 from folio.bench.flags import add_output_dir, command_line
+from folio.bench.roofline import TokenCost, measure_peaks
 from folio.bench.serve_compare import server_session
 from folio.bench.serve_workload import load_tokenizer
 from folio.bench.spec_offline import run_offline
@@ -32,7 +36,7 @@ from folio.bench.spec_report import add_speedups, format_table, write_report
 from folio.bench.spec_served import run_folio_served
 from folio.bench.spec_types import SpecConfig, SpecReport, Variant
 from folio.bench.spec_workloads import WORKLOADS, build_workload
-from folio.config import SPECULATIVE_METHODS, SpeculativeConfig
+from folio.config import SPECULATIVE_METHODS, SpeculativeConfig, parse_dtype
 from folio.engine_args import QUANTIZATION_CHOICES, EngineArgs
 from folio.results import machine_info
 
@@ -96,20 +100,23 @@ def run_spec(config: SpecConfig, command: str) -> SpecReport:
     if config.served and config.num_prompts < max(config.concurrency):
         print(f"folio: only {config.num_prompts} requests at concurrency {max(config.concurrency)}: "
               "give --num-prompts at least the highest --concurrency to keep it full", file=sys.stderr)  # fmt: skip
+    # Before any model takes memory or cores; the variants share the run's --dtype.
+    peaks = measure_peaks(parse_dtype(config.variants[0].engine_args.dtype))
+    cost = TokenCost.of(bench_tokenizer.path, 0, 0)  # served: FLOPs only, the servers' resident bytes are their own
     cells, loads, servers = [], {}, []
     if config.offline:
         prompts = {
             name: [tokenizer.encode_chat([{"role": "user", "content": r.prompt}]) for r in requests]
             for name, requests in workloads.items()
         }
-        offline_cells, loads = run_offline(config.variants, prompts, config.max_tokens, config.ignore_eos)
+        offline_cells, loads = run_offline(config.variants, prompts, config.max_tokens, config.ignore_eos, peaks)
         cells += offline_cells
     with server_session("folio-bench-spec-") as log_dir:
         if config.served:
-            cells += run_folio_served(config, workloads, log_dir, servers)
-        cells += run_peer(config, peer_specs, workloads, log_dir, servers)
+            cells += run_folio_served(config, workloads, log_dir, servers, cost, peaks)
+        cells += run_peer(config, peer_specs, workloads, log_dir, servers, cost, peaks)
     add_speedups(cells)
-    return SpecReport(command, date, config, machine_info(), cells, servers, loads)
+    return SpecReport(command, date, config, machine_info(), cells, servers, loads, peaks.to_dict())
 
 
 def run_spec_command(args: argparse.Namespace) -> int:

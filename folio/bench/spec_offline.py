@@ -5,6 +5,7 @@ request to the next), so that a slow spell of the machine falls on all of them a
 Per request: its wall time (prefill included), output tokens, TTFT and TPOT from the engine's timestamps.
 The drafts come from the engine's own counters (`llm.engine.scheduler.spec_stats`), read before and after
 each workload. Every answer is compared with its baseline's: greedy speculation keeps the target's tokens.
+MFU and MBU (`batch1_utilisation`) count the target's shapes, resident weights and KV format as loaded.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from folio import LLM, SamplingParams
+from folio.bench.roofline import MachinePeaks, TokenCost
 from folio.bench.serve_stats import distribution
 from folio.bench.spec_counters import SpecCounts, from_engine
 from folio.bench.spec_types import OFFLINE, Cell, Variant
@@ -27,6 +29,7 @@ KV_MARGIN_BLOCKS = 2  # beyond the longest request and its drafts
 
 @dataclass
 class _Sample:
+    prompt_len: int
     e2e_s: float
     output_ids: list[int]
     ttft_s: float | None
@@ -58,29 +61,48 @@ def _run_one(llm: Any, prompt_ids: list[int], params: SamplingParams) -> _Sample
     tpot = None
     if metrics.first_token_time is not None and metrics.finish_time is not None and len(ids) > 1:
         tpot = (metrics.finish_time - metrics.first_token_time) / (len(ids) - 1)
-    return _Sample(e2e, ids, ttft, tpot)
+    return _Sample(len(prompt_ids), e2e, ids, ttft, tpot)
 
 
-def _cell(variant: Variant, workload: str, samples: list[_Sample], spec: SpecCounts | None,
-          matches: int | None) -> Cell:  # fmt: skip
+def batch1_utilisation(lengths: list[tuple[int, int]], duration_s: float, cost: TokenCost,
+                       peaks: MachinePeaks) -> dict[str, float | None]:  # fmt: skip
+    """MFU and MBU of requests run one at a time, given each one's (prompt, output) tokens and their summed
+    wall time: MFU the requests' FLOPs (prefill included, as in the wall time) over it; MBU output tok/s x a
+    batch-1 decode step's bytes at the mean context an output token attends to (its prompt and the output
+    tokens before it). A speculative variant's are effective: see `Cell`."""
+    tokens = sum(n for _, n in lengths)
+    if tokens == 0 or duration_s <= 0:
+        return {"mfu": None, "mbu": None}
+    context = sum(n * p + n * (n - 1) / 2 for p, n in lengths) / tokens
+    return {"mfu": cost.requests_mfu(lengths, duration_s, peaks),
+            "mbu": cost.utilisation(tokens / duration_s, 1, context, peaks)["mbu"]}  # fmt: skip
+
+
+def _cell(variant: Variant, workload: str, samples: list[_Sample], spec: SpecCounts | None, matches: int | None,
+          utilisation: dict[str, float | None]) -> Cell:  # fmt: skip
     return Cell(
         engine="folio", variant=variant.name, method=variant.method, baseline=variant.baseline, workload=workload,
         setting=OFFLINE, concurrency=1, num_requests=len(samples), completed=len(samples),
         output_tokens=sum(len(s.output_ids) for s in samples), duration_s=sum(s.e2e_s for s in samples),
         tpot_ms=distribution([s.tpot_s for s in samples if s.tpot_s is not None]),
         ttft_ms=distribution([s.ttft_s for s in samples if s.ttft_s is not None]),
-        spec=spec if variant.method != "none" else None, matches_baseline=matches,
+        spec=spec if variant.method != "none" else None, matches_baseline=matches, **utilisation,
     )  # fmt: skip
 
 
 def run_offline(
-    variants: list[Variant], prompts: dict[str, list[list[int]]], max_tokens: int, ignore_eos: bool
+    variants: list[Variant],
+    prompts: dict[str, list[list[int]]],
+    max_tokens: int,
+    ignore_eos: bool,
+    peaks: MachinePeaks,
 ) -> tuple[list[Cell], dict[str, float]]:
-    """Every variant on every workload's chat-templated prompts at batch 1; also the seconds each variant
-    took to load."""
+    """Every variant on every workload's chat-templated prompts at batch 1, with MFU and MBU against `peaks`;
+    also the seconds each variant took to load."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=ignore_eos)
     longest = max(len(ids) for workload in prompts.values() for ids in workload)
     llms: dict[str, Any] = {}
+    costs: dict[str, TokenCost] = {}
     loads: dict[str, float] = {}
     cells: list[Cell] = []
     try:
@@ -88,11 +110,13 @@ def run_offline(
             start = time.perf_counter()
             llm = llms[variant.name] = LLM.from_engine_args(_sized(variant, longest, max_tokens).engine_args)
             loads[variant.name] = time.perf_counter() - start
+            # The target's weights alone: a draft model's reads are overhead, not the work being served.
+            costs[variant.name] = TokenCost.of(llm.loaded.path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
             _run_one(llm, llm.tokenizer.encode(WARM_UP), replace(params, max_tokens=8))  # kernels, allocations
         for name, workload in prompts.items():
             print(f"folio: [batch1] {name}: {len(workload)} requests x {len(variants)} variants",
                   file=sys.stderr, flush=True)  # fmt: skip
-            cells += _run_workload(variants, llms, name, workload, params)
+            cells += _run_workload(variants, llms, name, workload, params, costs, peaks)
     finally:
         llms.clear()
         gc.collect()
@@ -100,7 +124,7 @@ def run_offline(
 
 
 def _run_workload(variants: list[Variant], llms: dict[str, Any], workload: str, prompts: list[list[int]],
-                  params: SamplingParams) -> list[Cell]:  # fmt: skip
+                  params: SamplingParams, costs: dict[str, TokenCost], peaks: MachinePeaks) -> list[Cell]:  # fmt: skip
     samples: dict[str, list[_Sample]] = {v.name: [] for v in variants}
     before = {v.name: from_engine(llms[v.name].engine.scheduler.spec_stats) for v in variants}
     for i, prompt_ids in enumerate(prompts):
@@ -112,5 +136,8 @@ def _run_workload(variants: list[Variant], llms: dict[str, Any], workload: str, 
         spec = from_engine(llms[variant.name].engine.scheduler.spec_stats).since(before[variant.name])
         mine, theirs = samples[variant.name], samples[variant.baseline]
         matches = sum(a.output_ids == b.output_ids for a, b in zip(mine, theirs, strict=True))
-        cells.append(_cell(variant, workload, mine, spec, None if variant.baseline == variant.name else matches))
+        lengths = [(s.prompt_len, len(s.output_ids)) for s in mine]
+        utilisation = batch1_utilisation(lengths, sum(s.e2e_s for s in mine), costs[variant.name], peaks)
+        matched = None if variant.baseline == variant.name else matches
+        cells.append(_cell(variant, workload, mine, spec, matched, utilisation))
     return cells

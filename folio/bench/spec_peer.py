@@ -3,7 +3,8 @@ without speculation, with its own n-gram speculation (`--spec-type ngram-simple`
 up earlier in the context, the m after them drafted) and, given a draft model, with it (`--spec-type
 draft-simple -md DRAFT`: with `-md` alone, llama-server 0.3.36 loads the draft but never drafts). Each
 configuration runs the same workloads through `spec_served.sweep`; the drafts it accepted come from the
-`timings` llama-server sends with every response (`draft_n`, `draft_n_accepted`).
+`timings` llama-server sends with every response (`draft_n`, `draft_n_accepted`); its MFU is folio's served
+one (spec_served.py), the same FLOPs of the same model over its wall time.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from pathlib import Path
 
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.llama_cpp_server import _help_text, server_command
+from folio.bench.roofline import MachinePeaks, TokenCost
 from folio.bench.serve_client import ServeRequest
 from folio.bench.serve_compare import STARTUP_TIMEOUT_S, ServerSpec, default_ctx_size, running_server
 from folio.bench.spec_served import sweep
@@ -85,8 +87,11 @@ def run_peer(
     workloads: dict[str, list[ServeRequest]],
     log_dir: Path,
     servers: list[dict[str, str]],
+    cost: TokenCost,
+    peaks: MachinePeaks,
 ) -> list[Cell]:
-    """Each llama-server configuration in turn over every workload at concurrency 1."""
+    """Each llama-server configuration in turn over every workload at concurrency 1, MFU from `cost` and
+    `peaks`."""
     cells: list[Cell] = []
     for variant, spec in specs:
         log = log_dir / f"llama.cpp-{variant.name}.log"
@@ -95,5 +100,5 @@ def run_peer(
             servers.append({"name": spec.name, "command": line})
             describe = {"engine": "llama.cpp", "variant": variant.name, "method": variant.method, "baseline": "none"}
             body = {**spec.extra_body, "ignore_eos": config.ignore_eos}
-            cells += sweep(url, config, workloads, [PEER_LEVEL], describe, "llama.cpp timings", body)
+            cells += sweep(url, config, workloads, [PEER_LEVEL], describe, "llama.cpp timings", body, cost, peaks)
     return cells

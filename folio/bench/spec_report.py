@@ -15,8 +15,9 @@ from folio.bench.table import row
 from folio.results import result_paths, write_text_atomic
 
 PROMPT_LOOKUP = ("ngram", "suffix")  # methods held to 2x on the grounded workload at batch 1
-COLUMNS = ("tok/s", "TPOT mean", "TPOT p50", "TPOT p99", "TTFT p50", "accept", "acc len", "speedup", "decode", "same")
-WIDTHS = [9, 10, 9, 9, 9, 8, 8, 8, 8, 7]
+COLUMNS = ("tok/s", "TPOT mean", "TPOT p50", "TPOT p99", "TTFT p50", "accept", "acc len", "speedup", "decode", "same",
+           "MFU %", "MBU %")  # fmt: skip
+WIDTHS = [9, 10, 9, 9, 9, 8, 8, 8, 8, 7, 7, 7]
 
 
 def add_speedups(cells: list[Cell]) -> None:
@@ -68,6 +69,10 @@ def _bar_value(bar: dict[str, Any]) -> str:
     return f"{bar['speedup']:.2f}x{decode}"
 
 
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}"
+
+
 def _ms(stats: dict[str, float] | None, key: str) -> float | None:
     return stats.get(key) if stats else None
 
@@ -78,7 +83,7 @@ def _cells_row(cell: Cell) -> str:
     values = [
         cell.output_tokens_per_s, _ms(cell.tpot_ms, "mean"), _ms(cell.tpot_ms, "p50"), _ms(cell.tpot_ms, "p99"),
         _ms(cell.ttft_ms, "p50"), spec.acceptance_rate if spec else None, spec.mean_accepted_length if spec else None,
-        _times(cell.speedup), _times(cell.decode_speedup), same,
+        _times(cell.speedup), _times(cell.decode_speedup), same, _percent(cell.mfu), _percent(cell.mbu),
     ]  # fmt: skip
     label = f"{cell.setting:<7}{'' if cell.engine == 'folio' else cell.engine + ' '}{cell.variant}"
     return row(label, values, label_width=30, widths=WIDTHS)
@@ -92,11 +97,12 @@ def format_table(report: SpecReport) -> str:
         "batch1: in process, one request at a time; cN: served, N in flight. Times in ms; accept: drafts "
         "accepted / drafted; acc len: tokens per verification; speedup: tok/s over the baseline's; decode: its "
         "TPOT over this one's; same: "
-        "answers equal to the baseline's",
+        "answers equal to the baseline's; MFU, MBU: see below",
     ]
     for workload in c.workloads:
         lines += ["", row(f"{workload}", list(COLUMNS), label_width=30, widths=WIDTHS)]
         lines += [_cells_row(cell) for cell in report.cells if cell.workload == workload]
+    lines += ["", utilisation_note(report)]
     verdicts = bars(report)
     if verdicts:
         lines.append("")
@@ -104,6 +110,16 @@ def format_table(report: SpecReport) -> str:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[bar["passed"]]
         lines.append(f"{verdict}  {bar['bar']}: {_bar_value(bar)}")
     return "\n".join(lines)
+
+
+def utilisation_note(report: SpecReport) -> str:
+    """What the MFU and MBU columns are measured against, and what they count."""
+    peaks = report.peaks
+    against = (f"peaks measured at the start: {peaks['matmul_gflops']:.0f} GFLOP/s ({peaks['dtype']} GEMM), "
+               f"{peaks['read_gbps']:.1f} GB/s read" if peaks else "no peaks measured")  # fmt: skip
+    return (f"MFU: the requests' FLOPs over the wall time; MBU (batch1): output tok/s x the target's weight and KV "
+            f"bytes of a batch-1 step;\n{against}; with speculation both are effective (output tokens counted once), "
+            "so MBU can pass 100%")  # fmt: skip
 
 
 def _markdown_cell(value: Any, digits: int = 1) -> str:
@@ -117,7 +133,7 @@ def format_markdown(report: SpecReport) -> str:
     c = report.config
     lines = [f"`{report.command}` ({report.date_utc}, {report.machine['cpu']}, {report.machine['cores']} cores)"]
     head = ["setting", "engine", "variant", "output tok/s", "TPOT mean ms", "TPOT p50 ms", "TPOT p99 ms",
-            "TTFT p50 ms", "acceptance", "accepted length", "speedup", "decode speedup"]  # fmt: skip
+            "TTFT p50 ms", "acceptance", "accepted length", "speedup", "decode speedup", "MFU %", "MBU %"]  # fmt: skip
     for workload in c.workloads:
         lines += ["", f"**{workload}**", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
         for cell in (cell for cell in report.cells if cell.workload == workload):
@@ -129,8 +145,10 @@ def format_markdown(report: SpecReport) -> str:
                 _markdown_cell(spec.acceptance_rate if spec else None, 2),
                 _markdown_cell(spec.mean_accepted_length if spec else None, 2),
                 "-" if cell.speedup is None else f"**{cell.speedup:.2f}x**", _times(cell.decode_speedup) or "-",
+                _percent(cell.mfu) or "-", _percent(cell.mbu) or "-",
             ]  # fmt: skip
             lines.append("| " + " | ".join(values) + " |")
+    lines += ["", utilisation_note(report)]
     verdicts = bars(report)
     if verdicts:
         lines.append("")
@@ -156,6 +174,11 @@ def to_dict(report: SpecReport) -> dict[str, Any]:
         "speedup": "output tok/s over the baseline variant's, same engine, workload and setting (prefill included); "
         "decode_speedup: the baseline's mean TPOT over this one's; the bars are judged on speedup",
         "bars": bars(report),
+        "peaks": report.peaks,
+        "utilisation": "mfu: the completed requests' FLOPs (prompt and output tokens) over the wall time, over the "
+        "peaks' matmul rate; mbu (batch1 only): output tok/s x (the target's resident weight bytes + the mean "
+        "context's KV bytes), over the peaks' read rate; both fractions, effective for speculation (output "
+        "tokens counted once; drafts and rejected verifications not counted), so mbu can pass 1",
         "results": [cell.to_dict() for cell in report.cells],
     }
 

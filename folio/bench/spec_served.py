@@ -5,6 +5,9 @@ each run are the difference of the server's /metrics counters before and after i
 `cache_salt`, so that a run never finds the prompts of the runs before it in folio's prefix cache (the
 same requests go out at every level). `sweep` is shared with the llama-server peer (spec_peer.py), whose
 drafts come from its responses' timings instead (and whose prompt cache is off: `cache_prompt: false`).
+A run's MFU is `folio bench serve`'s (serve.py's `served_mfu`): the completed requests' FLOPs, from the
+prompt and output tokens each had, over the run's wall time; a served cell has no MBU (the batch of each
+step is the server's to choose, so its bytes per token are unknown here).
 """
 
 from __future__ import annotations
@@ -17,6 +20,8 @@ from pathlib import Path
 from typing import Any
 
 from folio.bench.folio_server import folio_server
+from folio.bench.roofline import MachinePeaks, TokenCost
+from folio.bench.serve import served_mfu
 from folio.bench.serve_client import ServeRequest, Target, probe, run_rate
 from folio.bench.serve_stats import RequestRecord, summarize
 from folio.bench.spec_counters import SpecCounts, from_llama_timings, scrape_metrics
@@ -39,11 +44,13 @@ def sweep(
     describe: dict[str, Any],
     drafts_from: str,
     extra_body: dict[str, Any],
+    cost: TokenCost,
+    peaks: MachinePeaks,
     salted: bool = False,
 ) -> list[Cell]:
     """Every workload at every concurrency level against one running server. `describe` gives the cells'
-    engine, variant, method and baseline; `drafts_from` is "/metrics" or "llama.cpp timings"; `salted`: each
-    run sends a `cache_salt` of its own."""
+    engine, variant, method and baseline; `drafts_from` is "/metrics" or "llama.cpp timings"; `cost` and
+    `peaks` give each run's MFU; `salted`: each run sends a `cache_salt` of its own."""
     target = Target(base_url, config.model, chat=True, timeout_s=config.timeout_s, extra_body=extra_body)
     target, _ = asyncio.run(probe(target, next(iter(workloads.values()))[0]))
     cells = []
@@ -61,6 +68,7 @@ def sweep(
                 **describe, workload=name, setting=f"c{level}", concurrency=level, num_requests=len(records),
                 completed=summary["completed"], output_tokens=summary["output_tokens"], duration_s=duration,
                 tpot_ms=summary["tpot_ms"], ttft_ms=summary["ttft_ms"], spec=spec,
+                mfu=served_mfu(records, duration, cost, peaks),
             ))  # fmt: skip
             if summary["failed"]:
                 first_error = next(r.error for r in records if not r.success)
@@ -75,10 +83,15 @@ def request_extra_body(config: SpecConfig) -> dict[str, Any]:
 
 
 def run_folio_served(
-    config: SpecConfig, workloads: dict[str, list[ServeRequest]], log_dir: Path, servers: list[dict[str, str]]
+    config: SpecConfig,
+    workloads: dict[str, list[ServeRequest]],
+    log_dir: Path,
+    servers: list[dict[str, str]],
+    cost: TokenCost,
+    peaks: MachinePeaks,
 ) -> list[Cell]:
-    """Each variant's `folio serve` in turn over every workload and concurrency; the command line each server
-    was started with is appended to `servers`."""
+    """Each variant's `folio serve` in turn over every workload and concurrency, with MFU from `cost` and
+    `peaks`; the command line each server was started with is appended to `servers`."""
     cells: list[Cell] = []
     queue = ["--max-queue", str(config.num_prompts)]  # every request of a run queued, never a 429
     for variant in config.variants:
@@ -87,7 +100,7 @@ def run_folio_served(
             print(f"folio: [folio {variant.name}] {server.command}", file=sys.stderr, flush=True)
             servers.append({"name": f"folio {variant.name}", "command": server.command})
             cells += sweep(server.base_url, config, workloads, config.concurrency, _describe(variant), "/metrics",
-                           request_extra_body(config), salted=True)  # fmt: skip
+                           request_extra_body(config), cost, peaks, salted=True)  # fmt: skip
     return cells
 
 

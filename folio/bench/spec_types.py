@@ -86,7 +86,14 @@ class SpecConfig:
 @dataclass
 class Cell:
     """One configuration on one workload at one setting: `batch1` (in process, one request at a time) or
-    `c<N>` (served, N requests in flight)."""
+    `c<N>` (served, N requests in flight).
+
+    `mfu` and `mbu` are fractions of the machine's peaks measured as the run started (roofline.py); MFU is
+    the requests' FLOPs (prompt and output tokens, as `TokenCost.request_flops` counts them) over the wall
+    time, MBU (batch 1 only) output tok/s x a batch-1 decode step's bytes (the target's resident weights
+    and the mean context's KV). With speculation both are effective utilisation: an output token counts
+    once, and drafting, the draft model's weights and rejected verifications are not counted as useful
+    work, so MBU can pass 100% when one read of the weights verifies several tokens."""
 
     engine: str  # "folio" or "llama.cpp"
     variant: str
@@ -105,6 +112,8 @@ class Cell:
     matches_baseline: int | None = None  # batch1: answers token for token the same as the baseline's
     speedup: float | None = None  # output tok/s over the baseline's at the same workload and setting
     decode_speedup: float | None = None  # the baseline's mean TPOT over this one's: decoding alone
+    mfu: float | None = None
+    mbu: float | None = None  # batch1 cells only: a served step's batch is unknown
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -125,3 +134,4 @@ class SpecReport:
     cells: list[Cell]
     servers: list[dict[str, str]]  # name and the exact command line of every server started
     loads: dict[str, float]  # batch1: seconds each variant took to load
+    peaks: dict[str, Any] = field(default_factory=dict)  # roofline.MachinePeaks, measured before the first run

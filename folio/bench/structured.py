@@ -5,6 +5,10 @@ llguidance), then unconstrained, each request forced (EOS ignored) to decode exa
 as its constrained run produced. Same prompts, same seeds, same token counts: the throughput ratio is
 the cost of the constraint, and the runner's mask timing says how much of it is computing masks.
 Every constrained output is checked to parse and validate against its schema.
+Each run's MFU (roofline.py) is its requests' FLOPs (prompt and output tokens each) over its wall time,
+against the machine's matmul peak measured as the run starts in the run's --dtype; the requests run
+batched, so bandwidth (MBU) is not the figure that bounds them and is not reported. The peer's prompts are
+counted with folio's tokenizer and chat template (the same GGUF file's).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ import torch
 from folio import LLM, SamplingParams
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.plots import FOLIO_COLOR, PEER_COLOR, figure
+from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
 from folio.bench.table import row
+from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.results import machine_info, result_paths, write_json
@@ -58,6 +64,7 @@ class RunResult:
     num_steps_masked: int = 0
     num_masks: int = 0
     mask_s: float = 0.0
+    mfu: float | None = None  # a fraction of the matmul peak: the requests' FLOPs over elapsed_s
 
     @property
     def output_tokens_per_s(self) -> float:
@@ -111,11 +118,12 @@ class StructuredReport:
     config: dict[str, Any]
     results: list[EngineStructured]  # folio first, then the peer if any
     peer_info: dict[str, Any] = field(default_factory=dict)
+    peaks: dict[str, Any] = field(default_factory=dict)  # roofline.MachinePeaks, measured as the run started
     machine: dict[str, Any] = field(default_factory=machine_info)
 
     def to_dict(self) -> dict[str, Any]:
         return {"command": self.command, "date_utc": self.date_utc, "model": self.model, "dtype": self.dtype,
-                "config": self.config, "machine": self.machine, "peer_info": self.peer_info,
+                "config": self.config, "machine": self.machine, "peer_info": self.peer_info, "peaks": self.peaks,
                 "results": [r.to_dict() for r in self.results]}  # fmt: skip
 
 
@@ -148,11 +156,15 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     path = resolve_model(config.model)
     if config.peer == "llama.cpp" and path.suffix != ".gguf":
         raise ValueError(f"--peer llama.cpp needs a GGUF model, and {config.model} is {path}")
+    torch.set_num_threads(os.cpu_count() or 1)
+    peaks = measure_peaks(parse_dtype(config.engine_args.get("dtype") or "float32"))  # before the model loads
     llm = LLM(path, **config.engine_args)
     torch.set_num_threads(os.cpu_count() or 1)
+    cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
     chats = conversations(config.num_prompts)
     prompts = [llm.tokenizer.encode_chat(chat) for _, chat in chats]
-    results = [_run_folio(llm, config, chats, prompts)]
+    prompt_lens = [len(p) for p in prompts]
+    results = [_run_folio(llm, config, chats, prompts, cost, peaks)]
     dtype = str(llm.dtype).removeprefix("torch.")
     del llm  # free folio's weights and KV pool before the peer loads its own copy
     gc.collect()
@@ -161,19 +173,26 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
         longest = max(len(p) for p in prompts)
         bound, free, peer_info = run_llama_structured(path, chats, longest, config.max_tokens, config.temperature,
                                                       config.seed, threads=os.cpu_count() or 1)  # fmt: skip
+        bound_mfu = cost.requests_mfu(zip(prompt_lens, bound.completion_tokens, strict=True), bound.elapsed_s, peaks)
+        free_mfu = cost.requests_mfu(zip(prompt_lens, free.completion_tokens, strict=True), free.elapsed_s, peaks)
         results.append(EngineStructured(
             "llama.cpp",
-            RunResult("json_schema", bound.elapsed_s, sum(bound.completion_tokens)),
-            RunResult("unconstrained", free.elapsed_s, sum(free.completion_tokens)),
+            RunResult("json_schema", bound.elapsed_s, sum(bound.completion_tokens), mfu=bound_mfu),
+            RunResult("unconstrained", free.elapsed_s, sum(free.completion_tokens), mfu=free_mfu),
             count_valid(bound, chats, is_valid),
             sum(reason == "stop" for reason in bound.finish_reasons),
         ))  # fmt: skip
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
-    return StructuredReport(command, date, config.model, dtype, settings, results, peer_info)
+    return StructuredReport(command, date, config.model, dtype, settings, results, peer_info, peaks.to_dict())
 
 
 def _run_folio(
-    llm: Any, config: StructuredConfig, chats: list[tuple[str, Chat]], prompts: list[list[int]]
+    llm: Any,
+    config: StructuredConfig,
+    chats: list[tuple[str, Chat]],
+    prompts: list[list[int]],
+    cost: TokenCost,
+    peaks: MachinePeaks,
 ) -> EngineStructured:
     # Warm up both paths (first-call allocations, llguidance's tokenizer index) outside the timings.
     warm = StructuredOutputParams(json=SCHEMAS[chats[0][0]])
@@ -190,8 +209,10 @@ def _run_folio(
     outputs = llm.generate(prompts, bound_params)
     elapsed = time.perf_counter() - start
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
+    prompt_lens = [len(p) for p in prompts]
     constrained = RunResult("json_schema", elapsed, sum(lengths), timing.num_steps - before[0],
-                            timing.num_masks - before[1], timing.seconds - before[2])  # fmt: skip
+                            timing.num_masks - before[1], timing.seconds - before[2],
+                            cost.requests_mfu(zip(prompt_lens, lengths, strict=True), elapsed, peaks))  # fmt: skip
     num_valid = sum(is_valid(o.outputs[0].text, SCHEMAS[name]) for o, (name, _) in zip(outputs, chats, strict=True))
     num_finished = sum(o.outputs[0].finish_reason == "stop" for o in outputs)
 
@@ -202,26 +223,38 @@ def _run_folio(
     start = time.perf_counter()
     free = llm.generate(prompts, free_params)
     elapsed = time.perf_counter() - start
-    unconstrained = RunResult("unconstrained", elapsed, sum(len(o.outputs[0].token_ids) for o in free))
+    free_lengths = [len(o.outputs[0].token_ids) for o in free]
+    free_mfu = cost.requests_mfu(zip(prompt_lens, free_lengths, strict=True), elapsed, peaks)
+    unconstrained = RunResult("unconstrained", elapsed, sum(free_lengths), mfu=free_mfu)
     if unconstrained.output_tokens != constrained.output_tokens:
         raise RuntimeError("the unconstrained run decoded a different number of tokens than the constrained one")
     return EngineStructured("folio", constrained, unconstrained, num_valid, num_finished)
 
 
+def _percent(value: float | None) -> str | None:
+    return None if value is None else f"{100 * value:.1f}"
+
+
 def format_table(report: StructuredReport) -> str:
-    widths = [12, 12, 8, 14, 8, 8]
-    lines = [row("engine", ["json tok/s", "free tok/s", "ratio", "mask ms/step", "valid", "ended"], 10, widths)]
+    widths = [12, 12, 8, 14, 8, 8, 12, 12]
+    labels = ["json tok/s", "free tok/s", "ratio", "mask ms/step", "valid", "ended", "json MFU %", "free MFU %"]
+    lines = [row("engine", labels, 10, widths)]
     total = report.config["num_prompts"]
     for r in report.results:
         mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else None
         values = [r.constrained.output_tokens_per_s, r.unconstrained.output_tokens_per_s, f"{r.throughput_ratio:.3f}x",
-                  mask, f"{r.num_valid}/{total}", f"{r.num_finished}/{total}"]  # fmt: skip
+                  mask, f"{r.num_valid}/{total}", f"{r.num_finished}/{total}", _percent(r.constrained.mfu),
+                  _percent(r.unconstrained.mfu)]  # fmt: skip
         lines.append(row(r.engine, values, 10, widths, number=".1f"))
     folio = report.results[0]
     lines.append(
         f"ratio = constrained/unconstrained throughput on the same token counts; folio's masks took "
         f"{100 * folio.mask_share:.1f}% of its constrained run ({folio.constrained.mask_ms_per_row:.3f} ms per row)"
     )
+    peaks = report.peaks
+    if peaks:
+        lines.append(f"MFU: the requests' FLOPs over the run's wall time and the {peaks['matmul_gflops']:.0f} GFLOP/s "
+                     f"({peaks['dtype']} GEMM) measured at the start")  # fmt: skip
     return "\n".join(lines)
 
 

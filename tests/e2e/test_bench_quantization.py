@@ -15,7 +15,8 @@ def test_quantization_table_end_to_end(tmp_path, capsys):
             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--output-dir", str(tmp_path / "results")]  # fmt: skip
     assert main(args) == 0
     [result] = (tmp_path / "results").glob("quantization_*.json")
-    rows = json.loads(result.read_text())["rows"]
+    report = json.loads(result.read_text())
+    rows = report["rows"]
     assert [(r["weights"], r["kv_cache_dtype"]) for r in rows] == [
         (w, kv) for w in ("fp32", "bf16", "int4", "nf4") for kv in ("auto", "int8")
     ]
@@ -26,7 +27,19 @@ def test_quantization_table_end_to_end(tmp_path, capsys):
     assert all(r["perplexity"] > 1 and r["batch1_tok_s"] > 0 and r["batch_tok_s"] > 0 for r in rows)
     assert by["int4", "auto"]["quantize_seconds"] > 0 and by["fp32", "auto"]["quantize_seconds"] is None
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["tiny-int4-g32", "tiny-nf4-g32"]
-    assert "ppl vs fp32" in capsys.readouterr().out
+    # Utilisation against the peaks measured once at the start, in the run's dtype; each row's MBU counts its
+    # own resident bytes, so it is the row's rate times its bytes per token over the one read peak.
+    peaks = report["peaks"]
+    assert peaks["dtype"] == "bfloat16" and peaks["matmul_gflops"] > 0 and peaks["read_gbps"] > 0
+    assert all(0 < r["batch1_mbu"] < 1 and 0 < r["batch_mfu"] < 1 for r in rows)
+    for key in (("fp32", "auto"), ("int4", "auto")):
+        row = by[key]
+        bytes_per_token = row["batch1_mbu"] * peaks["read_gbps"] * 1e9 / row["batch1_tok_s"]
+        weight_bytes = row["weight_mib"] * 2**20  # the weights, plus a short prompt's KV
+        assert weight_bytes < bytes_per_token < weight_bytes + 200 * row["kv_bytes_per_token"]
+    printed = capsys.readouterr().out
+    assert "ppl vs fp32" in printed and "b1 MBU %" in printed and "MFU %" in printed
+    assert "GB/s read" in printed
     # A second run reuses the checkpoints.
     assert main([*args[:4], "int4", *args[5:]]) == 0
     latest = max((tmp_path / "results").glob("quantization_*.json"), key=lambda p: p.stat().st_mtime)

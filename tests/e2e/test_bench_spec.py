@@ -59,6 +59,13 @@ def test_spec_bench_end_to_end(tiny_llama, tmp_path, capsys):
         assert cell["output_tokens"] == NUM_PROMPTS * 10  # EOS ignored: every answer is max-tokens long
         assert cell["output_tokens_per_s"] > 0 and cell["tpot_ms"]["p50"] > 0 and cell["ttft_ms"]["p50"] > 0
         assert cell["speedup"] > 0 and (variant != "none" or cell["speedup"] == 1.0)
+        # Fractions of the peaks measured at the start: MFU everywhere, MBU at batch 1 only (a served step's
+        # batch is the server's); a speculative MBU is effective and may pass 1, so only its sign is checked.
+        assert 0 < cell["mfu"] < 1
+        if setting != "batch1":
+            assert cell["mbu"] is None
+        else:
+            assert cell["mbu"] > 0 and (variant != "none" or cell["mbu"] < 1)
         spec = cell["spec"]
         if variant == "none":
             assert spec is None
@@ -71,11 +78,15 @@ def test_spec_bench_end_to_end(tiny_llama, tmp_path, capsys):
         if setting == "batch1":
             assert cell["matches_baseline"] == NUM_PROMPTS
     assert {b["bar"] for b in report["bars"]} >= {"ngram >= 2x none at batch 1 on grounded"}
+    assert report["peaks"]["dtype"] == "float32" and report["peaks"]["matmul_gflops"] > 0
+    assert report["peaks"]["read_gbps"] > 0
+    assert "| MFU % | MBU % |" in markdown
 
     printed = capsys.readouterr().out
     assert printed.startswith(f"speculative decoding: {tiny_llama}, {NUM_PROMPTS} requests per workload")
     for line in ("grounded ", "chat ", "batch1 draft", "c2     ngram", "ngram >= 2x none at batch 1 on grounded:",
-                 "n/a   draft >= 0.95x none on chat at concurrency 16: not measured", str(json_path)):  # fmt: skip
+                 "n/a   draft >= 0.95x none on chat at concurrency 16: not measured", str(json_path),
+                 "  same  MFU %  MBU %", "peaks measured at the start: "):  # fmt: skip
         assert line in printed
 
 

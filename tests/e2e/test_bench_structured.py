@@ -31,8 +31,14 @@ def test_structured_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
     assert bound["num_masks"] >= bound["output_tokens"]  # one mask per constrained token, at least
     assert 0 < bound["mask_s"] < bound["elapsed_s"] and bound["mask_ms_per_step"] > 0
     assert folio["throughput_ratio"] == pytest.approx(bound["output_tokens_per_s"] / free["output_tokens_per_s"])
+    # MFU of each run against the matmul peak measured at the start: the same FLOPs (same prompts, same token
+    # counts) on both sides, so the MFUs stand in the ratio of the throughputs.
+    assert report["peaks"]["dtype"] == "float32" and report["peaks"]["matmul_gflops"] > 0
+    assert 0 < bound["mfu"] < 1 and 0 < free["mfu"] < 1
+    assert bound["mfu"] / free["mfu"] == pytest.approx(folio["throughput_ratio"])
     out = capsys.readouterr().out
     assert "json tok/s" in out and "folio" in out and str(json_file) in out
+    assert "json MFU %" in out and "free MFU %" in out and "GFLOP/s (float32 GEMM) measured at the start" in out
 
 
 def test_workload_cycles_through_every_schema():

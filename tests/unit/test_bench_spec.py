@@ -7,12 +7,13 @@ from __future__ import annotations
 import pytest
 
 from folio.bench.datasets import LengthRange
+from folio.bench.roofline import MachinePeaks, TokenCost
 from folio.bench.spec import build_variants, check_methods
 from folio.bench.spec_counters import SpecCounts, from_engine, from_llama_timings, parse_metrics
-from folio.bench.spec_offline import kv_blocks_for
+from folio.bench.spec_offline import batch1_utilisation, kv_blocks_for
 from folio.bench.spec_peer import check_flags, peer_variants
 from folio.bench.spec_plot import speedup_groups
-from folio.bench.spec_report import add_speedups, bars, format_markdown, format_table
+from folio.bench.spec_report import add_speedups, bars, format_markdown, format_table, to_dict
 from folio.bench.spec_types import Cell, SpecConfig, SpecReport
 from folio.bench.spec_workloads import build_workload, camel_case, code_edit_prompts, rewrite_prompts
 from folio.cli import parse
@@ -156,15 +157,35 @@ def test_llama_server_configurations_follow_folios_settings():
     check_flags(help_text + "--spec-ngram-simple-size-m N\n--spec-draft-n-min N\n", [none, ngram], "9.9")
 
 
+# -- utilisation --------------------------------------------------------------------------------------------
+
+
+def test_batch1_utilisation_by_hand():
+    # 1000 multiplied parameters (100 of them the LM head), 2 layers x 4 query dims, 5000 weight bytes, 8 KV
+    # bytes a token; peaks of 1000 FLOP/s and 1000 B/s.
+    cost = TokenCost(1000, 2, 4, 5000, 8, head_params=100)
+    peaks = MachinePeaks("float32", 1e-6, 1e-6)
+    # Request (3 prompt, 2 output): prefill 2000x3 + 16x3x4 - 200x2 = 5792, then one decoded token attending to
+    # 4: 2000 + 32x4 = 2128. Request (5, 4): 10000 + 16x5x6 - 200x4 = 9680, then 3 tokens attending to 6, 7, 8:
+    # 6000 + 32x21 = 6672. Over 2 s: 24272 / 2 / 1000 FLOP/s.
+    got = batch1_utilisation([(3, 2), (5, 4)], 2.0, cost, peaks)
+    assert got["mfu"] == pytest.approx(24272 / 2 / 1000)
+    # 6 output tokens in 2 s, attending on average to (3 + 4 + 5 + 6 + 7 + 8) / 6 = 5.5 tokens: each reads the
+    # 5000 weight bytes and 5.5 x 8 KV bytes.
+    assert got["mbu"] == pytest.approx(3 * (5000 + 5.5 * 8) / 1000)
+    assert batch1_utilisation([(3, 0)], 2.0, cost, peaks) == {"mfu": None, "mbu": None}
+    assert batch1_utilisation([(3, 2)], 0.0, cost, peaks) == {"mfu": None, "mbu": None}
+
+
 # -- speedups, bars, table ---------------------------------------------------------------------------------
 
 
 def _cell(variant: str, setting: str, tokens: int, workload: str = "grounded", baseline: str = "none",
-          tpot: float = 5.0) -> Cell:  # fmt: skip
+          tpot: float = 5.0, mfu: float | None = None, mbu: float | None = None) -> Cell:  # fmt: skip
     method = "none" if variant.startswith("none") else variant
     spec = None if method == "none" else SpecCounts(4, 16, 12, "engine")
     return Cell("folio", variant, method, baseline, workload, setting, 1, 2, 2, tokens, 1.0, {"mean": tpot, "p50": 4.0},
-                {"p50": 30.0}, spec)  # fmt: skip
+                {"p50": 30.0}, spec, mfu=mfu, mbu=mbu)  # fmt: skip
 
 
 def _report(cells: list[Cell]) -> SpecReport:
@@ -172,14 +193,15 @@ def _report(cells: list[Cell]) -> SpecReport:
     config = SpecConfig("m.gguf", build_variants(args), ["grounded", "chat"], concurrency=[1, 16], peer="none")
     add_speedups(cells)
     return SpecReport("folio bench spec m.gguf", "2025-01-31T12:00:00Z", config, {"cpu": "x", "cores": 2}, cells, [],
-                      {})  # fmt: skip
+                      {}, {"dtype": "float32", "matmul_gflops": 140.0, "read_gbps": 31.0})  # fmt: skip
 
 
 def test_speedups_bars_and_table():
     cells = [
-        _cell("none", "batch1", 100), _cell("ngram", "batch1", 250, tpot=2.0),
+        _cell("none", "batch1", 100, mfu=0.004, mbu=0.6), _cell("ngram", "batch1", 250, tpot=2.0, mfu=0.01, mbu=1.5),
         _cell("none-dense", "batch1", 40, baseline="none-dense"), _cell("draft", "batch1", 60, baseline="none-dense"),
-        _cell("none", "c16", 100, "chat"), _cell("ngram", "c16", 94, "chat"), _cell("ngram", "c1", 90, "chat"),
+        _cell("none", "c16", 100, "chat", mfu=0.25), _cell("ngram", "c16", 94, "chat"),
+        _cell("ngram", "c1", 90, "chat"),
     ]  # fmt: skip
     report = _report(cells)
     assert [c.speedup for c in cells] == [1.0, 2.5, 1.0, 1.5, 1.0, 0.94, None]  # ngram c1 chat: no baseline there
@@ -195,11 +217,22 @@ def test_speedups_bars_and_table():
     table = format_table(report)
     ngram_row = (
         "batch1 ngram" + " " * 21 + "250.00      2.00     4.00        -    30.00    0.75    4.00   2.50x   2.50x      -"
+        "    1.0  150.0"  # MFU %, MBU %: a speculative MBU passes 100%
     )
     assert ngram_row in table
+    assert table.splitlines()[3].endswith("   same  MFU %  MBU %")
+    assert "c16    none" + " " * 22 + "100.00" in table and table.count("   25.0      -") == 1  # served: no MBU
+    assert "peaks measured at the start: 140 GFLOP/s (float32 GEMM), 31.0 GB/s read" in table
     assert "PASS  ngram >= 2x none at batch 1 on grounded: 2.50x (decoding alone 2.50x)" in table
     assert "FAIL  ngram >= 0.95x none on chat at concurrency 16: 0.94x (decoding alone 1.00x)" in table
     assert "n/a   draft >= 2x none-dense (its target alone) at batch 1 on chat: not measured" in table
     markdown = format_markdown(report)
-    assert "| batch1 | folio | ngram | 250.0 | 2.0 | 4.0 | - | 30.0 | 0.75 | 4.00 | **2.50x** | 2.50x |" in markdown
+    assert (
+        "| batch1 | folio | ngram | 250.0 | 2.0 | 4.0 | - | 30.0 | 0.75 | 4.00 | **2.50x** | 2.50x | 1.0 | 150.0 |"
+        in markdown
+    )
+    assert "| c16 | folio | none | 100.0 | 5.0 | 4.0 | - | 30.0 | - | - | **1.00x** | 1.00x | 25.0 | - |" in markdown
+    data = to_dict(report)
+    assert data["peaks"] == report.peaks and "mbu" in data["utilisation"]
+    assert [(r["mfu"], r["mbu"]) for r in data["results"][:2]] == [(0.004, 0.6), (0.01, 1.5)]
     assert speedup_groups(cells) == (["batch1", "c16", "c1"], ["ngram", "draft"])
