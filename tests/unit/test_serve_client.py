@@ -20,6 +20,7 @@ from folio.bench import serve, serve_client
 from folio.bench.cli import add_bench_parser
 from folio.bench.datasets import LengthRange
 from folio.bench.flags import command_line
+from folio.bench.roofline import MachinePeaks
 from folio.bench.serve import ServeConfig, run_serve, workload_config
 from folio.bench.serve_client import (
     ServeRequest,
@@ -248,6 +249,8 @@ def test_counters_are_read_a_metrics_lag_after_the_requests(monkeypatch, lag, pr
     monkeypatch.setattr(serve, "load_tokenizer", lambda name, explicit: SimpleNamespace(path="tok"))
     monkeypatch.setattr(serve, "build_serve_requests", lambda *args, **kwargs: workload)
     monkeypatch.setattr(serve, "machine_info", dict)
+    monkeypatch.setattr(serve, "measure_machine_peaks", lambda: MachinePeaks("float32", 100.0, 10.0))
+    monkeypatch.setattr(serve.TokenCost, "of", classmethod(lambda cls, *args: cls(1, 1, 1, 0, 0)))
     monkeypatch.setattr(serve, "time", SimpleNamespace(sleep=lambda s: events.append(f"sleep {s:g}")))
 
     async def fake_probe(target, request, with_request):
