@@ -62,7 +62,12 @@ class EngineArgs:
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
         """The engine flags (the command adds its own MODEL positional, which `from_cli_args` reads)."""
         engine = parser.add_argument_group("engine")
-        engine.add_argument("--dtype", default="float32", help="weights/activations dtype: float32, bfloat16")
+        engine.add_argument(
+            "--dtype", default="float32",
+            help="activations: float32 (kept quantized weights give outputs independent of the batch), bfloat16, "
+            "or auto (bfloat16 where the hardware multiplies it natively: faster, same perplexity, other greedy "
+            "tokens; else float32)",
+        )  # fmt: skip
         engine.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present, else cpu)")
         engine.add_argument(
             "--kv-cache-memory", default=None, help="KV pool size, e.g. 2GiB (default: 1/4 of free RAM, max 4GiB)"

@@ -36,10 +36,10 @@ from folio.bench.plots import engine_bars, engine_colors, figure
 from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.table import row
-from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
 from folio.kv_calc import load_shape
 from folio.loaders.catalog import resolve_model
+from folio.platform import default_device, resolve_dtype
 from folio.results import machine_info, result_paths, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
@@ -160,7 +160,7 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         raise ValueError(f"folio bench decode compares a GGUF file's formats, and {config.model} is {path}")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    peaks = measure_peaks(parse_dtype(config.engine_args.get("dtype") or "float32"))
+    peaks = measure_peaks(resolve_dtype(config.engine_args.get("dtype") or "float32", default_device())[0])
     results = []
     dtype = "float32"
     for name, quantization in VARIANTS.items():

@@ -32,9 +32,9 @@ from typing import Any
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.parallel_report import format_table, write_plot
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
-from folio.config import parse_dtype
 from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
+from folio.platform import default_device, resolve_dtype
 from folio.results import machine_info, result_paths, write_json
 from folio.sampling_params import SamplingParams
 from folio.worker.executor import SplitModelExecutor
@@ -181,7 +181,7 @@ def run(args: argparse.Namespace) -> int:
     if engines.get("tp1") != Split():
         raise ValueError("--engines must include tp1: every ratio is against the whole model")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    peaks = measure_peaks(parse_dtype(args.dtype))  # before any model takes memory or cores
+    peaks = measure_peaks(resolve_dtype(args.dtype, default_device())[0])  # before any model takes memory or cores
     llms: dict[str, LLM] = {}
     for name, split in engines.items():
         engine = EngineArgs(args.model, dtype=args.dtype, quantization=args.quantization,

@@ -34,11 +34,11 @@ from folio.bench.decode import PROMPT, measure_batch1, measure_batched
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.table import row as table_row
-from folio.config import parse_dtype
 from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
 from folio.eval.corpus import held_out_windows
 from folio.eval.perplexity import score_windows
 from folio.loaders.catalog import resolve_model
+from folio.platform import default_device, resolve_dtype
 from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
 from folio.results import machine_info, result_paths, write_json
 
@@ -115,7 +115,7 @@ def run_table(config: TableConfig, command: str) -> TableReport:
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    peaks = measure_peaks(parse_dtype(config.dtype))  # before any model takes memory or cores
+    peaks = measure_peaks(resolve_dtype(config.dtype, default_device())[0])  # before any model takes memory or cores
     chats = eval_prompts(config.num_prompts)
     pool = {"enable_prefix_caching": False, "kv_cache_memory": config.kv_cache_memory}
     reference = LLM(source, quantization="none", dtype="float32", **pool)

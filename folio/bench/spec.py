@@ -36,8 +36,9 @@ from folio.bench.spec_report import add_speedups, format_table, write_report
 from folio.bench.spec_served import run_folio_served
 from folio.bench.spec_types import SpecConfig, SpecReport, Variant
 from folio.bench.spec_workloads import WORKLOADS, build_workload
-from folio.config import SPECULATIVE_METHODS, SpeculativeConfig, parse_dtype
+from folio.config import SPECULATIVE_METHODS, SpeculativeConfig
 from folio.engine_args import QUANTIZATION_CHOICES, EngineArgs
+from folio.platform import default_device, resolve_dtype
 from folio.results import machine_info
 
 BASELINE = "none"
@@ -101,7 +102,7 @@ def run_spec(config: SpecConfig, command: str) -> SpecReport:
         print(f"folio: only {config.num_prompts} requests at concurrency {max(config.concurrency)}: "
               "give --num-prompts at least the highest --concurrency to keep it full", file=sys.stderr)  # fmt: skip
     # Before any model takes memory or cores; the variants share the run's --dtype.
-    peaks = measure_peaks(parse_dtype(config.variants[0].engine_args.dtype))
+    peaks = measure_peaks(resolve_dtype(config.variants[0].engine_args.dtype, default_device())[0])
     cost = TokenCost.of(bench_tokenizer.path, 0, 0)  # served: FLOPs only, the servers' resident bytes are their own
     cells, loads, servers = [], {}, []
     if config.offline:

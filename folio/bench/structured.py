@@ -31,9 +31,9 @@ from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
 from folio.bench.table import row
-from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
+from folio.platform import default_device, resolve_dtype
 from folio.results import machine_info, result_paths, write_json
 from folio.structured.params import StructuredOutputParams
 
@@ -157,7 +157,9 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     if config.peer == "llama.cpp" and path.suffix != ".gguf":
         raise ValueError(f"--peer llama.cpp needs a GGUF model, and {config.model} is {path}")
     torch.set_num_threads(os.cpu_count() or 1)
-    peaks = measure_peaks(parse_dtype(config.engine_args.get("dtype") or "float32"))  # before the model loads
+    peaks = measure_peaks(
+        resolve_dtype(config.engine_args.get("dtype") or "float32", default_device())[0]
+    )  # before the model loads
     llm = LLM(path, **config.engine_args)
     torch.set_num_threads(os.cpu_count() or 1)
     cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)

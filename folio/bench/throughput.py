@@ -28,9 +28,9 @@ from folio.bench.flags import add_output_dir, command_line
 from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
 from folio.bench.report import EngineResult, ThroughputReport, format_table, write_report
 from folio.bench.roofline import TokenCost, measure_peaks
-from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
+from folio.platform import default_device, resolve_dtype
 from folio.sampling_params import SamplingParams
 
 PEERS = ("hf",)
@@ -113,7 +113,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     path = resolve_model(config.model)  # pulls a catalog model now, so the download is not load time
     torch.set_num_threads(os.cpu_count() or 1)
-    peaks = measure_peaks(parse_dtype(config.engine_args.get("dtype") or "float32"))
+    peaks = measure_peaks(resolve_dtype(config.engine_args.get("dtype") or "float32", default_device())[0])
 
     start = time.perf_counter()
     llm = LLM(path, **config.engine_args)

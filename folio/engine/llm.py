@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from folio.config import SpeculativeConfig, parse_dtype
+from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
@@ -21,7 +21,7 @@ from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput
-from folio.platform import configure_threads, default_device
+from folio.platform import configure_threads, default_device, resolve_dtype
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.structured.grammar import GrammarCompiler
 from folio.worker.executor import SplitModelExecutor, WorkerLaunch
@@ -82,7 +82,7 @@ class LLM:
         parallel = args.parallel_config()
         configure_threads()
         self.device = torch.device(device) if device else default_device()
-        self.dtype = parse_dtype(dtype)
+        self.dtype, dtype_reason = resolve_dtype(dtype, self.device)
         # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
         path = resolve_model(args.model)
         logger.info("loading %s", path)
@@ -117,6 +117,11 @@ class LLM:
             self.loaded.shard_bytes, self.loaded.load_seconds = ready.weight_bytes, ready.load_seconds
             logger.info("weights: %.1f MiB resident on rank 0 of %d (%s)", ready.weight_bytes / 2**20,
                         parallel.world_size, ready.quantization)  # fmt: skip
+        whole = self.loaded.model
+        decode = "the C++ decode step" if whole is not None and whole.has_compiled_decode_step else "Python layers"
+        dtype_name = str(self.dtype).removeprefix("torch.")
+        logger.info("compute: %s activations (%s), %d threads, decodes through %s", dtype_name, dtype_reason,
+                    torch.get_num_threads(), decode)  # fmt: skip
         # Ranks are processes: stop them when this LLM is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)

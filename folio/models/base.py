@@ -98,6 +98,11 @@ class CausalLM(nn.Module):
     def bind_decode_stack(self, dtype: torch.dtype) -> None:
         """Once the KV cache is bound: set up a compiled decode step if the model has one."""
 
+    @property
+    def has_compiled_decode_step(self) -> bool:
+        """Whether the C++ decode step serves this model's decodes (set up when the KV cache is bound)."""
+        return getattr(self.model, "decode_stack", None) is not None
+
     def attention_layers(self) -> list[PagedAttention]:
         """This stage's (every layer's, for a whole model)."""
         return [layer.self_attn.attn for layer in self.model.held_layers()]

@@ -17,10 +17,10 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import Metric
 from ray.serve.handle import DeploymentHandle
 
-from folio.config import parse_dtype
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import open_checkpoint
+from folio.platform import default_device, resolve_dtype
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.jobs import ReplicaDescription
 from folio.scale.remote_engine import RemoteEngine
@@ -49,7 +49,9 @@ class FolioIngress:
     async def __init__(
         self, engine: DeploymentHandle, args: EngineArgs, model_name: str, options: ServerOptions, max_replicas: int
     ) -> None:
-        checkpoint = open_checkpoint(resolve_model(args.model), parse_dtype(args.dtype), args.quantization)
+        checkpoint = open_checkpoint(
+            resolve_model(args.model), resolve_dtype(args.dtype, default_device())[0], args.quantization
+        )
         description: ReplicaDescription = await engine.describe.remote()
         self.engine = RemoteEngine(engine, description.max_model_len)
         self.context = ServerContext(
