@@ -56,6 +56,7 @@ class EngineArgs:
     master_port: int | None = None  # default MASTER_PORT, else a free port (one host only)
     cpu_collectives: str = "shm"  # ranks on one CPU host: shared memory, or gloo over loopback
     pooling: str = "last"  # embeddings: "last" token or "mean" over the prompt (why last: SchedulerConfig.pooling)
+    compile: bool = False  # torch.compile each decoder layer (the Python path; whole in-process models)
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -103,6 +104,11 @@ class EngineArgs:
             "--pooling", default="last", choices=POOLING_METHODS,
             help="how /v1/embeddings and LLM.embed pool the final hidden states: the last token (default; a causal "
             "model's only token that saw the whole input) or the mean over every input token",
+        )  # fmt: skip
+        engine.add_argument(
+            "--compile", action="store_true",
+            help="torch.compile each decoder layer: the Python path that prefills and runs the steps the C++ "
+            "decode step does not take (whole models in this process; on CPU it is slower, docs/benchmarks.md)",
         )  # fmt: skip
         add_parallel_args(parser.add_argument_group("parallelism (see docs/parallelism.md)"))
         spec, defaults = parser.add_argument_group("speculative decoding"), SpeculativeConfig()
@@ -156,6 +162,8 @@ class EngineArgs:
         for key, value in self.llm_kwargs().items():
             if key == "enable_prefix_caching":
                 words += [] if value else ["--no-prefix-caching"]
+            elif key == "compile":
+                words += ["--compile"] if value else []
             elif key == "speculative_config":
                 words += [] if value is None else _speculative_flags(value)
             elif value is not None:

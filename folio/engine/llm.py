@@ -62,6 +62,7 @@ class LLM:
         master_port: int | None = None,
         cpu_collectives: str = "shm",
         pooling: str = "last",
+        compile: bool = False,
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -77,9 +78,12 @@ class LLM:
             pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
             else ",".join(map(str, pipeline_layers)),
             nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
-            pooling=pooling,
+            pooling=pooling, compile=compile,
         )  # fmt: skip
         parallel = args.parallel_config()
+        if compile and parallel.is_parallel:
+            raise ValueError("--compile compiles a whole model in this process: not with tensor, pipeline or "
+                             "context parallelism")  # fmt: skip
         configure_threads()
         self.device = torch.device(device) if device else default_device()
         self.dtype, dtype_reason = resolve_dtype(dtype, self.device)
@@ -118,10 +122,12 @@ class LLM:
             logger.info("weights: %.1f MiB resident on rank 0 of %d (%s)", ready.weight_bytes / 2**20,
                         parallel.world_size, ready.quantization)  # fmt: skip
         whole = self.loaded.model
+        if compile and whole is not None:
+            whole.compile_layers()
         decode = "the C++ decode step" if whole is not None and whole.has_compiled_decode_step else "Python layers"
         dtype_name = str(self.dtype).removeprefix("torch.")
-        logger.info("compute: %s activations (%s), %d threads, decodes through %s", dtype_name, dtype_reason,
-                    torch.get_num_threads(), decode)  # fmt: skip
+        logger.info("compute: %s activations (%s), %d threads, decodes through %s%s", dtype_name, dtype_reason,
+                    torch.get_num_threads(), decode, ", layers torch.compile'd" if compile else "")  # fmt: skip
         # Ranks are processes: stop them when this LLM is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)

@@ -98,6 +98,12 @@ class CausalLM(nn.Module):
     def bind_decode_stack(self, dtype: torch.dtype) -> None:
         """Once the KV cache is bound: set up a compiled decode step if the model has one."""
 
+    def compile_layers(self) -> None:
+        """torch.compile each held decoder layer in place (shapes dynamic: every step's token count differs).
+        The C++ kernels a layer calls are opaque to the compiler, so it compiles what lies between them."""
+        for layer in self.model.held_layers():
+            layer.compile(dynamic=True)
+
     @property
     def has_compiled_decode_step(self) -> bool:
         """Whether the C++ decode step serves this model's decodes (set up when the KV cache is bound)."""
