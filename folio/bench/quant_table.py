@@ -157,7 +157,8 @@ def run_table(config: TableConfig, command: str) -> TableReport:
 
 def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
     measure_batch1(llm, 8, 1)  # warm-up: kernels loaded, first-call allocations
-    return measure_batch1(llm, config.gen_tokens, config.repeats), measure_batched(llm, config.gen_tokens, config.batch)
+    batch1 = measure_batch1(llm, config.gen_tokens, config.repeats)
+    return batch1, measure_batched(llm, config.gen_tokens, config.batch, config.repeats)
 
 
 def add_utilisation(row: Row, cost: TokenCost, peaks: MachinePeaks, prompt_tokens: int, config: TableConfig) -> None:
