@@ -50,11 +50,11 @@ def format_table(report: ServeReport) -> str:
     if report.config.slo:
         slo = ", ".join(f"{k} <= {v * 1000:g} ms" for k, v in report.config.slo.items())
         lines.append(f"goodput: requests/s meeting every SLO ({slo})")
-    if not any(isinstance(cache, dict) for cache in caches):
-        lines.append("prefix cache: not reported (the server has no prefix_cache_* counters at /metrics)")
     if report.peaks:
         lines.append(f"MFU: the requests' FLOPs over the machine's {report.peaks['matmul_gflops']:.0f} GFLOP/s "
                      f"({report.peaks['dtype']} GEMM, measured at the start)")  # fmt: skip
+    if not any(isinstance(cache, dict) for cache in caches):
+        lines.append("prefix cache: not reported (the server has no prefix_cache_* counters at /metrics)")
     return "\n".join(lines)
 
 

@@ -25,6 +25,8 @@ GENERATE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 # (token budget per step, KV blocks of 4 tokens): whole prompts; 7-token chunks; a pool too small for
 # every request at once, which preempts some and computes them again.
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (8, 16)}
+# Every layer of "mistral-window" sees 8 tokens: blocks behind that go back, so it preempts in a smaller pool.
+WINDOWED_POOL = 7
 
 
 def _prompts(*lengths: int) -> list[list[int]]:
@@ -49,6 +51,8 @@ def reference_embedding(reference, prompt: list[int], method: str, normalize: bo
 
 def _engine(loaded, schedule: str, pooling: str) -> EngineCore:
     budget, num_blocks = SCHEDULES[schedule]
+    if schedule == "preempting" and loaded.config.window_of_every_layer is not None:
+        num_blocks = WINDOWED_POOL  # blocks behind the window go back: a smaller pool still preempts
     return EngineCore(
         loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=MAX_LEN, pooling=pooling),
