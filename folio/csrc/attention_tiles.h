@@ -16,6 +16,7 @@
 #endif
 
 #include "paged_slots.h"
+#include "vec_exp.h"
 
 namespace dense {
 
@@ -60,23 +61,7 @@ static inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-// exp(x) for x <= 0 (scores minus their max), 16 lanes: Cephes' expf polynomial after reducing by
-// ln 2 in two parts, scaled by 2^n with scalef. Within 2 ulp; below -87 it returns exp(-87) ~ 1e-38.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using folio_vec::exp16;  // scores minus their max: x <= 0
 
 // Scores of NQ queries (rows of q, stride qs) against one transposed tile kt [D][16] -> s (stride ss).
 // Two accumulators per query (even and odd dims) so even 1-3 queries keep the FMA pipes busy.

@@ -16,6 +16,7 @@
 #endif
 
 #include "folio_kernels.h"
+#include "vec_exp.h"
 
 namespace {
 
@@ -116,24 +117,7 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
 }
 
 #if defined(__AVX512F__)
-// exp(x), 16 lanes, for x in [-87, 88] (clamped): Cephes' expf polynomial after reducing by ln 2 in two
-// parts, scaled by 2^n with scalef; within 2 ulp. std::exp is a scalar call per element here, which
-// made the activation of a batch cost as much as its matmuls.
-static inline __m512 exp16(__m512 x) {
-  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
-  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-  p = _mm512_add_ps(_mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r), _mm512_set1_ps(1.0f));
-  return _mm512_scalef_ps(p, n);
-}
+using folio_vec::exp16;
 
 // act(g) = g * sigmoid(z) = g / (1 + e^-z): silu with z = g; gelu's tanh form with z = 2u, as
 // 0.5 g (1 + tanh(u)) = g * sigmoid(2u), u = sqrt(2 / pi) (g + 0.044715 g^3) (no cancellation in its tails).

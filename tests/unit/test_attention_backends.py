@@ -13,6 +13,7 @@ from folio.layers.attention.kv_tensors import LayerKV, scale_zeros
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.layers.attention.torch_paged import attend_group
+from tests.threads import torch_threads
 
 kernel = ops.load("paged_decode")
 needs_kernel = pytest.mark.skipif(kernel is None, reason="no C++ toolchain to build the CPU kernel")
@@ -167,10 +168,8 @@ def _rows_of_runs(requests, num_heads, num_kv_heads, head_dim, dtype, block_size
 @pytest.fixture
 def threads(request):
     """Runs the test with request.param intra-op threads (the kernel splits keys across them)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(request.param)
-    yield request.param
-    torch.set_num_threads(before)
+    with torch_threads(request.param) as count:
+        yield count
 
 
 # Ordinary decodes of 1, 15, 16, 17 and 300+ keys among verification runs of several lengths: one that

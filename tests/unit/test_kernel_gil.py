@@ -11,15 +11,14 @@ import torch
 
 from folio import ops
 from folio.quant.int8_dot import tile_groups, tile_int8_codes
+from tests.threads import torch_threads
 
 
 @pytest.fixture
 def one_thread():
     """The kernel on one core, the Python loop on the other."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(1):
+        yield
 
 
 def test_python_runs_while_a_kernel_computes(one_thread):

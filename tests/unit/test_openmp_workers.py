@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from folio.platform import release_openmp_workers
+from tests.threads import torch_threads
 
 pytestmark = pytest.mark.skipif(
     not sys.platform.startswith("linux") or "OpenMP" not in torch.__config__.parallel_info(),
@@ -24,10 +25,8 @@ def _threads() -> int:
 
 @pytest.fixture
 def two_threads():
-    before = torch.get_num_threads()
-    torch.set_num_threads(2)
-    yield
-    torch.set_num_threads(before)
+    with torch_threads(2):
+        yield
 
 
 def test_this_threads_team_stops_and_starts_again_when_needed(two_threads):
