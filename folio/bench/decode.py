@@ -35,8 +35,8 @@ from folio.bench.flags import add_output_dir, command_line
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.plots import engine_bars, engine_colors, figure
 from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill
-from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
-from folio.bench.table import row
+from folio.bench.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
+from folio.bench.table import percent, row
 from folio.engine_args import EngineArgs
 from folio.kv_calc import load_shape
 from folio.loaders.catalog import resolve_model
@@ -76,7 +76,7 @@ class VariantResult:
 
     def add_utilisation(self, cost: TokenCost, peaks: MachinePeaks, prompt_tokens: int, gen_tokens: int,
                         batch: int) -> None:  # fmt: skip
-        context = prompt_tokens + gen_tokens / 2  # the mean context a decoded token attends to
+        context = mean_decode_context(prompt_tokens, gen_tokens)
         one = cost.utilisation(self.batch1_tok_s, 1, context, peaks)
         self.batch1_mbu, self.batch1_mfu = one["mbu"], one["mfu"]
         if self.batch_tok_s is not None:
@@ -202,16 +202,12 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         peer.add_utilisation(TokenCost.of(path, path.stat().st_size, f16_kv), peaks, 0, config.gen_tokens, 1)
         if peer.batch_tok_s is not None:  # at the parallel-sequence count that gave its best rate
             best = TokenCost.of(path, path.stat().st_size, f16_kv).utilisation(
-                peer.batch_tok_s, best_batch, BATCHED_PROMPT_TOKENS + config.gen_tokens / 2, peaks
+                peer.batch_tok_s, best_batch, mean_decode_context(BATCHED_PROMPT_TOKENS, config.gen_tokens), peaks
             )
             peer.batch_mbu, peer.batch_mfu = best["mbu"], best["mfu"]
         results.append(peer)
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
     return DecodeReport(command, date, config.model, dtype, settings, results, peer_info, peaks.to_dict())
-
-
-def _percent(value: float | None) -> str | None:
-    return None if value is None else f"{100 * value:.1f}%"
 
 
 def format_table(report: DecodeReport) -> str:
@@ -221,7 +217,7 @@ def format_table(report: DecodeReport) -> str:
     labels = ["weights MiB", "batch-1 tok/s", "MBU", f"batch-{batch} tok/s", "MFU"] + [f"pp{n} (MFU)" for n in lengths]
     lines = [row("engine", labels, widths=widths)]
     for r in report.results:
-        values = [r.weight_mib, r.batch1_tok_s, _percent(r.batch1_mbu), r.batch_tok_s, _percent(r.batch_mfu)]
+        values = [r.weight_mib, r.batch1_tok_s, percent(r.batch1_mbu, "%"), r.batch_tok_s, percent(r.batch_mfu, "%")]
         values += [_prefill_cell(r, n) for n in lengths]
         lines.append(row(r.engine, values, widths=widths, number=".1f"))
     peaks = report.peaks
@@ -250,7 +246,7 @@ def _prefill_cell(result: VariantResult, length: str) -> str | None:
     if rate is None:
         return None
     mfu = result.prefill_mfu.get(length)
-    return f"{rate:.0f}" + (f" ({_percent(mfu)})" if mfu is not None else "")
+    return f"{rate:.0f}" + (f" ({percent(mfu, '%')})" if mfu is not None else "")
 
 
 def write_report(report: DecodeReport, output_dir: Path) -> tuple[Path, Path]:

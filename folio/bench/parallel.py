@@ -31,7 +31,7 @@ from typing import Any
 
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.parallel_report import format_table, write_plot
-from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
+from folio.bench.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
 from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
 from folio.platform import default_device, resolve_dtype
@@ -228,9 +228,10 @@ def run(args: argparse.Namespace) -> int:
 def _utilisation(args: argparse.Namespace, summary: dict[str, Any], cost: TokenCost,
                  peaks: MachinePeaks) -> dict[str, float | None]:  # fmt: skip
     """MBU of the batch-1 rate, MFU of the batch-N rate and of the long prefill, from an engine's medians."""
-    batch1 = cost.utilisation(summary["batch1_decode_tok_s"], 1, args.prompt_tokens + args.batch1_tokens / 2, peaks)
-    many = cost.utilisation(summary["batch_output_tok_s"], args.batch, args.prompt_tokens + args.batch_tokens / 2,
-                            peaks)  # fmt: skip
+    batch1_context = mean_decode_context(args.prompt_tokens, args.batch1_tokens)
+    batch1 = cost.utilisation(summary["batch1_decode_tok_s"], 1, batch1_context, peaks)
+    many_context = mean_decode_context(args.prompt_tokens, args.batch_tokens)
+    many = cost.utilisation(summary["batch_output_tok_s"], args.batch, many_context, peaks)
     long = summary["long_prefill_tok_s"]
     return {"batch1_mbu": batch1["mbu"], "batch_mfu": many["mfu"],
             "long_prefill_mfu": cost.prefill_mfu(args.long_prompt_tokens, long, peaks) if long else None}  # fmt: skip

@@ -32,7 +32,8 @@ import torch
 from folio import LLM
 from folio.bench.decode import PROMPT, measure_batch1, measure_batched
 from folio.bench.flags import add_output_dir, command_line
-from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
+from folio.bench.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
+from folio.bench.table import percent
 from folio.bench.table import row as table_row
 from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
 from folio.eval.corpus import held_out_windows
@@ -163,13 +164,9 @@ def _speed(llm: Any, config: TableConfig) -> tuple[float, float]:
 
 def add_utilisation(row: Row, cost: TokenCost, peaks: MachinePeaks, prompt_tokens: int, config: TableConfig) -> None:
     """The row's batch-1 MBU and batch-N MFU, as decode.py's VariantResult.add_utilisation computes them."""
-    context = prompt_tokens + config.gen_tokens / 2  # the mean context a decoded token attends to
+    context = mean_decode_context(prompt_tokens, config.gen_tokens)
     row.batch1_mbu = cost.utilisation(row.batch1_tok_s, 1, context, peaks)["mbu"]
     row.batch_mfu = cost.utilisation(row.batch_tok_s, config.batch, context, peaks)["mfu"]
-
-
-def _percent(value: float | None) -> str | None:
-    return None if value is None else f"{100 * value:.1f}"
 
 
 WIDTHS = [8, 10, 9, 8, 10, 10, 10, 7]  # after the three left-aligned columns: weights (8), KV (6), dtype (10)
@@ -179,8 +176,8 @@ HEADER = table_row(f"{'weights':8}{'KV':6}{'dtype':10}", COLUMNS, 24, WIDTHS)
 
 def format_row(row: Row, num_prompts: int) -> str:
     values = [f"{row.weight_mib:.1f}", str(row.kv_bytes_per_token), f"{row.perplexity:.3f}",
-              f"{row.identical}/{num_prompts}", f"{row.batch1_tok_s:.1f}", _percent(row.batch1_mbu),
-              f"{row.batch_tok_s:.1f}", _percent(row.batch_mfu)]  # fmt: skip
+              f"{row.identical}/{num_prompts}", f"{row.batch1_tok_s:.1f}", percent(row.batch1_mbu),
+              f"{row.batch_tok_s:.1f}", percent(row.batch_mfu)]  # fmt: skip
     return table_row(f"{row.weights:8}{row.kv_cache_dtype:6}{row.compute_dtype:10}", values, 24, WIDTHS)
 
 

@@ -64,9 +64,13 @@ def measure_peaks(dtype: torch.dtype, repeats: int = 5) -> MachinePeaks:
 def measure_machine_peaks(repeats: int = 3) -> MachinePeaks:
     """The machine's best matmul rate, whichever of float32 and bfloat16 GEMMs is faster, and its read
     bandwidth: the peaks of a run whose server's activation dtype the client does not know."""
-    best = max((measure_peaks(dtype, repeats) for dtype in (torch.float32, torch.bfloat16)),
+    return max((measure_peaks(dtype, repeats) for dtype in (torch.float32, torch.bfloat16)),
                key=lambda peaks: peaks.matmul_gflops)  # fmt: skip
-    return best
+
+
+def mean_decode_context(prompt_tokens: float, gen_tokens: float) -> float:
+    """The mean context a decoded token attends to: its prompt and half of what is decoded after it."""
+    return prompt_tokens + gen_tokens / 2
 
 
 def multiplied_parameters(config: ModelConfig, num_params: int) -> int:

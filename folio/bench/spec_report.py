@@ -11,7 +11,7 @@ from folio.bench.serve_stats import dump_json
 from folio.bench.spec_plot import plot_speedups
 from folio.bench.spec_types import OFFLINE, Cell, SpecReport
 from folio.bench.spec_workloads import GROUNDED
-from folio.bench.table import row
+from folio.bench.table import percent, row
 from folio.results import result_paths, write_text_atomic
 
 PROMPT_LOOKUP = ("ngram", "suffix")  # methods held to 2x on the grounded workload at batch 1
@@ -69,10 +69,6 @@ def _bar_value(bar: dict[str, Any]) -> str:
     return f"{bar['speedup']:.2f}x{decode}"
 
 
-def _percent(value: float | None) -> str | None:
-    return None if value is None else f"{100 * value:.1f}"
-
-
 def _ms(stats: dict[str, float] | None, key: str) -> float | None:
     return stats.get(key) if stats else None
 
@@ -83,7 +79,7 @@ def _cells_row(cell: Cell) -> str:
     values = [
         cell.output_tokens_per_s, _ms(cell.tpot_ms, "mean"), _ms(cell.tpot_ms, "p50"), _ms(cell.tpot_ms, "p99"),
         _ms(cell.ttft_ms, "p50"), spec.acceptance_rate if spec else None, spec.mean_accepted_length if spec else None,
-        _times(cell.speedup), _times(cell.decode_speedup), same, _percent(cell.mfu), _percent(cell.mbu),
+        _times(cell.speedup), _times(cell.decode_speedup), same, percent(cell.mfu), percent(cell.mbu),
     ]  # fmt: skip
     label = f"{cell.setting:<7}{'' if cell.engine == 'folio' else cell.engine + ' '}{cell.variant}"
     return row(label, values, label_width=30, widths=WIDTHS)
@@ -145,7 +141,7 @@ def format_markdown(report: SpecReport) -> str:
                 _markdown_cell(spec.acceptance_rate if spec else None, 2),
                 _markdown_cell(spec.mean_accepted_length if spec else None, 2),
                 "-" if cell.speedup is None else f"**{cell.speedup:.2f}x**", _times(cell.decode_speedup) or "-",
-                _percent(cell.mfu) or "-", _percent(cell.mbu) or "-",
+                percent(cell.mfu) or "-", percent(cell.mbu) or "-",
             ]  # fmt: skip
             lines.append("| " + " | ".join(values) + " |")
     lines += ["", utilisation_note(report)]

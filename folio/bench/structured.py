@@ -30,7 +30,7 @@ from folio.bench.plots import FOLIO_COLOR, PEER_COLOR, figure
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks
 from folio.bench.structured_llama import count_valid, run_llama_structured
 from folio.bench.structured_schemas import SCHEMAS
-from folio.bench.table import row
+from folio.bench.table import percent, row
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.platform import default_device, resolve_dtype
@@ -233,10 +233,6 @@ def _run_folio(
     return EngineStructured("folio", constrained, unconstrained, num_valid, num_finished)
 
 
-def _percent(value: float | None) -> str | None:
-    return None if value is None else f"{100 * value:.1f}"
-
-
 def format_table(report: StructuredReport) -> str:
     widths = [12, 12, 8, 14, 8, 8, 12, 12]
     labels = ["json tok/s", "free tok/s", "ratio", "mask ms/step", "valid", "ended", "json MFU %", "free MFU %"]
@@ -245,8 +241,8 @@ def format_table(report: StructuredReport) -> str:
     for r in report.results:
         mask = f"{r.constrained.mask_ms_per_step:.3f}" if r.constrained.num_steps_masked else None
         values = [r.constrained.output_tokens_per_s, r.unconstrained.output_tokens_per_s, f"{r.throughput_ratio:.3f}x",
-                  mask, f"{r.num_valid}/{total}", f"{r.num_finished}/{total}", _percent(r.constrained.mfu),
-                  _percent(r.unconstrained.mfu)]  # fmt: skip
+                  mask, f"{r.num_valid}/{total}", f"{r.num_finished}/{total}", percent(r.constrained.mfu),
+                  percent(r.unconstrained.mfu)]  # fmt: skip
         lines.append(row(r.engine, values, 10, widths, number=".1f"))
     folio = report.results[0]
     lines.append(

@@ -19,3 +19,8 @@ def row(label: str, values: Sequence[Any], label_width: int = 20, widths: int | 
     """`label` padded to `label_width`, then one `cell` per value (`widths`: one for all, or one each)."""
     widths = [widths] * len(values) if isinstance(widths, int) else widths
     return f"{label:<{label_width}}" + "".join(cell(v, w, number) for v, w in zip(values, widths, strict=True))
+
+
+def percent(fraction: float | None, unit: str = "") -> str | None:
+    """A fraction (an MFU, an MBU) as a percentage with one decimal; None stays None (a "-" cell)."""
+    return None if fraction is None else f"{100 * fraction:.1f}{unit}"

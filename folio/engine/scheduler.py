@@ -366,9 +366,10 @@ class Scheduler(BeamScheduling):
                     self.kv.free(sid)
                     self.runner_view.finished(sid)
                     del self.requests[sid]
-        for item in output.scheduled:  # blocks registered and drafts trimmed: the window's tail can go
-            if (live := self.requests.get(item.request_id)) is not None:
-                self.kv.drop_out_of_window(live.request_id, live.num_computed_tokens)
+        if self.kv.sliding_window is not None:  # blocks registered and drafts trimmed: the window's tail can go
+            for item in output.scheduled:
+                if (live := self.requests.get(item.request_id)) is not None:
+                    self.kv.drop_out_of_window(live.request_id, live.num_computed_tokens)
         return updated
 
     def _take_verified(self, request: Request, item: ScheduledChunk, result: ModelRunnerOutput) -> None:
