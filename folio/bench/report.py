@@ -36,6 +36,7 @@ class EngineResult:
     # The workload's FLOPs (the same for every engine) per second, over the peak measured as the run
     # started (folio/bench/roofline.py).
     mfu: float | None = None
+    preemptions: int | None = None  # folio's: requests whose KV blocks were taken back to make room
 
     @property
     def mfu_percent(self) -> float | None:
@@ -123,6 +124,13 @@ def format_table(report: ThroughputReport) -> str:
         lines.append(row(label, values, label_width=14))
     counts = ", ".join(f"{r.engine} {r.output_tokens} useful / {r.generated_tokens} decoded" for r in report.results)
     lines.append(f"output tokens: {counts}")
+    pool = report.settings.get("kv_pool")
+    if pool:
+        preempted = next((r.preemptions for r in report.results if r.preemptions is not None), None)
+        lines.append(
+            f"folio KV pool: {pool['blocks']} blocks in {pool['block_tables']} block table(s) a request, "
+            f"{pool['tokens']} tokens with every block kept; {preempted} preemptions"
+        )
     return "\n".join(lines)
 
 

@@ -85,9 +85,11 @@ def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: b
     torch.set_num_threads(os.cpu_count() or 1)
     params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
     prompts = [r.prompt_token_ids for r in requests]
+    preempted = llm.engine.scheduler.num_preemptions
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
+    preempted = llm.engine.scheduler.num_preemptions - preempted
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     wanted = sum(r.output_len for r in requests)
     if generated != wanted:
@@ -101,6 +103,7 @@ def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: b
         elapsed_s=elapsed,
         load_s=load_s,
         threads=torch.get_num_threads(),
+        preemptions=preempted,
     )
 
 
@@ -123,6 +126,8 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
     results = [run_folio(llm, requests, load_s, config.use_tqdm)]
     model_path, dtype = llm.loaded.path, llm.dtype
     cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+    kv = llm.engine.kv
+    kv_pool = {"blocks": kv.pool.num_blocks, "block_tables": kv.num_groups, "tokens": kv.capacity_tokens}
     del llm  # free folio's weights and KV pool before the peer loads its own copy
     gc.collect()
 
@@ -153,6 +158,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
             "engine": {k: v for k, v in config.engine_args.items() if k != "dtype"},
             "mean_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
             "mean_output_tokens": sum(r.output_len for r in requests) / len(requests),
+            "kv_pool": kv_pool,
         },
         results=results,
     )

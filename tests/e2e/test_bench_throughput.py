@@ -67,9 +67,14 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
     assert report["num_prompts"] == 6 and report["seed"] == 3 and report["dataset"] == "random"
     assert report["machine"]["cores"] >= 1 and report["machine"]["torch"]
     assert report["command"].startswith("folio bench throughput ")
+    # The pool folio ran with, and whether it had to take blocks back (the peer has no such figure).
+    pool = report["settings"]["kv_pool"]
+    assert pool["block_tables"] == 1 and pool["tokens"] == pool["blocks"] * 16
+    assert folio["preemptions"] >= 0 and hf["preemptions"] is None
 
     printed = capsys.readouterr().out
     assert "folio/hf" in printed and str(json_files[0]) in printed and str(png_files[0]) in printed
+    assert f"folio KV pool: {pool['blocks']} blocks in 1 block table(s) a request" in printed
 
 
 @pytest.mark.parametrize(
