@@ -72,6 +72,11 @@ class ModelConfig:
         return bool(self.layer_types and self.layer_types[layer_index] == "sliding_attention")
 
     @property
+    def layer_windows(self) -> tuple[int | None, ...]:
+        """Each layer's sliding window, None where it attends over the whole context."""
+        return tuple((self.sliding_window or None) if self.is_sliding(i) else None for i in range(self.num_layers))
+
+    @property
     def window_of_every_layer(self) -> int | None:
         """The sliding window, when every layer attends through it (Mistral v0.1, Phi-3); else None."""
         if self.sliding_window and self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
@@ -86,6 +91,9 @@ class CacheConfig:
     num_blocks: int | None = None  # overrides kv_cache_memory (tests use tiny pools)
     enable_prefix_caching: bool = True  # reuse the KV of full blocks whose prefix was computed before
     kv_cache_dtype: str = "auto"  # "auto" (the model's dtype), "int8" or "fp8": 8-bit K/V with per-token scales
+    # A model mixing sliding-window and global layers gets a block table per KV cache group
+    # (kv_cache/groups.py), so its window layers free the blocks behind the window; False: one table.
+    hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
         if self.block_size <= 0:

@@ -39,6 +39,7 @@ class EngineArgs:
     max_num_batched_tokens: int = 1024
     max_model_len: int | None = None  # None: the model's own context length
     enable_prefix_caching: bool = True
+    hybrid_kv_cache: bool = True  # a table per KV cache group where window and global layers mix (Gemma 3)
     batching: str = "continuous"
     batch_size: int | None = None  # None: max_num_seqs
     batch_timeout_ms: float = 50.0
@@ -99,6 +100,11 @@ class EngineArgs:
         engine.add_argument(
             "--no-prefix-caching", dest="enable_prefix_caching", action="store_false",
             help="recompute every prompt instead of reusing the KV of prefixes seen before",
+        )  # fmt: skip
+        engine.add_argument(
+            "--no-hybrid-kv-cache", dest="hybrid_kv_cache", action="store_false",
+            help="one block table for every layer of a model that mixes sliding-window and global layers "
+            "(Gemma 3), instead of a table per group that frees the blocks behind the window",
         )  # fmt: skip
         engine.add_argument(
             "--pooling", default="last", choices=POOLING_METHODS,
@@ -162,6 +168,8 @@ class EngineArgs:
         for key, value in self.llm_kwargs().items():
             if key == "enable_prefix_caching":
                 words += [] if value else ["--no-prefix-caching"]
+            elif key == "hybrid_kv_cache":
+                words += [] if value else ["--no-hybrid-kv-cache"]
             elif key == "compile":
                 words += ["--compile"] if value else []
             elif key == "speculative_config":
@@ -197,6 +205,7 @@ class EngineArgs:
             num_blocks=self.num_kv_blocks,
             enable_prefix_caching=self.enable_prefix_caching,
             kv_cache_dtype=self.kv_cache_dtype,
+            hybrid_kv_cache=self.hybrid_kv_cache,
         )
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:

@@ -7,21 +7,36 @@ from __future__ import annotations
 import torch
 
 from folio import SamplingParams
-from folio.config import CacheConfig, SchedulerConfig, SpeculativeConfig
+from folio.config import CacheConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
+from folio.kv_cache.groups import plan_kv_groups
 from tests.tiny_models import VOCAB
 
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}  # (token budget, blocks of 4)
 WINDOWED_POOL = 9  # a model whose every layer has an 8-token window gives blocks back: it preempts in fewer
+# The tiny Gemma 3 (window and global layers, two tables of 2 layers): a 72-token sequence holds 18 blocks
+# in its global table and at most 7 in its window table, plus the placeholder. One table would need 36.
+HYBRID_POOL = 26
+
+
+def preempting_pool(config: ModelConfig) -> int:
+    """Blocks of 4 tokens for the preempting schedule: too few for every request at once."""
+    if config.window_of_every_layer is not None:
+        return WINDOWED_POOL
+    if plan_kv_groups(config.layer_windows).is_hybrid:
+        return HYBRID_POOL
+    return SCHEDULES["preempting"][1]
+
+
 GREEDY = SamplingParams(max_tokens=24, temperature=0, ignore_eos=True, logprobs=2)
 
 
 def speculating_engine(loaded, schedule: str, speculative: SpeculativeConfig | None, draft=None) -> EngineCore:
     """`loaded`: a LoadedModel; `draft`: the draft's model, for the draft method."""
     budget, num_blocks = SCHEDULES[schedule]
-    if schedule == "preempting" and loaded.config.window_of_every_layer is not None:
-        num_blocks = WINDOWED_POOL
+    if schedule == "preempting":
+        num_blocks = preempting_pool(loaded.config)
     return EngineCore(loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
                       SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=512),
                       torch.float32, torch.device("cpu"), speculative, draft)  # fmt: skip

@@ -58,7 +58,8 @@ struct Layer {
   Projection qkv, o, gate_up, down;
   torch::Tensor k_cache, v_cache;
   int64_t window;
-  int64_t rope;  // which of forward's RoPE tables: 0, or 1 for Gemma's local layers
+  int64_t rope;      // which of forward's RoPE tables: 0, or 1 for Gemma's local layers
+  int64_t kv_group;  // whose slots and block tables it reads (one table per KV cache group)
 };
 
 class DecodeStack {
@@ -75,21 +76,26 @@ class DecodeStack {
         eps_(eps), offset_(norm_offset), gelu_(gelu), sandwich_(sandwich) {}
 
   void add_layer(Norms norms, Projection qkv, Projection o, Projection gate_up, Projection down, torch::Tensor k_cache,
-                 torch::Tensor v_cache, int64_t window, int64_t rope) {
+                 torch::Tensor v_cache, int64_t window, int64_t rope, int64_t kv_group) {
     TORCH_CHECK(norms.q.has_value() == norms.k.has_value(), "q and k norms come together");
     TORCH_CHECK(!sandwich_ || (norms.pre_feedforward && norms.post_feedforward), "a sandwich layer has four norms");
     TORCH_CHECK(rope == 0 || rope == 1, "rope: table 0 or 1");
-    layers_.push_back({std::move(norms), qkv, o, gate_up, down, k_cache, v_cache, window, rope});
+    TORCH_CHECK(kv_group >= 0, "kv_group: a group's index");
+    layers_.push_back({std::move(norms), qkv, o, gate_up, down, k_cache, v_cache, window, rope, kv_group});
   }
 
   // hidden [T, D]: the embedded tokens, one per sequence; rope: [cos, sin] or [cos, sin, local cos, local
-  // sin], each [T, head_dim]; slots [T]; block_tables [T, max_blocks]; seq_lens [T]. Returns (x, residual):
+  // sin], each [T, head_dim]; per KV cache group, slots [T] and block_tables [T, max_blocks]; seq_lens [T].
+  // Returns (x, residual):
   // the model's hidden states are residual + x, still to be added and normed as the Python layers'
   // final norm does. `hidden` itself becomes the residual stream (written in place).
-  std::vector<torch::Tensor> forward(torch::Tensor hidden, std::vector<torch::Tensor> rope, torch::Tensor slots,
-                                     torch::Tensor block_tables, torch::Tensor seq_lens) const {
+  std::vector<torch::Tensor> forward(torch::Tensor hidden, std::vector<torch::Tensor> rope,
+                                     std::vector<torch::Tensor> slots, std::vector<torch::Tensor> block_tables,
+                                     torch::Tensor seq_lens) const {
     const Kernels& k = kernels_;
     TORCH_CHECK(rope.size() == 2 || rope.size() == 4, "rope: one or two (cos, sin) pairs");
+    TORCH_CHECK(slots.size() == block_tables.size(), "slots and block tables: one of each per KV cache group");
+    for (const Layer& layer : layers_) TORCH_CHECK(layer.kv_group < static_cast<int64_t>(slots.size()), "kv_group");
     const int64_t tokens = hidden.size(0), q_size = heads_ * head_dim_, kv_size = kv_heads_ * head_dim_;
     torch::Tensor residual = hidden, h;
     for (size_t i = 0; i < layers_.size(); ++i) {
@@ -107,9 +113,10 @@ class DecodeStack {
       }
       const size_t table = rope.size() == 4 ? 2 * static_cast<size_t>(layer.rope) : 0;
       k.rotary(q, key, rope[table], rope[table + 1]);
-      layer.k_cache.index_copy_(0, slots, key);
-      layer.v_cache.index_copy_(0, slots, value);
-      const torch::Tensor attended = k.attention(q.contiguous(), layer.k_cache, layer.v_cache, block_tables, seq_lens,
+      const size_t group = static_cast<size_t>(layer.kv_group);
+      layer.k_cache.index_copy_(0, slots[group], key);
+      layer.v_cache.index_copy_(0, slots[group], value);
+      const torch::Tensor attended = k.attention(q.contiguous(), layer.k_cache, layer.v_cache, block_tables[group], seq_lens,
                                                  block_size_, scale_, layer.window, std::nullopt, std::nullopt);
       const torch::Tensor projected = layer.o(k, attended.view({tokens, q_size}));
       if (sandwich_) {

@@ -15,6 +15,7 @@ from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
+from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
 from folio.kv_cache.manager import KVCacheManager
 from folio.models.base import CausalLM
 from folio.platform import default_kv_cache_memory
@@ -34,6 +35,19 @@ class StepStats:
     num_running: int
     num_waiting: int
     num_preempted: int
+
+
+def _groups_note(groups: KVGroups) -> str:
+    windows = [w for w in groups.windows if w is not None]
+    if not windows:
+        return ""
+    behind = f"blocks behind the {windows[0]}-token window freed"
+    if not groups.is_hybrid:
+        return f"; {behind}"
+    return (
+        f"; {groups.num_groups} block tables of {groups.layers_per_block} layers, {len(windows)} of them "
+        f"window layers' ({behind})"
+    )
 
 
 class EngineCore:
@@ -65,18 +79,25 @@ class EngineCore:
         # pool's memory is shared by all ranks (KV heads replicated over ranks count twice). Context-
         # parallel ranks hold every token once between them: the pool's tokens need no factor.
         bytes_per_token = kv_bytes_per_token(model_config, dtype, cache_config.kv_cache_dtype, kv_heads)
+        # A whole model in this process that mixes window and global layers gets a table per KV cache group;
+        # a block then holds `layers_per_block` layers' K/V. Split models keep one table.
+        kv_groups = one_group(model_config.num_layers, model_config.window_of_every_layer)
+        if workers is None and cache_config.hybrid_kv_cache:
+            kv_groups = plan_kv_groups(model_config.layer_windows)
+        bytes_per_block_token = bytes_per_token * kv_groups.layers_per_block // model_config.num_layers
         if cache_config.num_blocks is not None:
             num_blocks = cache_config.num_blocks
         else:
             memory = cache_config.kv_cache_memory or default_kv_cache_memory(device)
-            num_blocks = memory // (bytes_per_token * tp * cache_config.block_size)
+            num_blocks = memory // (bytes_per_block_token * tp * cache_config.block_size)
             if num_blocks < 1:
                 raise ValueError(
                     f"kv_cache_memory of {memory} bytes holds no block of {cache_config.block_size} tokens "
                     f"({bytes_per_token} bytes per token)"
                 )
         self.kv = KVCacheManager(num_blocks, cache_config.block_size, cache_config.enable_prefix_caching,
-                                 model_config.window_of_every_layer)  # fmt: skip
+                                 kv_groups.windows)  # fmt: skip
+        self.kv_groups = kv_groups
         # A request must always fit the pool alone, or preemption could never make room for it.
         max_len = min(scheduler_config.max_model_len, model_config.max_position_embeddings)
         if (fits := self.kv.longest_request_tokens(scheduler_config.max_num_batched_tokens)) is not None:
@@ -96,12 +117,15 @@ class EngineCore:
             self.runner = SplitModelExecutor(spec, model_config, str(device))
         else:
             assert model is not None, "an engine without workers runs its model in process"
-            self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config)
+            self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config,
+                                      kv_groups=kv_groups)  # fmt: skip
         # After the runner: a draft of the same model reads its KV cache. Ranks build their own proposer.
         if speculative_config is not None and isinstance(self.runner, ModelRunner):
             shared = self.runner.kv_caches if draft_model is not None and draft_model.config == model_config else None
-            self.runner.proposer = make_proposer(speculative_config, draft_model, num_blocks, cache_config.block_size,
-                                                 dtype, device, shared)  # fmt: skip
+            # The draft's own pool holds as many tokens as the target's (every block kept).
+            self.runner.proposer = make_proposer(speculative_config, draft_model, num_blocks // kv_groups.num_groups,
+                                                 cache_config.block_size, dtype, device, shared,
+                                                 kv_groups.layer_group)  # fmt: skip
         if len(stages) > 1:
             logger.info("pipeline stages hold layers %s", ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
         # A pipeline of P stages keeps up to P steps in flight (disjoint requests): stage 0 starts the
@@ -119,13 +143,13 @@ class EngineCore:
             num_blocks,
             cache_config.block_size,
             self.kv.capacity_tokens,
-            num_blocks * cache_config.block_size * bytes_per_token * tp / 2**20,
+            num_blocks * cache_config.block_size * bytes_per_block_token * tp / 2**20,
             bytes_per_token,
             f" over {tp} tensor-parallel ranks" if tp > 1 else f", {cp} context-parallel ranks" if cp > 1 else "",
             cache_config.kv_cache_dtype,
             max_len,
             "on" if cache_config.enable_prefix_caching else "off",
-            f"; blocks behind the {self.kv.sliding_window}-token window freed" if self.kv.sliding_window else "",
+            _groups_note(kv_groups),
         )
 
     @property

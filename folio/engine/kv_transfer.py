@@ -40,31 +40,39 @@ def prompt_keys(core: EngineCore, token_ids: list[int], cache_salt: str | None) 
     return keys
 
 
+def _cached(core: EngineCore, key: BlockKey) -> list[int] | None:
+    """The block holding `key` in each KV cache group, or None if some group lacks it."""
+    found = [core.kv.pool.lookup(key, group) for group in range(core.kv.num_groups)]
+    return None if None in found else found  # type: ignore[return-value]
+
+
 def held_prefix(core: EngineCore, keys: list[BlockKey]) -> int:
-    """How many of `keys`, from the first, this engine's prefix cache holds."""
+    """How many of `keys`, from the first, this engine's prefix cache holds (in every KV cache group)."""
     for count, key in enumerate(keys):
-        if core.kv.pool.lookup(key) is None:
+        if _cached(core, key) is None:
             return count
     return len(keys)
 
 
 def export_prefix(core: EngineCore, keys: list[BlockKey], skip: int = 0) -> KVBlocks:
     """Copies of the cached blocks for `keys[skip:]`, up to the first one not cached."""
-    pool = core.kv.pool
-    block_ids, exported = [], []
+    block_ids: list[list[int]] = [[] for _ in range(core.kv.num_groups)]
+    exported = []
     for key in keys[skip:]:
-        block = pool.lookup(key)
-        if block is None:
+        found = _cached(core, key)
+        if found is None:
             break
-        block_ids.append(block)
+        for ids, block in zip(block_ids, found, strict=True):
+            ids.append(block)
         exported.append(key)
     runner = _runner(core)
     return read_kv_blocks(runner, kv_layout(runner, core.kv_cache_dtype), block_ids, exported)
 
 
 def import_prefix(core: EngineCore, blocks: KVBlocks) -> int:
-    """Put `blocks` into this engine's prefix cache; returns how many were new to it. Blocks already held
-    are skipped; when the pool is short, the tail of the prefix is dropped (recomputed later)."""
+    """Put `blocks` into this engine's prefix cache; returns how many were new to it (in some KV cache
+    group). Blocks already held are skipped; when the pool is short, the tail of the prefix is dropped
+    (recomputed later)."""
     runner = _runner(core)
     if blocks.layout != kv_layout(runner, core.kv_cache_dtype):
         raise ValueError(f"these KV blocks were written by another cache layout ({blocks.layout}); this engine's "
@@ -72,22 +80,31 @@ def import_prefix(core: EngineCore, blocks: KVBlocks) -> int:
     if not core.kv.enable_prefix_caching:
         return 0
     pool = core.kv.pool
-    placed: dict[int, int] = {}  # index in blocks.keys -> block of this pool holding it
-    for i, key in enumerate(blocks.keys):
-        block = pool.lookup(key)
-        if block is not None:
-            pool.touch(block)  # so that allocating the others cannot evict it
-            placed[i] = block
+    num_groups = core.kv.num_groups
+    placed: list[tuple[int, int]] = []  # (index in blocks.keys, block): taken so allocating cannot evict them
+    wanted: list[list[int]] = [[] for _ in range(num_groups)]  # per group, the keys it lacks, in prompt order
     try:
-        picked = [i for i in range(blocks.num_blocks) if i not in placed][: pool.num_free_blocks]
-        if not picked:
-            return 0
-        fresh = pool.allocate(len(picked))
-        placed.update(zip(picked, fresh, strict=True))
-        write_kv_blocks(runner, fresh, blocks, picked)
-        for i, block in zip(picked, fresh, strict=True):
-            pool.register(block, blocks.keys[i])
-        return len(picked)
+        reserved = 0
+        for i, key in enumerate(blocks.keys):
+            found = [pool.lookup(key, group) for group in range(num_groups)]
+            for block in found:
+                if block is not None:
+                    pool.touch(block)
+                    placed.append((i, block))
+            lacking = [group for group, block in enumerate(found) if block is None]
+            if len(lacking) > pool.num_free_blocks - reserved:
+                break  # the prefix's tail is recomputed later
+            for group in lacking:
+                wanted[group].append(i)
+            reserved += len(lacking)
+        targets = [(pool.allocate(len(picked)), picked) for picked in wanted]
+        for fresh, picked in targets:
+            placed.extend(zip(picked, fresh, strict=True))
+        write_kv_blocks(runner, blocks, targets)
+        for group, (fresh, picked) in enumerate(targets):
+            for i, block in zip(picked, fresh, strict=True):
+                pool.register(block, blocks.keys[i], group)
+        return len({i for picked in wanted for i in picked})
     finally:
         # Back onto the LRU list, still cached; freed in prompt order, so the first blocks go last.
-        pool.free([placed[i] for i in sorted(placed)])
+        pool.free([block for _, block in sorted(placed)])

@@ -46,6 +46,7 @@ class LLM:
         max_num_batched_tokens: int = 1024,
         max_model_len: int | None = None,
         enable_prefix_caching: bool = True,
+        hybrid_kv_cache: bool = True,
         batching: str = "continuous",
         batch_size: int | None = None,
         batch_timeout_ms: float = 50.0,
@@ -67,7 +68,8 @@ class LLM:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
             block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching, batching=batching,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            hybrid_kv_cache=hybrid_kv_cache, batching=batching,
             batch_size=batch_size, batch_timeout_ms=batch_timeout_ms, quantization=quantization,
             kv_cache_dtype=kv_cache_dtype,
             speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)

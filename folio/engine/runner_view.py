@@ -1,7 +1,7 @@
 """The scheduler's record of what the model runner holds, so that each step sends only what changed.
 
 The runner is sent a request's data once (`NewRequestData`), then per step its chunk's tokens and the
-part of its block table that changed since it last saw it; a request that ends is named once in
+part of its block tables that changed since it last saw it; a request that ends is named once in
 `finished_request_ids`, so the runner drops what it kept. Preemption keeps the runner's state (its
 seeded generator goes on where it stopped) but resends the block table whole.
 """
@@ -15,7 +15,7 @@ from folio.step.scheduler_output import NewRequestData
 class RunnerView:
     def __init__(self) -> None:
         self._known: set[str] = set()  # requests the runner holds data for
-        self._sent_tables: dict[str, list[int]] = {}  # each one's block table as last sent
+        self._sent_tables: dict[str, list[list[int]]] = {}  # each one's block tables as last sent
         self._finished: set[str] = set()  # ended since the last step
 
     def new_request_data(self, request: Request) -> NewRequestData | None:
@@ -26,15 +26,19 @@ class RunnerView:
         return NewRequestData(request.request_id, tuple(request.prompt_token_ids), tuple(request.output_token_ids),
                               request.sampling_params)  # fmt: skip
 
-    def block_changes(self, request_id: str, table: list[int]) -> tuple[int, tuple[int, ...]]:
-        """Where `table` differs from what the runner holds, and the ids from there on."""
-        sent = self._sent_tables.get(request_id, [])
-        first = len(sent)
-        if table[:first] != sent:
-            differs = (i for i, (a, b) in enumerate(zip(table, sent, strict=False)) if a != b)
-            first = next(differs, min(len(table), len(sent)))
-        self._sent_tables[request_id] = list(table)
-        return first, tuple(table[first:])
+    def block_changes(self, request_id: str, tables: list[list[int]]) -> tuple[int, tuple[tuple[int, ...], ...]]:
+        """The first index where any group's table differs from what the runner holds, and each group's
+        ids from there on."""
+        sent = self._sent_tables.get(request_id)
+        first = len(sent[0]) if sent else 0
+        if sent:
+            for table, old in zip(tables, sent, strict=True):
+                if table[:first] != old[:first]:
+                    differs = (i for i, (a, b) in enumerate(zip(table, old, strict=False)) if a != b)
+                    first = min(first, next(differs, first))
+        first = min(first, len(tables[0]))
+        self._sent_tables[request_id] = [list(table) for table in tables]
+        return first, tuple(tuple(table[first:]) for table in tables)
 
     def preempted(self, request_id: str) -> None:
         """Its blocks were freed: it comes back with a new table, sent whole."""

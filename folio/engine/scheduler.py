@@ -191,7 +191,7 @@ class Scheduler(BeamScheduling):
                 if needs_sample and r.grammar is not None:
                     constrained.append((r.request_id, r.grammar, drafts if r is request else []))
             first_new_block, new_block_ids = self.runner_view.block_changes(
-                request.request_id, self.kv.block_table(request.request_id)
+                request.request_id, self.kv.tables_of(request.request_id)
             )
             chunks.append(
                 ScheduledChunk(
@@ -227,7 +227,7 @@ class Scheduler(BeamScheduling):
             # computes all of it. (Embeddings fill the cache like any prompt: their KV is a generation's.)
             whole = request.sampling_params.reads_every_prompt_position
             cached = [] if whole else self.kv.find_cached_prefix(request)
-            num_cached = len(cached) * self.kv.block_size
+            num_cached = len(cached[0]) * self.kv.block_size if cached else 0
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
                 break
@@ -304,7 +304,7 @@ class Scheduler(BeamScheduling):
                 break
             chunk = min(head.num_tokens - head.num_computed_tokens, budget)
             has_slot = len(self.running) < self.config.max_num_seqs
-            if has_slot and self.kv.blocks_needed(chunk) <= self.kv.pool.num_free_blocks:
+            if has_slot and self.kv.blocks_needed(chunk) * self.kv.num_groups <= self.kv.pool.num_free_blocks:
                 break
             self.running.remove(worst)
             self._preempt(worst)
@@ -366,7 +366,7 @@ class Scheduler(BeamScheduling):
                     self.kv.free(sid)
                     self.runner_view.finished(sid)
                     del self.requests[sid]
-        if self.kv.sliding_window is not None:  # blocks registered and drafts trimmed: the window's tail can go
+        if self.kv.drops_blocks:  # blocks registered and drafts trimmed: the window's tail can go
             for item in output.scheduled:
                 if (live := self.requests.get(item.request_id)) is not None:
                     self.kv.drop_out_of_window(live.request_id, live.num_computed_tokens)

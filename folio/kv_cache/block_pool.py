@@ -4,6 +4,7 @@ The pool only hands out block ids; the tensors they index live in the model runn
 A full block whose KV is computed can be registered under its `BlockKey`. When its last owner frees
 it, it keeps that key on the free list, so a later request with the same prefix can take it back
 (`touch`) instead of recomputing it, until the block is handed out for something else (evicted).
+A model with several KV cache groups caches each group's blocks under its own keys.
 """
 
 from __future__ import annotations
@@ -11,6 +12,9 @@ from __future__ import annotations
 from collections import OrderedDict
 
 from folio.kv_cache.hashing import BlockKey
+
+# A cached block's identity: its KV cache group (groups.py; 0 in a model with one) and its key.
+CacheKey = tuple[int, BlockKey]
 
 
 class BlockPoolError(RuntimeError):
@@ -23,10 +27,10 @@ class BlockPool:
             raise ValueError(f"a block pool needs at least one block, got {num_blocks}")
         self.num_blocks = num_blocks
         self.ref_counts = [0] * num_blocks
-        self.keys: list[BlockKey | None] = [None] * num_blocks
+        self.keys: list[CacheKey | None] = [None] * num_blocks
         # Free blocks, least recently freed first: allocation evicts from the front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
-        self._cached: dict[BlockKey, int] = {}
+        self._cached: dict[CacheKey, int] = {}
 
     @property
     def num_free_blocks(self) -> int:
@@ -69,8 +73,8 @@ class BlockPool:
                 self._free[block] = None
 
     # -- prefix cache ------------------------------------------------------------------------------
-    def lookup(self, key: BlockKey) -> int | None:
-        return self._cached.get(key)
+    def lookup(self, key: BlockKey, group: int = 0) -> int | None:
+        return self._cached.get((group, key))
 
     def touch(self, block: int) -> None:
         """Take a cached block for a new owner, reviving it from the free list if nobody held it."""
@@ -78,14 +82,14 @@ class BlockPool:
             del self._free[block]
         self.ref_counts[block] += 1
 
-    def register(self, block: int, key: BlockKey) -> None:
-        """Record that `block` holds the computed KV of `key`. If another block already does, the
-        cache keeps that one and this block stays anonymous."""
+    def register(self, block: int, key: BlockKey, group: int = 0) -> None:
+        """Record that `block` holds the computed KV of `key` for KV cache group `group`. If another
+        block already does, the cache keeps that one and this block stays anonymous."""
         if self.ref_counts[block] <= 0:
             raise BlockPoolError(f"block {block} is free and cannot be registered")
-        if self.keys[block] is None and key not in self._cached:
-            self._cached[key] = block
-            self.keys[block] = key
+        if self.keys[block] is None and (group, key) not in self._cached:
+            self._cached[group, key] = block
+            self.keys[block] = (group, key)
 
     def reset_prefix_cache(self) -> None:
         for block in list(self._cached.values()):

@@ -4,14 +4,18 @@ With prefix caching on, a request being admitted first takes every cached block 
 cached prefix (`find_cached_prefix`), and each block it fills afterwards is registered in the pool
 (`cache_full_blocks`), so the next request with that prefix skips computing it.
 
-When every layer attends through the same sliding window (Mistral v0.1, Phi-3), a block whose tokens
-no later query can see is given back as soon as the request has computed past it (`drop_out_of_window`):
-its place in the table is taken by a placeholder, one block shared by every such place, so the
-runner's table keeps its shape and indices. Attention never reads a placeholder's keys unmasked (the
-kernels start at the window's first key; the PyTorch path masks them), and the placeholder is a full,
-computed block that nobody writes again, so what it holds is always finite. A request then holds at
-most the window and the blocks it writes, whatever its length. (Gemma 3's global layers need every
-block: with one table for all layers, a model that mixes window and global layers drops nothing.)
+A request has one block table per KV cache group (groups.py): one for most models, several for a model
+that mixes sliding-window and global layers. The tables of a request always have the same length (a
+block per `block_size` positions) and grow together, each from the one pool.
+
+In a group whose layers attend through a sliding window (every layer of Mistral v0.1 and Phi-3, the
+window layers of Gemma 3), a block whose tokens no later query can see is given back as soon as the
+request has computed past it (`drop_out_of_window`): its place in the table is taken by a placeholder,
+one block shared by every such place, so the runner's table keeps its shape and indices. Attention
+never reads a placeholder's keys unmasked (the kernels start at the window's first key; the PyTorch
+path masks them), and the placeholder is a full, computed block that nobody writes again, so what it
+holds is always finite. A window group's table then holds at most the window and the blocks it
+writes, whatever the request's length.
 """
 
 from __future__ import annotations
@@ -25,98 +29,129 @@ from folio.kv_cache.hashing import extend_block_keys
 if TYPE_CHECKING:
     from folio.engine.request import Request
 
+# One request's tables, a list of block ids per KV cache group.
+Tables = list[list[int]]
+
 
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
-                 sliding_window: int | None = None) -> None:  # fmt: skip
+                 group_windows: Sequence[int | None] = (None,)) -> None:  # fmt: skip
+        """`group_windows`: each KV cache group's sliding window, or None where its layers see everything."""
         self.block_size = block_size
-        self.sliding_window = sliding_window  # every layer's, or None: nothing is dropped
+        self.group_windows = tuple(group_windows)
+        self.num_groups = len(self.group_windows)
         self.pool = BlockPool(num_blocks)
-        self.block_tables: dict[str, list[int]] = {}
+        self.block_tables: dict[str, Tables] = {}
         self.enable_prefix_caching = enable_prefix_caching
         self._num_registered: dict[str, int] = {}  # leading blocks of each table already in the cache map
         self.prefix_cache_queries = 0  # prompt tokens looked up at admission
         self.prefix_cache_hits = 0  # of those, tokens whose KV came from the cache
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
-        self._num_dropped: dict[str, int] = {}  # leading blocks of each table replaced by the placeholder
+        self._num_dropped: dict[str, list[int]] = {}  # per group: leading blocks now the placeholder
         self._placeholder: int | None = None  # held once by the manager while any table has dropped blocks
 
     @property
+    def drops_blocks(self) -> bool:
+        """Whether some group slides, so that blocks behind its window go back to the pool."""
+        return any(w is not None for w in self.group_windows)
+
+    @property
     def capacity_tokens(self) -> int:
-        return self.pool.num_blocks * self.block_size
+        """The tokens the pool holds when every group keeps every block (requests within the window)."""
+        return self.pool.num_blocks // self.num_groups * self.block_size
 
     def longest_request_tokens(self, max_num_batched_tokens: int) -> int | None:
-        """The longest request the pool can always hold alone (None: any length). Past the window a
-        request holds at most the window's blocks and those its step writes into, plus a partial one and
-        the placeholder."""
-        window = self.sliding_window
-        if window is not None and self.blocks_needed(window - 1 + max_num_batched_tokens) + 2 <= self.pool.num_blocks:
-            return None
-        return self.capacity_tokens
+        """The longest request the pool can always hold alone (None: any length). Past its window a
+        window group's table holds at most the window's blocks and those its step writes into, plus a
+        partial one; the placeholder is one more block, whatever the number of groups."""
+        windows = [w for w in self.group_windows if w is not None]
+        if not windows:
+            return self.capacity_tokens
+        bounded = sum(self.blocks_needed(w - 1 + max_num_batched_tokens) + 1 for w in windows) + 1
+        num_global = self.num_groups - len(windows)
+        if num_global == 0:
+            return None if bounded <= self.pool.num_blocks else self.capacity_tokens
+        past_window = (self.pool.num_blocks - bounded) // num_global * self.block_size
+        return max(self.capacity_tokens, past_window)
 
     def blocks_needed(self, num_tokens: int) -> int:
+        """Blocks one table needs for `num_tokens` positions (each group's table needs as many)."""
         return -(-num_tokens // self.block_size)
 
-    def find_cached_prefix(self, request: Request) -> list[int]:
-        """Cached blocks holding the longest prefix of the request's tokens. At least one token is
-        always left to compute, so that there are logits to sample the next token from."""
+    def find_cached_prefix(self, request: Request) -> Tables:
+        """Each group's cached blocks holding the longest prefix of the request's tokens that every group
+        has cached. At least one token is always left to compute, so that there are logits to sample
+        the next token from."""
+        tables: Tables = [[] for _ in self.group_windows]
         if not self.enable_prefix_caching:
-            return []
+            return tables
         extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
-        blocks: list[int] = []
         for key in request.block_keys[: (request.num_tokens - 1) // self.block_size]:
-            block = self.pool.lookup(key)
-            if block is None:
+            found = [self.pool.lookup(key, group) for group in range(self.num_groups)]
+            if None in found:
                 break
-            blocks.append(block)
-        return blocks
+            for table, block in zip(tables, found, strict=True):
+                table.append(block)  # type: ignore[arg-type]
+        return tables
 
     def allocate_slots(
         self,
         request_id: str,
         total_tokens: int,
-        cached_blocks: Sequence[int] = (),
+        cached_blocks: Sequence[Sequence[int]] = (),
         write_from: int | None = None,
     ) -> bool:
-        """Make room for `total_tokens` tokens of KV, starting the table with `cached_blocks` (only
-        for a request that holds no blocks yet). `write_from` is the first position written this step:
-        if it falls inside a block another request also holds (a fork's last prompt block), that block
-        is copied first. False, and nothing changed, if the pool is short."""
-        table = self.block_tables.get(request_id, [])
-        if cached_blocks and table:
+        """Make room for `total_tokens` tokens of KV in every group's table, starting the tables with
+        `cached_blocks` (one list per group, only for a request that holds no blocks yet). `write_from`
+        is the first position written this step: if it falls inside a block another request also holds
+        (a fork's last prompt block), that block is copied first. False, and nothing changed, if the pool
+        is short."""
+        tables = self.block_tables.get(request_id)
+        cached = [list(c) for c in cached_blocks] if cached_blocks else [[] for _ in self.group_windows]
+        if tables is None:
+            tables = [[] for _ in self.group_windows]
+        elif any(cached):
             raise ValueError(f"request {request_id} already holds blocks; cached blocks start a table")
-        missing = max(self.blocks_needed(total_tokens) - len(table) - len(cached_blocks), 0)
-        copy_at = None
-        index = None if write_from is None else write_from // self.block_size
-        partial = write_from is not None and write_from % self.block_size != 0
-        if partial and index is not None and index < len(table) and self.pool.ref_counts[table[index]] > 1:
-            copy_at = index
-        revived = sum(1 for b in cached_blocks if self.pool.ref_counts[b] == 0)  # leave the free list
-        if missing + (copy_at is not None) > self.pool.num_free_blocks - revived:
+        held = len(tables[0]) + len(cached[0])
+        missing = max(self.blocks_needed(total_tokens) - held, 0)
+        copy_at = None  # a partial block being written into, which others may hold too
+        if (
+            write_from is not None
+            and write_from % self.block_size != 0
+            and write_from // self.block_size < len(tables[0])
+        ):
+            copy_at = write_from // self.block_size
+        copies = [] if copy_at is None else [g for g, t in enumerate(tables) if self.pool.ref_counts[t[copy_at]] > 1]
+        revived = sum(1 for table in cached for b in table if self.pool.ref_counts[b] == 0)  # leave the free list
+        if missing * self.num_groups + len(copies) > self.pool.num_free_blocks - revived:
             return False
-        for block in cached_blocks:
-            self.pool.touch(block)
-        if cached_blocks:
-            self._num_registered[request_id] = len(cached_blocks)
-        table = table + list(cached_blocks) + self.pool.allocate(missing)
-        if copy_at is not None:
+        for table in cached:
+            for block in table:
+                self.pool.touch(block)
+        if cached[0]:
+            self._num_registered[request_id] = len(cached[0])
+        tables = [table + extra + self.pool.allocate(missing) for table, extra in zip(tables, cached, strict=True)]
+        for group in copies:
+            assert copy_at is not None
+            table = tables[group]
             [copy] = self.pool.allocate(1)
             self.pending_copies.append((table[copy_at], copy))
             self.pool.free([table[copy_at]])  # still held by the other owners
             table[copy_at] = copy
-        self.block_tables[request_id] = table
+        self.block_tables[request_id] = tables
         return True
 
     def fork(self, parent_id: str, child_id: str) -> None:
         """The child holds every block of the parent, by reference; writes into a shared partial
         block copy it first (see allocate_slots)."""
-        table = list(self.block_tables[parent_id])
-        for block in table:
-            self.pool.share(block)
-        self.block_tables[child_id] = table
+        tables = [list(table) for table in self.block_tables[parent_id]]
+        for table in tables:
+            for block in table:
+                self.pool.share(block)
+        self.block_tables[child_id] = tables
         self._num_registered[child_id] = self._num_registered.get(parent_id, 0)
         if parent_id in self._num_dropped:
-            self._num_dropped[child_id] = self._num_dropped[parent_id]
+            self._num_dropped[child_id] = list(self._num_dropped[parent_id])
 
     def take_copies(self) -> list[tuple[int, int]]:
         copies, self.pending_copies = self.pending_copies, []
@@ -127,7 +162,7 @@ class KVCacheManager:
         self.prefix_cache_hits += num_hit_tokens
 
     def cache_full_blocks(self, request: Request) -> None:
-        """Register the request's blocks that are now full and computed."""
+        """Register the request's blocks that are now full and computed, in every group."""
         if not self.enable_prefix_caching:
             return
         full = request.num_computed_tokens // self.block_size
@@ -135,55 +170,68 @@ class KVCacheManager:
         if full <= done:
             return
         extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
-        table = self.block_tables[request.request_id]
-        for index in range(done, full):
-            self.pool.register(table[index], request.block_keys[index])
+        for group, table in enumerate(self.block_tables[request.request_id]):
+            for index in range(done, full):
+                self.pool.register(table[index], request.block_keys[index], group)
         self._num_registered[request.request_id] = full
 
     def trim(self, request_id: str, num_tokens: int) -> None:
         """Free the blocks past the first `num_tokens` tokens (slots of drafts the target rejected).
         They were never full and computed, so none is in the prefix cache."""
-        table = self.block_tables[request_id]
         keep = self.blocks_needed(num_tokens)
-        if len(table) > keep:
-            self.pool.free(table[keep:])
-            del table[keep:]
+        for table in self.block_tables[request_id]:
+            if len(table) > keep:
+                self.pool.free(table[keep:])
+                del table[keep:]
 
     def drop_out_of_window(self, request_id: str, num_computed_tokens: int) -> int:
-        """Give back the request's blocks that fell out of the sliding window: the next query sits at
-        `num_computed_tokens` and sees keys from `num_computed_tokens - window + 1` on. Call it after the
-        step's blocks were registered (a dropped block keeps its prefix-cache key on the free list).
-        Returns how many blocks went back to the pool."""
-        table = self.block_tables.get(request_id)
-        if self.sliding_window is None or not table:
+        """Give back the blocks of the request's window groups that fell out of their window: the next
+        query sits at `num_computed_tokens` and sees keys from `num_computed_tokens - window + 1` on. Call
+        it after the step's blocks were registered (a dropped block keeps its prefix-cache key on the free
+        list). Returns how many blocks went back to the pool."""
+        tables = self.block_tables.get(request_id)
+        if not self.drops_blocks or not tables or not tables[0]:
             return 0
-        first_seen = max(num_computed_tokens - self.sliding_window + 1, 0)
-        done = self._num_dropped.get(request_id, 0)
-        droppable = min(first_seen // self.block_size, len(table))
-        freed = 0
-        for index in range(done, droppable):
-            block = table[index]
-            if self._placeholder is None:  # the first block dropped becomes the placeholder itself
-                self._placeholder = block
-                self.pool.share(block)
-            elif block != self._placeholder:
-                self.pool.share(self._placeholder)
-                self.pool.free([block])
-                table[index] = self._placeholder
-                freed += 1
-        if droppable > done:
-            self._num_dropped[request_id] = droppable
+        done = self._num_dropped.get(request_id) or [0] * self.num_groups
+        dropped, freed = list(done), 0
+        for group, (window, table) in enumerate(zip(self.group_windows, tables, strict=True)):
+            if window is None:
+                continue
+            first_seen = max(num_computed_tokens - window + 1, 0)
+            droppable = min(first_seen // self.block_size, len(table))
+            for index in range(done[group], droppable):
+                freed += self._to_placeholder(table, index)
+            dropped[group] = max(done[group], droppable)
+        if any(dropped):
+            self._num_dropped[request_id] = dropped
         return freed
+
+    def _to_placeholder(self, table: list[int], index: int) -> int:
+        """Put the placeholder at table[index], freeing the block there; 1 if a block went back."""
+        block = table[index]
+        if self._placeholder is None:  # the first block dropped becomes the placeholder itself
+            self._placeholder = block
+            self.pool.share(block)
+            return 0
+        if block == self._placeholder:
+            return 0
+        self.pool.share(self._placeholder)
+        self.pool.free([block])
+        table[index] = self._placeholder
+        return 1
 
     def free(self, request_id: str) -> None:
         self._num_registered.pop(request_id, None)
         self._num_dropped.pop(request_id, None)
-        table = self.block_tables.pop(request_id, None)
-        if table:
+        for table in self.block_tables.pop(request_id, []):
             self.pool.free(table)
         if self._placeholder is not None and not self._num_dropped:
             self.pool.free([self._placeholder])  # no table uses it any more
             self._placeholder = None
 
-    def block_table(self, request_id: str) -> list[int]:
+    def block_table(self, request_id: str, group: int = 0) -> list[int]:
+        return self.block_tables[request_id][group]
+
+    def tables_of(self, request_id: str) -> Tables:
+        """Every group's block table of the request."""
         return self.block_tables[request_id]

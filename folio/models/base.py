@@ -13,6 +13,7 @@ from torch import nn
 
 from folio.config import ModelConfig
 from folio.distributed.tensor_parallel import current
+from folio.kv_cache.groups import KVGroups
 from folio.kv_cache.quant import KVFormat
 from folio.layers.activation import get_gated_activation
 from folio.layers.attention.kv_tensors import LayerKV, allocate_layer_kv
@@ -114,16 +115,35 @@ class CausalLM(nn.Module):
         return [layer.self_attn.attn for layer in self.model.held_layers()]
 
     def bind_kv_cache(
-        self, num_slots: int, block_size: int, dtype: torch.dtype, fmt: KVFormat | None, device: torch.device
+        self,
+        num_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        fmt: KVFormat | None,
+        device: torch.device,
+        groups: KVGroups | None = None,
     ) -> list[LayerKV]:
         """Give every attention layer its slice of a paged KV cache of `num_slots` tokens, load the
         weight kernels (now, so that start-up builds or reports them, not a request), and set up the
-        decode step that needs the cache bound."""
-        caches = []
-        for layer in self.attention_layers():
-            layer_kv = allocate_layer_kv(num_slots, layer.num_kv_heads, layer.head_dim, dtype, fmt, device)
-            layer.bind_cache(layer_kv, block_size)
-            caches.append(layer_kv)
+        decode step that needs the cache bound. Returns each layer's K/V. With several KV cache `groups`
+        a block holds `groups.layers_per_block` layers' K/V: the layers of one slot share its tensors,
+        each reading them through its own group's block table."""
+        layers = self.attention_layers()
+        caches: list[LayerKV] = []
+        if groups is None or not groups.is_hybrid:
+            for layer in layers:
+                layer_kv = allocate_layer_kv(num_slots, layer.num_kv_heads, layer.head_dim, dtype, fmt, device)
+                layer.bind_cache(layer_kv, block_size)
+                caches.append(layer_kv)
+        else:
+            if groups.num_layers != len(layers) or len({(a.num_kv_heads, a.head_dim) for a in layers}) != 1:
+                raise ValueError("KV cache groups need every layer held here, all with one K/V shape")
+            shared = [allocate_layer_kv(num_slots, layers[0].num_kv_heads, layers[0].head_dim, dtype, fmt, device)
+                      for _ in range(groups.layers_per_block)]  # fmt: skip
+            for index, layer in enumerate(layers):
+                layer_kv = shared[groups.layer_slot[index]]
+                layer.bind_cache(layer_kv, block_size, groups.layer_group[index])
+                caches.append(layer_kv)
         for module in self.modules():
             if (packed := getattr(module, "packed", None)) is not None:
                 packed.load_kernels()

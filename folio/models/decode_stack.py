@@ -47,8 +47,10 @@ class DecodeStack:
         the model has two). Returns (x, residual), the hidden states being residual + x before the final
         norm."""
         tables = [t.view(t.shape[0], -1) for rope in ropes for t in rope]
-        group = meta.groups[0]
-        return self.stack.forward(hidden, tables, meta.slot_mapping, group.block_tables, group.seq_lens)
+        views = meta.by_kv_group or [meta]  # one per KV cache group
+        slots = [view.slot_mapping for view in views]
+        block_tables = [view.groups[0].block_tables for view in views]
+        return self.stack.forward(hidden, tables, slots, block_tables, meta.groups[0].seq_lens)
 
 
 def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> tuple[Any, int] | None:
@@ -122,6 +124,6 @@ def build_decode_stack(
             module.Norms(layer.input_layernorm.weight, layer.post_attention_layernorm.weight,
                          _weight(around_mlp[0]), _weight(around_mlp[1]), _weight(q_norm), _weight(k_norm)),
             *(projection for projection, _ in made), attn.cache.k, attn.cache.v, attn.sliding_window or 0,
-            rope_tables[index] if rope_tables is not None else 0,
+            rope_tables[index] if rope_tables is not None else 0, attn.kv_group,
         )  # fmt: skip
     return DecodeStack(stack, max_rows)

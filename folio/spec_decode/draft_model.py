@@ -52,7 +52,10 @@ class DraftModelProposer(Proposer):
         dtype: torch.dtype,
         device: torch.device,
         target_kv: list[LayerKV] | None = None,
+        target_layer_groups: Sequence[int] = (),
     ) -> None:
+        """`target_kv`: the target's K/V per layer, each layer read through the block table of its KV
+        cache group (`target_layer_groups`, all the first group's if empty)."""
         self.model = model
         self.k = config.num_speculative_tokens
         self.block_size = block_size
@@ -61,6 +64,7 @@ class DraftModelProposer(Proposer):
         self.max_positions = model.config.max_position_embeddings
         self.kv = model.bind_kv_cache(num_blocks * block_size, block_size, dtype, None, device)
         self.target_kv = target_kv if target_kv is not None and _same_layout(self.kv, target_kv) else None
+        self.target_groups = tuple(target_layer_groups) or (0,) * len(self.kv)
         self.sequences: dict[str, _DraftSequence] = {}
 
     def finish(self, request_id: str, token_ids: list[int]) -> None:
@@ -83,7 +87,7 @@ class DraftModelProposer(Proposer):
         if not active:
             return {}
         drafts: dict[str, list[int]] = {}
-        if self.target_kv is not None and all(r.block_ids for r, _, _ in active):
+        if self.target_kv is not None and all(r.block_tables for r, _, _ in active):
             self._copy_target_kv(active)
             active = [(r, s, len(r.token_ids) - 1) for r, s, _ in active]
         chunks = [(r.request_id, r.token_ids[keep:], keep, s) for r, s, keep in active]
@@ -104,21 +108,25 @@ class DraftModelProposer(Proposer):
     def _copy_target_kv(self, active: list[tuple[DraftRequest, _DraftSequence, int]]) -> None:
         """Every request's context positions from `keep` to the last (excluded), from the target's cache."""
         assert self.target_kv is not None
-        source: list[int] = []
+        num_groups = len(active[0][0].block_tables)
+        sources: list[list[int]] = [[] for _ in range(num_groups)]  # per KV cache group of the target
         destination: list[int] = []
         size = self.block_size
         for request, sequence, keep in active:
             for position in range(keep, len(request.token_ids) - 1):
                 block, offset = divmod(position, size)
-                source.append(request.block_ids[block] * size + offset)
+                for source, table in zip(sources, request.block_tables, strict=True):
+                    source.append(table[block] * size + offset)
                 destination.append(sequence.block_ids[block] * size + offset)
-        if not source:
+        if not destination:
             return
-        src = torch.tensor(source, dtype=torch.long, device=self.device)
+        src = [torch.tensor(source, dtype=torch.long, device=self.device) for source in sources]
         dst = torch.tensor(destination, dtype=torch.long, device=self.device)
-        for own, target in zip(self.kv, self.target_kv, strict=True):
-            own.k.index_copy_(0, dst, target.k.index_select(0, src))
-            own.v.index_copy_(0, dst, target.v.index_select(0, src))
+        for own, target, group in zip(self.kv, self.target_kv, self.target_groups, strict=True):
+            # A window layer's positions behind its window come from the target's placeholder block: finite,
+            # and never read unmasked by the draft's window layer either.
+            own.k.index_copy_(0, dst, target.k.index_select(0, src[group]))
+            own.v.index_copy_(0, dst, target.v.index_select(0, src[group]))
 
     def _reserve(self, sequence: _DraftSequence, num_tokens: int) -> bool:
         """Blocks for `num_tokens` positions; False (no drafts this step) when the pool or the draft's

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from folio.config import SpeculativeConfig
@@ -22,9 +24,11 @@ def make_proposer(
     dtype: torch.dtype,
     device: torch.device,
     target_kv: list[LayerKV] | None = None,
+    target_layer_groups: Sequence[int] = (),
 ) -> Proposer:
     """`num_blocks` x `block_size`: the target's KV pool, which a draft model's own pool matches in
-    tokens; `target_kv`: the target's cache, which a draft of the same architecture reads."""
+    tokens; `target_kv`: the target's cache, which a draft of the same architecture reads, each layer through
+    the block table of its KV cache group (`target_layer_groups`)."""
     if config.method == "ngram":
         return NgramProposer(config)
     if config.method == "suffix":
@@ -34,5 +38,6 @@ def make_proposer(
     if config.method == "draft":
         if draft_model is None:
             raise ValueError("speculative method 'draft' needs the loaded draft model")
-        return DraftModelProposer(draft_model, config, num_blocks, block_size, dtype, device, target_kv)
+        return DraftModelProposer(draft_model, config, num_blocks, block_size, dtype, device, target_kv,
+                                  target_layer_groups)  # fmt: skip
     raise ValueError(f"no proposer for speculative method {config.method!r}")

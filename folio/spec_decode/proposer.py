@@ -19,9 +19,9 @@ class DraftRequest:
     # at each of their k + 1 rows (lookahead decoding learns n-grams from the rows it rejected).
     verified_drafts: tuple[int, ...] = ()
     target_choices: tuple[int, ...] = ()
-    # The target's block table: its KV cache holds every context position but the last (a draft of
-    # the same architecture copies those K/V instead of recomputing them).
-    block_ids: tuple[int, ...] = ()
+    # The target's block tables, one per KV cache group: its cache holds every context position but the
+    # last (a draft of the same architecture copies those K/V instead of recomputing them).
+    block_tables: tuple[tuple[int, ...], ...] = ()
 
 
 class Proposer(ABC):

@@ -32,10 +32,11 @@ class ScheduledChunk:
     request_id: str
     token_ids: list[int]  # a fresh list, never aliased to the request's own
     start_position: int  # = tokens already in the KV cache
-    # The block table changed from index `first_new_block` on: these ids replace its tail (a grown
-    # sequence appends; a copy-on-write replaces its last block; a resumed request resends it all).
+    # The block tables changed from index `first_new_block` on: these ids replace their tails, one tuple
+    # per KV cache group (a grown sequence appends; a copy-on-write replaces its last block; a window
+    # group's blocks out of the window become the placeholder; a resumed request resends them all).
     first_new_block: int
-    new_block_ids: tuple[int, ...]
+    new_block_ids: tuple[tuple[int, ...], ...]
     needs_sample: bool  # the chunk reaches the end of the sequence, so a new token is sampled
     fork_ids: tuple[str, ...] = ()  # forks that sample their first token from this request's row
     num_beam_candidates: int = 0  # a beam: report this many best next tokens instead of sampling one

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.layers.attention.metadata import AttentionMetadata, build_attention_metadata
+from folio.layers.attention.metadata import AttentionMetadata, build_grouped_metadata
 from folio.step.scheduler_output import SchedulerOutput
 from folio.structured.grammar import unpack_bitmask
 from folio.worker.pooling import PoolSpan
@@ -82,10 +82,10 @@ def prepare_batch(
                 SampleSpec(sampler.sampling_params, sampler.generator, prompt_ids, output_ids, beams,
                            None if mask is None else mask[0])
             )  # fmt: skip
-    meta = build_attention_metadata(
+    meta = build_grouped_metadata(
         [c.start_position for c in out.scheduled],
         [c.num_tokens for c in out.scheduled],
-        [requests[c.request_id].block_ids for c in out.scheduled],
+        [requests[c.request_id].block_tables for c in out.scheduled],
         block_size,
         device,
         as_decodes=[c.num_draft_tokens > 0 for c in out.scheduled],

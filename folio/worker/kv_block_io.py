@@ -27,9 +27,13 @@ def kv_layout(runner: ModelRunner, kv_cache_dtype: str) -> KVLayout:
 
 
 @torch.inference_mode()
-def read_kv_blocks(runner: ModelRunner, layout: KVLayout, block_ids: list[int], keys: list[BlockKey]) -> KVBlocks:
-    index = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
-    layers = [[_as_bytes(t) for t in layer_kv.read_blocks(index, layout.block_size)] for layer_kv in runner.kv_caches]
+def read_kv_blocks(runner: ModelRunner, layout: KVLayout, block_ids: list[list[int]], keys: list[BlockKey]) -> KVBlocks:
+    """Copies of the blocks `block_ids[g]` (one list per KV cache group, in the order of `keys`): each
+    layer's K/V read from its own group's blocks, so the copy means the same to a cache grouped otherwise."""
+    indices = [torch.tensor(ids, dtype=torch.long, device=runner.device) for ids in block_ids]
+    groups = _layer_groups(runner)
+    layers = [[_as_bytes(t) for t in layer_kv.read_blocks(indices[group], layout.block_size)]
+              for layer_kv, group in zip(runner.kv_caches, groups, strict=True)]  # fmt: skip
     return KVBlocks(layout, list(keys), layers)
 
 
@@ -38,9 +42,17 @@ def _as_bytes(t: torch.Tensor) -> np.ndarray:
     return t.cpu().contiguous().view(torch.uint8).numpy()
 
 
+def _layer_groups(runner: ModelRunner) -> tuple[int, ...]:
+    groups = runner.kv_groups
+    return groups.layer_group if groups is not None else (0,) * len(runner.kv_caches)
+
+
 @torch.inference_mode()
-def write_kv_blocks(runner: ModelRunner, block_ids: list[int], blocks: KVBlocks, picked: list[int]) -> None:
-    """Write `blocks`' blocks number `picked` into `block_ids` of this runner's cache."""
-    index = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
-    for layer_kv, parts in zip(runner.kv_caches, blocks.layers, strict=True):
-        layer_kv.write_blocks(index, blocks.layout.block_size, [torch.from_numpy(part[picked]) for part in parts])
+def write_kv_blocks(runner: ModelRunner, blocks: KVBlocks, targets: list[tuple[list[int], list[int]]]) -> None:
+    """Per KV cache group, (block ids, which of `blocks`' blocks to write there): each layer's K/V go into
+    its group's blocks."""
+    for layer_kv, parts, group in zip(runner.kv_caches, blocks.layers, _layer_groups(runner), strict=True):
+        block_ids, picked = targets[group]
+        if picked:
+            index = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
+            layer_kv.write_blocks(index, blocks.layout.block_size, [torch.from_numpy(part[picked]) for part in parts])

@@ -16,6 +16,7 @@ from torch import nn
 
 from folio.config import CacheConfig, ModelConfig, SpeculativeConfig
 from folio.distributed.context_parallel import ContextParallel
+from folio.kv_cache.groups import KVGroups
 from folio.kv_cache.quant import kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.outputs import TokenLogprob
@@ -63,10 +64,12 @@ class ModelRunner:
         speculative_config: SpeculativeConfig | None = None,
         micro_batches: int = 1,
         context: ContextParallel | None = None,
+        kv_groups: KVGroups | None = None,
     ) -> None:
         """`micro_batches`: how many pieces a pipeline stage splits a step into (unused whole);
         `context`: the ranks the context is split over (each holds every block's positions p with
-        p % ranks == its rank: block_size / ranks slots of each block)."""
+        p % ranks == its rank: block_size / ranks slots of each block); `kv_groups`: the layers' KV cache
+        groups (None: one, every layer in one block table)."""
         self.model = model
         self.micro_batches = micro_batches
         self.config = config
@@ -84,7 +87,9 @@ class ModelRunner:
         self.logits_observer: LogitsObserver | None = None
         fmt = kv_format(cache.kv_cache_dtype)
         slots = self.slots_per_block
-        self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * slots, slots, dtype, fmt, device)
+        self.kv_groups = kv_groups
+        # Per layer; with several KV cache groups, the layers of one slot share their tensors.
+        self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * slots, slots, dtype, fmt, device, kv_groups)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         """Flatten the step's chunks into one batch; `self.requests` must already hold this step's update."""
@@ -95,7 +100,7 @@ class ModelRunner:
         """Copy-on-write: duplicate whole blocks of every layer's K and V before they diverge."""
         src = torch.tensor([s for s, _ in copies], device=self.device)
         dst = torch.tensor([d for _, d in copies], device=self.device)
-        for layer_kv in self.kv_caches:
+        for layer_kv in {id(c): c for c in self.kv_caches}.values():
             layer_kv.copy_blocks(src, dst, self.slots_per_block)
 
     @torch.inference_mode()
@@ -263,7 +268,7 @@ class ModelRunner:
             drafts, target = choices.get(chunk.request_id, ([], []))
             most = state.draft_length or spec.num_speculative_tokens
             wanted.append(DraftRequest(chunk.request_id, context, state.num_prompt_tokens, most, tuple(drafts),
-                                       tuple(target), tuple(state.block_ids)))  # fmt: skip
+                                       tuple(target), tuple(tuple(t) for t in state.block_tables)))  # fmt: skip
         return self.proposer.propose(wanted) if wanted else {}
 
     def _prompt_logprobs(self, hidden: torch.Tensor, inputs: BatchInputs) -> dict[str, tuple[TokenLogprob, ...]]:

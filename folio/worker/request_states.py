@@ -1,7 +1,7 @@
 """The runner's persistent per-request state, kept across steps and keyed by request id.
 
 The scheduler sends a request's data once (`NewRequestData`) and then per-step changes; this is where
-the runner keeps them: the tokens it has seen, its block table, its sampling parameters and its seeded
+the runner keeps them: the tokens it has seen, its block tables, its sampling parameters and its seeded
 generator. A preempted request keeps its state (its generator draws on where it left off); a finished
 one is dropped when its id arrives in `finished_request_ids`.
 """
@@ -35,7 +35,7 @@ class RequestState:
     token_ids: list[int]  # prompt + output, as far as the scheduler has sent them
     sampling_params: SamplingParams
     generator: torch.Generator | None
-    block_ids: list[int]
+    block_tables: list[list[int]]  # one per KV cache group
     draft_length: int = 0  # speculative decoding: drafts to propose next (set by the runner)
     pool_sum: RunningSum | None = None  # an embedding request's mean pooling, while its prompt is computed
 
@@ -45,6 +45,12 @@ class RequestState:
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         tokens = [*data.prompt_token_ids, *data.output_token_ids]
         return cls(data.request_id, len(data.prompt_token_ids), tokens, data.sampling_params, generator, [])
+
+    @property
+    def block_ids(self) -> list[int]:
+        """The first group's block table: the only one of a model with one KV cache group (a split model
+        always has one)."""
+        return self.block_tables[0] if self.block_tables else []
 
     @property
     def prompt_token_ids(self) -> list[int]:
@@ -78,5 +84,8 @@ class RequestStates:
             end = chunk.start_position + chunk.num_tokens
             state.token_ids[chunk.start_position : end] = chunk.token_ids
             del state.token_ids[max(end, state.num_prompt_tokens) :]
-            state.block_ids[chunk.first_new_block :] = chunk.new_block_ids
+            tables = state.block_tables
+            tables.extend([] for _ in range(len(chunk.new_block_ids) - len(tables)))
+            for table, ids in zip(tables, chunk.new_block_ids, strict=True):
+                table[chunk.first_new_block :] = ids
         return finished

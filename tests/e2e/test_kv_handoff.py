@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 
 from folio import LLM, SamplingParams
 from folio.engine.kv_transfer import export_prefix, held_prefix, import_prefix, prompt_keys
+from tests.tiny_models import VOCAB, make_tiny_model
 
 PROMPT_TEXT = "The history of the printing press begins in the fifteenth century, when " * 12
 
@@ -104,3 +106,26 @@ def test_blocks_of_another_layout_are_refused(smollm2_gguf, float_engines):
     with pytest.raises(ValueError, match="another cache layout"):
         import_prefix(other.engine, blocks)
     assert all_free(other) and other.engine.kv.pool.num_cached_blocks == 0
+
+
+@pytest.mark.parametrize("grouped", [(True, False), (False, True)], ids=["groups-to-one", "one-to-groups"])
+def test_blocks_cross_between_a_table_per_group_and_one_table(tmp_path, grouped):
+    """The tiny Gemma 3's window and global layers: a block travels as each layer's K/V, so an engine with a
+    table per KV cache group and one with a single table read each other's blocks."""
+    folder = make_tiny_model("gemma3", tmp_path / "gemma3")
+    prompt = torch.randint(0, VOCAB, (41,), generator=torch.Generator().manual_seed(4)).tolist()
+    greedy = SamplingParams(max_tokens=12, temperature=0, ignore_eos=True)
+    settings = dict(num_kv_blocks=128, block_size=4)
+    expected = tokens(LLM(folder, **settings), greedy, prompt)
+    prefill = LLM(folder, hybrid_kv_cache=grouped[0], **settings)
+    decode = LLM(folder, hybrid_kv_cache=grouped[1], **settings)
+    assert (prefill.engine.kv.num_groups, decode.engine.kv.num_groups) == ((2, 1) if grouped[0] else (1, 2))
+    tokens(prefill, SamplingParams(max_tokens=1, temperature=0), prompt)
+    keys = prompt_keys(prefill.engine, prompt, None)
+    blocks = export_prefix(prefill.engine, keys)  # the window table's dropped blocks are still cached
+    assert blocks.num_blocks == len(keys) == 10 and all_free(prefill)
+    assert import_prefix(decode.engine, blocks) == len(keys)
+    assert held_prefix(decode.engine, keys) == len(keys) and all_free(decode)
+    hits_before = decode.engine.kv.prefix_cache_hits
+    assert tokens(decode, greedy, prompt) == expected
+    assert decode.engine.kv.prefix_cache_hits - hits_before == len(keys) * 4

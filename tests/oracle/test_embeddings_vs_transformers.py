@@ -13,6 +13,7 @@ from folio import LLM
 from folio.config import CacheConfig, SchedulerConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
+from folio.kv_cache.groups import plan_kv_groups
 from folio.loaders.model_loader import load_model
 from folio.sampling_params import PoolingParams, SamplingParams
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
@@ -27,6 +28,9 @@ GENERATE = SamplingParams(max_tokens=12, temperature=0.0, ignore_eos=True)
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (8, 16)}
 # Every layer of "mistral-window" sees 8 tokens: blocks behind that go back, so it preempts in a smaller pool.
 WINDOWED_POOL = 7
+# The tiny Gemma 3 has two block tables (window and global layers) of 2 layers each: a 64-token sequence
+# holds 16 blocks in the global one and at most 5 in the window one, and the placeholder.
+HYBRID_POOL = 22
 
 
 def _prompts(*lengths: int) -> list[list[int]]:
@@ -53,6 +57,8 @@ def _engine(loaded, schedule: str, pooling: str) -> EngineCore:
     budget, num_blocks = SCHEDULES[schedule]
     if schedule == "preempting" and loaded.config.window_of_every_layer is not None:
         num_blocks = WINDOWED_POOL  # blocks behind the window go back: a smaller pool still preempts
+    elif schedule == "preempting" and plan_kv_groups(loaded.config.layer_windows).is_hybrid:
+        num_blocks = HYBRID_POOL
     return EngineCore(
         loaded.model, loaded.config, CacheConfig(block_size=4, num_blocks=num_blocks),
         SchedulerConfig(max_num_batched_tokens=budget, max_num_seqs=8, max_model_len=MAX_LEN, pooling=pooling),

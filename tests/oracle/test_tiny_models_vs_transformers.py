@@ -11,7 +11,7 @@ from folio.engine.engine_core import EngineCore
 from folio.loaders.model_loader import load_model
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.reference import reference_greedy
-from tests.speculation import WINDOWED_POOL
+from tests.speculation import preempting_pool
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
@@ -29,8 +29,9 @@ def tiny(request, tmp_path_factory):
 
 
 # (token budget per step, KV blocks of 4 tokens): whole prompts; 7-token chunks; a pool too small for
-# all three requests at once, which forces preemption and recomputation. A model whose every layer has
-# an 8-token window gives blocks back as they leave it: its pool is smaller still, shorter than one request.
+# all three requests at once, which forces preemption and recomputation. A model whose layers have an
+# 8-token window (all of them, or Gemma 3's window group) gives blocks back as they leave it: its pool is
+# smaller than one request with every block kept (tests/speculation.py).
 SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}
 
 
@@ -39,9 +40,8 @@ SCHEDULES = {"whole": (1024, 256), "chunked": (7, 256), "preempting": (16, 20)}
 def test_logits_and_greedy_tokens_match(tiny, schedule, attention):
     kind, loaded, reference = tiny
     budget, num_blocks = SCHEDULES[schedule]
-    windowed = loaded.config.window_of_every_layer is not None
-    if windowed and schedule == "preempting":
-        num_blocks = WINDOWED_POOL
+    if schedule == "preempting":
+        num_blocks = preempting_pool(loaded.config)
     generator = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (40, 5, 23)]
     engine = EngineCore(
@@ -63,6 +63,6 @@ def test_logits_and_greedy_tokens_match(tiny, schedule, attention):
         torch.testing.assert_close(folio_logits, ref_logits, atol=TOLERANCE, rtol=0)
     if schedule == "preempting":
         assert engine.scheduler.num_preemptions > 0
-        if windowed:  # 72-token sequences through a 36-token pool
+        if engine.kv.drops_blocks:  # 72-token sequences through a pool that holds fewer with every block kept
             assert engine.kv.capacity_tokens < len(prompts[0]) + DECODE_STEPS
     assert engine.kv.pool.num_free_blocks == num_blocks  # everything returned to the pool

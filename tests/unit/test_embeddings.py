@@ -78,7 +78,8 @@ def test_prepared_batch_pools_embedding_rows_and_samples_none_of_them():
     out = SchedulerOutput(
         new_requests=(NewRequestData("e", (5, 6, 7), (), SamplingParams(pooling=PoolingParams("mean"))),
                       NewRequestData("g", (1, 2), (), SamplingParams(temperature=0))),
-        scheduled=(ScheduledChunk("g", [1, 2], 0, 0, (0,), True), ScheduledChunk("e", [5, 6, 7], 0, 0, (1,), True)),
+        scheduled=(ScheduledChunk("g", [1, 2], 0, 0, ((0,),), True),
+                   ScheduledChunk("e", [5, 6, 7], 0, 0, ((1,),), True)),
     )  # fmt: skip
     states.update(out)
     inputs = prepare_batch(out, states, vocab_size=16, block_size=4, device=torch.device("cpu"))

@@ -88,8 +88,8 @@ def _run_with_cache(prompts, max_tokens, num_blocks, block_size, budget, max_seq
         out = scheduler.schedule()
         sent.apply(out)
         holders: dict[int, int] = {}
-        for table in kv.block_tables.values():
-            for block in table:
+        for tables in kv.block_tables.values():
+            for block in (b for table in tables for b in table):
                 holders[block] = holders.get(block, 0) + 1
         assert all(kv.pool.ref_counts[b] == n for b, n in holders.items())  # shared blocks counted once each
         assert len(holders) + kv.pool.num_free_blocks == num_blocks
@@ -98,7 +98,7 @@ def _run_with_cache(prompts, max_tokens, num_blocks, block_size, budget, max_seq
             request = scheduler.requests[item.request_id]
             end = item.start_position + item.num_tokens
             assert len(sent[item.request_id]) * block_size >= end
-            assert sent[item.request_id] == kv.block_table(item.request_id)  # the deltas rebuild the table
+            assert sent.tables_of(item.request_id) == kv.tables_of(item.request_id)  # the deltas rebuild the table
             if item.needs_sample:
                 sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))

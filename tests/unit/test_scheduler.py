@@ -43,7 +43,7 @@ def run(
         assert not out.is_empty, "nothing scheduled while requests wait: deadlock"
         assert out.num_batched_tokens <= budget
         assert len(scheduler.running) <= max_seqs
-        owned = [b for t in kv.block_tables.values() for b in t]
+        owned = [b for tables in kv.block_tables.values() for t in tables for b in t]
         assert len(owned) == len(set(owned)) and len(owned) + kv.pool.num_free_blocks == num_blocks
         sampled = {}
         for item in out.scheduled:
@@ -51,7 +51,7 @@ def run(
             assert item.start_position == request.num_computed_tokens
             end = item.start_position + item.num_tokens
             assert len(sent[item.request_id]) * block_size >= end  # KV room for every scheduled token
-            assert sent[item.request_id] == kv.block_table(item.request_id)  # the deltas rebuild the table
+            assert sent.tables_of(item.request_id) == kv.tables_of(item.request_id)  # the deltas rebuild the table
             if item.needs_sample:
                 sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))

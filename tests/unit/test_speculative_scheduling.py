@@ -49,7 +49,7 @@ def run_speculating(prompts, max_tokens, num_blocks, block_size, budget, max_seq
         sampled, accepted, proposals = {}, {}, {}
         for item in out.scheduled:
             request = scheduler.requests[item.request_id]
-            assert sent[item.request_id] == kv.block_table(item.request_id)
+            assert sent.tables_of(item.request_id) == kv.tables_of(item.request_id)
             assert len(sent[item.request_id]) * block_size >= item.start_position + item.num_tokens
             if not item.needs_sample:
                 continue
@@ -71,10 +71,10 @@ def run_speculating(prompts, max_tokens, num_blocks, block_size, budget, max_seq
         scheduler.update_from_output(
             out, ModelRunnerOutput(sampled_token_ids=sampled, accepted_token_ids=accepted, draft_token_ids=proposals)
         )
-        owned = [b for t in kv.block_tables.values() for b in t]
+        owned = [b for tables in kv.block_tables.values() for t in tables for b in t]
         assert len(set(owned)) + kv.pool.num_free_blocks <= num_blocks
         for r in scheduler.running:  # a decoding request holds the blocks of its tokens, no more
-            assert len(kv.block_tables.get(r.request_id, [])) <= kv.blocks_needed(r.num_tokens + 4)
+            assert all(len(t) <= kv.blocks_needed(r.num_tokens + 4) for t in kv.block_tables.get(r.request_id, []))
     assert kv.pool.num_free_blocks == num_blocks and not kv.block_tables
     return {r.request_id: r.output_token_ids for r in requests}, scheduler
 

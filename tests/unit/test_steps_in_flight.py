@@ -60,7 +60,7 @@ def run_in_flight(
             most = max(most, len(in_flight))
         if abort_at and steps in abort_at:
             scheduler.abort_request(abort_at[steps])
-        owned = [b for t in kv.block_tables.values() for b in t]
+        owned = [b for tables in kv.block_tables.values() for t in tables for b in t]
         assert len(owned) == len(set(owned)) and len(owned) + kv.pool.num_free_blocks == num_blocks
         if in_flight and (len(in_flight) >= depth or not started):
             oldest = in_flight.popleft()

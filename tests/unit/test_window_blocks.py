@@ -16,7 +16,7 @@ def _held(kv: KVCacheManager) -> int:
 
 
 def test_blocks_behind_the_window_are_given_back_and_one_placeholder_fills_their_places():
-    kv = KVCacheManager(num_blocks=32, block_size=BLOCK, sliding_window=8)
+    kv = KVCacheManager(num_blocks=32, block_size=BLOCK, group_windows=(8,))
     assert kv.allocate_slots("a", 40)  # 10 blocks
     table = list(kv.block_table("a"))
     # The next query sits at 40 and sees keys 33..40: blocks 0..7 (positions 0..31) are behind it.
@@ -33,10 +33,10 @@ def test_blocks_behind_the_window_are_given_back_and_one_placeholder_fills_their
 
 
 def test_a_window_shorter_than_a_block_keeps_the_block_being_written():
-    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, sliding_window=1)
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, group_windows=(1,))
     assert kv.allocate_slots("a", 6)  # the next token goes to position 6, in block 1
     assert kv.drop_out_of_window("a", 6) == 0 and kv.block_table("a")[1] != kv.block_table("a")[0]
-    assert kv._num_dropped["a"] == 1
+    assert kv._num_dropped["a"] == [1]
 
 
 def test_without_a_window_nothing_is_dropped_and_requests_are_bounded_by_the_pool():
@@ -48,12 +48,12 @@ def test_without_a_window_nothing_is_dropped_and_requests_are_bounded_by_the_poo
 
 def test_a_windowed_pool_takes_requests_of_any_length_once_it_holds_a_windows_step():
     # window 8 + a 16-token step: ceil(23 / 4) = 6 blocks, a partial one and the placeholder
-    assert KVCacheManager(8, BLOCK, sliding_window=8).longest_request_tokens(16) is None
-    assert KVCacheManager(7, BLOCK, sliding_window=8).longest_request_tokens(16) == 28
+    assert KVCacheManager(8, BLOCK, group_windows=(8,)).longest_request_tokens(16) is None
+    assert KVCacheManager(7, BLOCK, group_windows=(8,)).longest_request_tokens(16) == 28
 
 
 def test_forks_share_the_placeholder_and_dropped_blocks_keep_their_prefix_cache_keys():
-    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True, sliding_window=4)
+    kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True, group_windows=(4,))
 
     class Prompt:  # what cache_full_blocks reads from a request
         request_id, cache_salt, num_computed_tokens = "a", None, 20
@@ -67,7 +67,7 @@ def test_forks_share_the_placeholder_and_dropped_blocks_keep_their_prefix_cache_
     table = list(kv.block_table("a"))
     assert kv.drop_out_of_window("a", 20) == 3  # query 20 sees 17..20: blocks 0..3 out
     kv.fork("a", "b")
-    assert kv.block_table("b") == kv.block_table("a") and kv._num_dropped["b"] == 4
+    assert kv.block_table("b") == kv.block_table("a") and kv._num_dropped["b"] == [4]
     kv.free("a")
     assert kv.pool.ref_counts[table[0]] == 5  # b's four places and the manager
     kv.free("b")
@@ -80,7 +80,7 @@ def test_forks_share_the_placeholder_and_dropped_blocks_keep_their_prefix_cache_
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.tuples(st.sampled_from("abc"), st.integers(1, 12), st.integers(0, 3)), max_size=40))
 def test_random_growth_drops_and_frees_never_leak(ops):
-    kv = KVCacheManager(num_blocks=24, block_size=BLOCK, sliding_window=6)
+    kv = KVCacheManager(num_blocks=24, block_size=BLOCK, group_windows=(6,))
     lengths: dict[str, int] = {}
     for request_id, grow, action in ops:
         if action == 0:

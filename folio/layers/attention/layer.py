@@ -41,10 +41,11 @@ class PagedAttention(nn.Module):
         # Bound by the model runner once the pool is sized.
         self.cache: LayerKV | None = None
         self.block_size = 0
+        self.kv_group = 0  # whose block tables this layer reads (kv_cache/groups.py)
         self.decode_kernel = None
 
-    def bind_cache(self, cache: LayerKV, block_size: int) -> None:
-        self.cache, self.block_size = cache, block_size
+    def bind_cache(self, cache: LayerKV, block_size: int, kv_group: int = 0) -> None:
+        self.cache, self.block_size, self.kv_group = cache, block_size, kv_group
         self.decode_kernel = ops.load("paged_decode") if cache.k.device.type == "cpu" else None
 
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
@@ -54,6 +55,7 @@ class PagedAttention(nn.Module):
             raise RuntimeError("attention layer has no KV cache bound; the model runner binds it at start-up")
         if meta.context is not None:  # the context split over ranks: each holds some of every sequence's keys
             return attend_split_context(q, k, v, meta, cache, self.scale, self.sliding_window, self.alibi_slopes)
+        meta = meta.for_kv_group(self.kv_group)
         cache.write(k, v, meta.slot_mapping)
         kernel_ok = self.decode_kernel is not None and (cache.fmt is not None or q.dtype == cache.k.dtype)
         groups = meta.groups

@@ -88,6 +88,35 @@ class AttentionMetadata:
     num_tokens: int
     # With the context split over ranks: this rank's rows and slots (the groups cover every rank's rows).
     context: ContextSplit | None = None
+    # With several KV cache groups (kv_cache/groups.py): the same step over each group's block tables,
+    # this one being the first. Empty with one group.
+    by_kv_group: list[AttentionMetadata] = field(default_factory=list)
+
+    def for_kv_group(self, group: int) -> AttentionMetadata:
+        """The step as the layers of KV cache group `group` see it: their slots and block tables."""
+        return self.by_kv_group[group] if self.by_kv_group else self
+
+
+def build_grouped_metadata(
+    start_positions: list[int],
+    query_lens: list[int],
+    tables: list[list[list[int]]],
+    block_size: int,
+    device: torch.device | str = "cpu",
+    as_decodes: Sequence[bool] = (),
+) -> AttentionMetadata:
+    """`build_attention_metadata` for sequences with one block table per KV cache group (`tables[i][g]`):
+    the first group's metadata, holding every group's in `by_kv_group`."""
+    num_groups = max(len(tables[0]), 1) if tables else 1
+    views = [
+        build_attention_metadata(
+            start_positions, query_lens, [t[group] for t in tables], block_size, device, as_decodes
+        )
+        for group in range(num_groups)
+    ]
+    if num_groups > 1:
+        views[0].by_kv_group = views
+    return views[0]
 
 
 def build_attention_metadata(
