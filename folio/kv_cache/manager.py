@@ -31,6 +31,9 @@ if TYPE_CHECKING:
 
 # One request's tables, a list of block ids per KV cache group.
 Tables = list[list[int]]
+# In a cached prefix (find_cached_prefix): a window group's place that allocate_slots fills with the
+# placeholder block, its tokens being out of the window already.
+PLACEHOLDER = -1
 
 
 class KVCacheManager:
@@ -80,19 +83,37 @@ class KVCacheManager:
 
     def find_cached_prefix(self, request: Request) -> Tables:
         """Each group's cached blocks holding the longest prefix of the request's tokens that every group
-        has cached. At least one token is always left to compute, so that there are logits to sample
-        the next token from."""
+        can serve. At least one token is always left to compute, so that there are logits to sample the
+        next token from. A window group needs only the blocks the first computed token's window reaches:
+        the places before them hold `PLACEHOLDER`, for `allocate_slots` to fill (vLLM's sliding-window
+        hits work the same way), so a prefix whose early window blocks were evicted is still a hit."""
         tables: Tables = [[] for _ in self.group_windows]
         if not self.enable_prefix_caching:
             return tables
         extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
-        for key in request.block_keys[: (request.num_tokens - 1) // self.block_size]:
-            found = [self.pool.lookup(key, group) for group in range(self.num_groups)]
-            if None in found:
-                break
-            for table, block in zip(tables, found, strict=True):
-                table.append(block)  # type: ignore[arg-type]
+        keys = request.block_keys[: (request.num_tokens - 1) // self.block_size]
+        found = [[self.pool.lookup(key, group) for key in keys] for group in range(self.num_groups)]
+        hit = len(keys)
+        for window, blocks in zip(self.group_windows, found, strict=True):
+            if window is None and None in blocks:
+                hit = min(hit, blocks.index(None))
+        while hit > 0 and not all(
+            None not in blocks[self._first_seen_block(hit, window) : hit]
+            for window, blocks in zip(self.group_windows, found, strict=True)
+            if window is not None
+        ):
+            hit -= 1
+        for window, blocks, table in zip(self.group_windows, found, tables, strict=True):
+            first = self._first_seen_block(hit, window) if window is not None else 0
+            table.extend([PLACEHOLDER] * first + blocks[first:hit])  # type: ignore[list-item]
+        needs_placeholder = any(PLACEHOLDER in table for table in tables)
+        if needs_placeholder and self._placeholder is None and not any(b >= 0 for t in tables for b in t):
+            return [[] for _ in self.group_windows]  # no block to make the placeholder of: nothing to reuse
         return tables
+
+    def _first_seen_block(self, num_blocks: int, window: int) -> int:
+        """After a prefix of `num_blocks` whole blocks, the first block the next query's window reaches."""
+        return min(max(num_blocks * self.block_size - window + 1, 0) // self.block_size, num_blocks)
 
     def allocate_slots(
         self,
@@ -122,12 +143,24 @@ class KVCacheManager:
         ):
             copy_at = write_from // self.block_size
         copies = [] if copy_at is None else [g for g, t in enumerate(tables) if self.pool.ref_counts[t[copy_at]] > 1]
-        revived = sum(1 for table in cached for b in table if self.pool.ref_counts[b] == 0)  # leave the free list
+        real = {b for table in cached for b in table if b != PLACEHOLDER}
+        revived = sum(1 for b in real if self.pool.ref_counts[b] == 0)  # they leave the free list
         if missing * self.num_groups + len(copies) > self.pool.num_free_blocks - revived:
             return False
+        placeholders = [table.count(PLACEHOLDER) for table in cached]
+        if any(placeholders) and self._placeholder is None:  # a cached block, full and computed, becomes it
+            self._placeholder = min(real)
+            self.pool.touch(self._placeholder)
         for table in cached:
-            for block in table:
-                self.pool.touch(block)
+            for index, block in enumerate(table):
+                if block == PLACEHOLDER:
+                    assert self._placeholder is not None
+                    table[index] = self._placeholder
+                    self.pool.share(self._placeholder)
+                else:
+                    self.pool.touch(block)
+        if any(placeholders):
+            self._num_dropped[request_id] = placeholders
         if cached[0]:
             self._num_registered[request_id] = len(cached[0])
         tables = [table + extra + self.pool.allocate(missing) for table, extra in zip(tables, cached, strict=True)]

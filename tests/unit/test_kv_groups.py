@@ -64,7 +64,7 @@ def test_a_hybrid_pool_holds_long_requests_once_its_window_tables_fit():
     assert KVCacheManager(10, BLOCK, group_windows=(None, 8)).longest_request_tokens(16) == 20
 
 
-def test_prefix_hits_need_every_group_and_each_group_caches_its_own_blocks():
+def test_each_group_caches_its_own_blocks_and_a_hit_takes_the_window_groups_last_blocks():
     kv = KVCacheManager(num_blocks=32, block_size=BLOCK, enable_prefix_caching=True, group_windows=(None, 4))
 
     class Prompt:  # what the manager reads from a request
@@ -89,10 +89,11 @@ def test_prefix_hits_need_every_group_and_each_group_caches_its_own_blocks():
         block_keys: list = []
 
     hit = kv.find_cached_prefix(Again())
-    assert hit == [tables[0][:5], tables[1][:5]]  # dropped blocks keep their keys on the free list
+    # The query at 20 sees keys 17..20: the window group needs its block 4 only, the rest is the placeholder.
+    assert hit == [tables[0][:5], [-1, -1, -1, -1, tables[1][4]]]
     assert kv.allocate_slots("b", 21, hit) and kv.tables_of("b")[0][:5] == tables[0][:5]
     kv.free("b")
-    kv.allocate_slots("c", 4 * 32 // 2)  # every block handed out anew: the cache is evicted
+    assert kv.allocate_slots("c", 4 * 32 // 2)  # every block handed out anew: the cache is evicted
     kv.free("c")
     assert kv.find_cached_prefix(Again()) == [[], []]
 
@@ -148,3 +149,48 @@ def test_random_operations_keep_tables_aligned_bounded_and_leak_nothing(ops):
     for request_id in list(kv.block_tables):
         kv.free(request_id)
     assert kv.pool.num_free_blocks == kv.pool.num_blocks
+
+
+class _Request:
+    """What the manager reads from a request: 21 tokens, all but the last computed."""
+
+    cache_salt, num_computed_tokens, num_tokens = None, 20, 21
+
+    def __init__(self, request_id: str) -> None:
+        self.request_id = request_id
+        self.block_keys: list = []
+
+    def all_token_ids(self) -> list[int]:
+        return list(range(21))
+
+
+def test_a_window_group_hit_needs_only_the_blocks_its_window_reaches():
+    kv = KVCacheManager(num_blocks=14, block_size=BLOCK, enable_prefix_caching=True, group_windows=(None, 6))
+    assert kv.allocate_slots("a", 21)
+    kv.cache_full_blocks(_Request("a"))
+    global_table, window_table = (list(t) for t in kv.tables_of("a"))
+    kv.drop_out_of_window("a", 20)  # query 20 sees 15..20: window blocks 0..2 go back (block 0 stays, placeholder)
+    kv.free("a")
+    hit = kv.find_cached_prefix(_Request("b"))
+    # Five full blocks: the next query (position 20) sees keys 15..20, blocks 3 and 4 of the window group.
+    assert hit[0] == global_table[:5]
+    assert hit[1][:3] == [-1, -1, -1] and hit[1][3:] == window_table[3:5]
+    assert kv.allocate_slots("b", 21, hit)
+    placeholder = kv._placeholder
+    assert placeholder is not None and kv.tables_of("b")[1][:3] == [placeholder] * 3
+    assert kv._num_dropped["b"] == [0, 3]
+    kv.free("b")
+    assert kv.pool.num_free_blocks == 14 and not any(kv.pool.ref_counts) and kv._placeholder is None
+
+
+def test_a_window_group_hit_stops_where_its_window_blocks_were_evicted():
+    kv = KVCacheManager(num_blocks=12, block_size=BLOCK, enable_prefix_caching=True, group_windows=(None, 6))
+    assert kv.allocate_slots("a", 21)
+    kv.cache_full_blocks(_Request("a"))
+    window_table = list(kv.tables_of("a")[1])
+    kv.free("a")  # nothing dropped: freed tail first, so the window table's last blocks are evicted first
+    for block in window_table[3:6]:
+        kv.pool._forget(block)  # evicted
+    hit = kv.find_cached_prefix(_Request("b"))
+    # A 3-block prefix: the query at 12 sees 7..12, window blocks 1 and 2, both still cached.
+    assert len(hit[0]) == len(hit[1]) == 3 and hit[1] == [-1, *window_table[1:3]]
