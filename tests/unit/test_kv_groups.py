@@ -3,12 +3,14 @@ blocks back, global groups keep them, every table of a request has the same leng
 
 from __future__ import annotations
 
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.kv_cache.groups import one_group, plan_kv_groups
 from folio.kv_cache.hashing import extend_block_keys
 from folio.kv_cache.manager import KVCacheManager
+from folio.layers.attention.metadata import build_attention_metadata, build_grouped_metadata
 
 BLOCK = 4
 GEMMA3_270M = [None if (i + 1) % 6 == 0 else 512 for i in range(18)]  # every sixth layer global
@@ -194,3 +196,29 @@ def test_a_window_group_hit_stops_where_its_window_blocks_were_evicted():
     hit = kv.find_cached_prefix(_Request("b"))
     # A 3-block prefix: the query at 12 sees 7..12, window blocks 1 and 2, both still cached.
     assert len(hit[0]) == len(hit[1]) == 3 and hit[1] == [-1, *window_table[1:3]]
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.integers(0, 40), st.integers(1, 9), st.booleans()), min_size=1, max_size=6))
+def test_each_groups_view_of_a_step_is_that_groups_own_metadata(sequences):
+    """build_grouped_metadata derives the other groups' views from the first's: they must equal the
+    metadata built from each group's tables alone (decodes, verifications and prefill chunks mixed)."""
+    starts = [start for start, _, _ in sequences]
+    lens = [qlen for _, qlen, _ in sequences]
+    as_decodes = [verify for _, _, verify in sequences]
+    tables = [
+        [[(7 * g + 3 * i + b) % 97 for b in range(-(-(start + qlen) // BLOCK))] for g in range(3)]
+        for i, (start, qlen, _) in enumerate(sequences)
+    ]
+    grouped = build_grouped_metadata(starts, lens, tables, BLOCK, as_decodes=as_decodes)
+    assert len(grouped.by_kv_group) == 3 and grouped.for_kv_group(0) is grouped
+    for g in range(3):
+        alone = build_attention_metadata(starts, lens, [t[g] for t in tables], BLOCK, as_decodes=as_decodes)
+        view = grouped.for_kv_group(g)
+        assert torch.equal(view.slot_mapping, alone.slot_mapping) and view.num_tokens == alone.num_tokens
+        assert len(view.groups) == len(alone.groups)
+        for mine, theirs in zip(view.groups, alone.groups, strict=True):
+            for name in ("token_rows", "block_tables", "query_positions", "seq_lens"):
+                assert torch.equal(getattr(mine, name), getattr(theirs, name)), name
+            assert mine.as_decode_rows()[0].equal(theirs.as_decode_rows()[0])
+            assert (mine.fresh_prompt, mine.num_key_slots) == (theirs.fresh_prompt, theirs.num_key_slots)

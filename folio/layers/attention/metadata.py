@@ -9,8 +9,9 @@ attention work by the chunk length.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
+import numpy as np
 import torch
 
 from folio.distributed.context_parallel import ContextSplit
@@ -25,6 +26,7 @@ class AttentionGroup:
     num_key_slots: int  # max_blocks * block_size
     fresh_prompt: bool  # one request whose chunk starts at 0: its keys are exactly this step's keys
     seq_lens: torch.Tensor  # [b] keys each sequence has after this step
+    table_seqs: torch.Tensor  # [b] which of the step's sequences each row of block_tables belongs to
     _masks: dict[int | None, torch.Tensor | None] = field(default_factory=dict)
     _alibi: dict[tuple[int | None, int, torch.dtype], torch.Tensor] = field(default_factory=dict)
     _rows: tuple[torch.Tensor, torch.Tensor] | None = None
@@ -106,17 +108,38 @@ def build_grouped_metadata(
     as_decodes: Sequence[bool] = (),
 ) -> AttentionMetadata:
     """`build_attention_metadata` for sequences with one block table per KV cache group (`tables[i][g]`):
-    the first group's metadata, holding every group's in `by_kv_group`."""
+    the first group's metadata, holding every group's in `by_kv_group`. A sequence's tables all have one
+    length, so the other groups' views share the first one's rows, positions and masks and differ only in
+    their slots and block tables."""
     num_groups = max(len(tables[0]), 1) if tables else 1
-    views = [
-        build_attention_metadata(
-            start_positions, query_lens, [t[group] for t in tables], block_size, device, as_decodes
-        )
-        for group in range(num_groups)
-    ]
-    if num_groups > 1:
-        views[0].by_kv_group = views
-    return views[0]
+    first = build_attention_metadata(start_positions, query_lens, [t[0] for t in tables], block_size, device,
+                                     as_decodes)  # fmt: skip
+    if num_groups == 1:
+        return first
+    seq_of_row = torch.repeat_interleave(torch.arange(len(query_lens)), torch.tensor(query_lens))
+    positions = torch.cat([torch.arange(s, s + q) for s, q in zip(start_positions, query_lens, strict=True)])
+    every = _padded([t for seq in tables for t in seq]).view(len(tables), num_groups, -1)  # [S, G, W]
+    slots = (every[seq_of_row, :, positions // block_size] * block_size + (positions % block_size)[:, None]).T
+    slots = slots.contiguous().to(device)  # [G, T]
+    # Each attention group's rows of every KV cache group's tables: [G, b, w].
+    group_tables = [every[g.table_seqs, :, : g.block_tables.shape[1]].transpose(0, 1).contiguous().to(device)
+                    for g in first.groups]  # fmt: skip
+    views = [first]
+    for group in range(1, num_groups):
+        regrouped = [
+            replace(g, block_tables=t[group], _rows=None) for g, t in zip(first.groups, group_tables, strict=True)
+        ]
+        views.append(AttentionMetadata(slots[group], regrouped, first.num_tokens))
+    first.by_kv_group = views
+    return first
+
+
+def _padded(tables: list[list[int]]) -> torch.Tensor:
+    """[len(tables), longest] int64, zero-padded (through numpy: torch.tensor of nested lists is ~4x slower)."""
+    padded = np.zeros((len(tables), max(len(t) for t in tables)), dtype=np.int64)
+    for row, table in enumerate(tables):
+        padded[row, : len(table)] = table
+    return torch.from_numpy(padded)
 
 
 def build_attention_metadata(
@@ -135,6 +158,7 @@ def build_attention_metadata(
     decode_rows: list[int] = []
     decode_starts: list[int] = []
     decode_tables: list[list[int]] = []
+    decode_seqs: list[int] = []
     groups: list[AttentionGroup] = []
     row = 0
     for seq, (start, qlen, table) in enumerate(zip(start_positions, query_lens, block_tables, strict=True)):
@@ -143,11 +167,14 @@ def build_attention_metadata(
             decode_rows.extend(range(row, row + qlen))
             decode_starts.extend(range(start, start + qlen))
             decode_tables.extend([table] * qlen)
+            decode_seqs.extend([seq] * qlen)
         else:
-            groups.append(_group(list(range(row, row + qlen)), [start], qlen, [table], block_size, start == 0, device))
+            groups.append(
+                _group(list(range(row, row + qlen)), [start], qlen, [table], [seq], block_size, start == 0, device)
+            )
         row += qlen
     if decode_rows:
-        groups.insert(0, _group(decode_rows, decode_starts, 1, decode_tables, block_size, False, device))
+        groups.insert(0, _group(decode_rows, decode_starts, 1, decode_tables, decode_seqs, block_size, False, device))
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, row)
 
 
@@ -156,14 +183,13 @@ def _group(
     starts: list[int],
     query_len: int,
     tables: list[list[int]],
+    seqs: list[int],
     block_size: int,
     fresh_prompt: bool,
     device: torch.device | str,
 ) -> AttentionGroup:
-    max_blocks = max(len(t) for t in tables)
-    padded = torch.zeros(len(tables), max_blocks, dtype=torch.long)
-    for i, table in enumerate(tables):
-        padded[i, : len(table)] = torch.tensor(table, dtype=torch.long)
+    padded = _padded(tables)
+    max_blocks = padded.shape[1]
     positions = torch.tensor(starts, dtype=torch.long).unsqueeze(1) + torch.arange(query_len).unsqueeze(0)
     return AttentionGroup(
         token_rows=torch.tensor(rows, dtype=torch.long, device=device),
@@ -172,4 +198,5 @@ def _group(
         num_key_slots=max_blocks * block_size,
         fresh_prompt=fresh_prompt,
         seq_lens=(positions[:, -1] + 1).to(device),
+        table_seqs=torch.tensor(seqs, dtype=torch.long),
     )
