@@ -1,8 +1,10 @@
 """`folio kv-calc`: how much memory a model's KV cache and weights take, and how many sequences fit.
 
 KV bytes per token = 2 (K and V) x layers x KV heads x head dim x bytes per element. Grouped-query
-and multi-query attention store each KV head once, which is what `--mha` shows the saving of. Only the
-model's config is read (GGUF metadata, or config.json); parameter counts come from the tensor
+and multi-query attention store each KV head once, which is what `--mha` shows the saving of. A layer
+that slides through a window holds at most the window and the block being written while it decodes
+(its blocks behind the window go back to the pool: kv_cache/manager.py). Only the model's config is
+read (GGUF metadata, or config.json); parameter counts come from the tensor
 directory of a GGUF file or the safetensors headers when there are any, else from the config.
 """
 
@@ -41,9 +43,24 @@ class ModelShape:
     params_source: str  # "tensors" (counted from the files) or "config" (estimated)
 
 
+BLOCK_SIZE = 16  # the engine's default
+
+
 def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: float, mha: bool = False) -> float:
     kv_heads = config.num_heads if mha else config.num_kv_heads
     return 2 * config.num_layers * kv_heads * config.head_dim * kv_dtype_bytes
+
+
+def window_tokens_held(window: int) -> int:
+    """The most tokens a window layer holds while decoding: the window's blocks and the one being written."""
+    return (-(-window // BLOCK_SIZE) + 1) * BLOCK_SIZE
+
+
+def kv_bytes_per_sequence(config: ModelConfig, kv_dtype_bytes: float, seq_len: int, mha: bool = False) -> float:
+    """What one sequence of `seq_len` tokens holds while decoding, its window layers capped."""
+    per_layer_token = kv_bytes_per_token(config, kv_dtype_bytes, mha) / config.num_layers
+    held = sum(seq_len if w is None else min(seq_len, window_tokens_held(w)) for w in config.layer_windows)
+    return per_layer_token * held
 
 
 def params_from_config(config: ModelConfig) -> int:
@@ -116,11 +133,19 @@ def report(
         full = kv_bytes_per_token(config, kv_bytes, mha=True)
         lines.append(f"  without GQA/MQA ({config.num_heads} KV heads): {format_bytes(full)} per token, "
                      f"{full / per_token:.1f}x as much")  # fmt: skip
+    windows = [w for w in config.layer_windows if w is not None]
+    if windows:
+        lines.append(
+            f"  {len(windows)} of {config.num_layers} layers slide through a {windows[0]}-token window: decoding, "
+            f"each holds at most {window_tokens_held(windows[0])} tokens (blocks of {BLOCK_SIZE}; a split model or "
+            "--no-hybrid-kv-cache keeps every block of a model that also has global layers)"
+        )
     lines.append("")
     lines.append("KV cache for batch x sequence length:")
     lines.append("  batch \\ seq " + "".join(f"{s:>12}" for s in seq_lens))
     for batch in batches:
-        lines.append(f"  {batch:>11} " + "".join(f"{format_bytes(per_token * batch * s):>12}" for s in seq_lens))
+        sizes = [kv_bytes_per_sequence(config, kv_bytes, s) * batch for s in seq_lens]
+        lines.append(f"  {batch:>11} " + "".join(f"{format_bytes(size):>12}" for size in sizes))
     lines.append("")
     lines.append(f"Weights ({shape.num_params / 1e6:.1f}M parameters, counted from {shape.params_source}):")
     for name, bits in WEIGHT_FORMATS.items():
@@ -133,9 +158,9 @@ def report(
         if room <= 0:
             lines.append("  the weights alone do not fit")
         for seq in seq_lens:
-            fits = int(max(room, 0) // (per_token * seq))
+            fits = int(max(room, 0) // kv_bytes_per_sequence(config, kv_bytes, seq))
             line = f"  {fits} sequences of {seq} tokens"
             if mha:
-                line += f" ({int(max(room, 0) // (kv_bytes_per_token(config, kv_bytes, True) * seq))} without GQA/MQA)"
+                line += f" ({int(max(room, 0) // kv_bytes_per_sequence(config, kv_bytes, seq, True))} without GQA/MQA)"
             lines.append(line)
     return "\n".join(lines)

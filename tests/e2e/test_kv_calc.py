@@ -6,7 +6,14 @@ from __future__ import annotations
 import torch
 
 from folio.cli import main
-from folio.kv_calc import KV_DTYPES, kv_bytes_per_token, load_shape, params_from_config
+from folio.kv_calc import (
+    KV_DTYPES,
+    kv_bytes_per_sequence,
+    kv_bytes_per_token,
+    load_shape,
+    params_from_config,
+    window_tokens_held,
+)
 from folio.worker.model_runner import kv_bytes_per_token as engine_kv_bytes
 from tests.tiny_models import make_tiny_model
 
@@ -50,3 +57,15 @@ def test_report_and_fit_arithmetic(smollm2_gguf, capsys):
 def test_bad_options_are_one_line(smollm2_gguf, capsys):
     assert main(["kv-calc", str(smollm2_gguf), "--kv-dtype", "int3"]) == 1
     assert capsys.readouterr().err.strip().startswith("folio: error: --kv-dtype must be one of")
+
+
+def test_window_layers_are_capped_at_their_window(gemma3_gguf, capsys):
+    assert main(["kv-calc", str(gemma3_gguf), "--seq-len", "256", "4096", "--batch", "1", "--memory", "1GiB",
+                 "--weights", "Q4_K"]) == 0  # fmt: skip
+    out = capsys.readouterr().out
+    # 1 KiB per layer and token in bf16; 4,096 tokens: 3 global layers whole, 15 window layers at 528 tokens.
+    assert "15 of 18 layers slide through a 512-token window: decoding, each holds at most 528 tokens" in out
+    assert "4.5 MiB" in out  # 256 tokens: within the window, every layer holds them all
+    assert "19.7 MiB" in out  # (3 x 4,096 + 15 x 528) KiB
+    config = load_shape(gemma3_gguf).config
+    assert kv_bytes_per_sequence(config, 2, 4096) == 1024 * (3 * 4096 + 15 * window_tokens_held(512))

@@ -9,6 +9,7 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.engine.request import Request
+from folio.kv_calc import window_tokens_held
 
 PROMPT_TOKENS = 1_500  # three windows
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)
@@ -45,5 +46,9 @@ def test_gemma3_generates_the_same_with_a_table_per_group_and_holds_far_less(gem
     # layers, and for each of the 15 window layers about a window and a step (512 + 1,024 prefill tokens).
     with_groups, without = _peak_layer_blocks(hybrid, prompt), _peak_layer_blocks(one, prompt)
     assert without == -(-(PROMPT_TOKENS + GREEDY.max_tokens - 1) // 16) * 18
-    assert with_groups < 0.75 * without, (with_groups, without)
+    # The window tables hold at most what `folio kv-calc` says a window layer holds while decoding (and the
+    # placeholder's place, 3 layer-blocks more, when it is not one of their own blocks).
+    global_blocks = -(-(PROMPT_TOKENS + GREEDY.max_tokens - 1) // 16)
+    window_blocks = with_groups - 3 * global_blocks
+    assert 15 * 512 // 16 <= window_blocks <= 15 * window_tokens_held(512) // 16 + 3
     assert hybrid.engine.kv.pool.num_free_blocks == hybrid.engine.kv.pool.num_blocks
