@@ -79,9 +79,8 @@ class ModelConfig:
     @property
     def window_of_every_layer(self) -> int | None:
         """The sliding window, when every layer attends through it (Mistral v0.1, Phi-3); else None."""
-        if self.sliding_window and self.layer_types and all(t == "sliding_attention" for t in self.layer_types):
-            return self.sliding_window
-        return None
+        windows = set(self.layer_windows)
+        return windows.pop() if len(windows) == 1 else None
 
 
 @dataclass

@@ -15,7 +15,8 @@ import struct
 from dataclasses import dataclass
 from pathlib import Path
 
-from folio.config import ModelConfig
+from folio.config import CacheConfig, ModelConfig
+from folio.kv_cache.manager import window_blocks_held
 from folio.loaders.gguf_file import GGUFFile
 from folio.loaders.gguf_model import gguf_model_config
 from folio.loaders.hf_folder import read_hf_config
@@ -43,7 +44,7 @@ class ModelShape:
     params_source: str  # "tensors" (counted from the files) or "config" (estimated)
 
 
-BLOCK_SIZE = 16  # the engine's default
+BLOCK_SIZE = CacheConfig.block_size  # the engine's default
 
 
 def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: float, mha: bool = False) -> float:
@@ -52,8 +53,8 @@ def kv_bytes_per_token(config: ModelConfig, kv_dtype_bytes: float, mha: bool = F
 
 
 def window_tokens_held(window: int) -> int:
-    """The most tokens a window layer holds while decoding: the window's blocks and the one being written."""
-    return (-(-window // BLOCK_SIZE) + 1) * BLOCK_SIZE
+    """The most tokens a window layer holds while decoding (one token a step), in whole blocks."""
+    return window_blocks_held(window, 1, BLOCK_SIZE) * BLOCK_SIZE
 
 
 def kv_bytes_per_sequence(config: ModelConfig, kv_dtype_bytes: float, seq_len: int, mha: bool = False) -> float:

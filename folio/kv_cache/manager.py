@@ -36,6 +36,13 @@ Tables = list[list[int]]
 PLACEHOLDER = -1
 
 
+def window_blocks_held(window: int, step_tokens: int, block_size: int) -> int:
+    """The most blocks a window group's table holds past its window: those of the `window - 1` keys the
+    step's first query sees, those its `step_tokens` are written into, and a partial one (the
+    placeholder apart)."""
+    return -(-(window - 1 + step_tokens) // block_size) + 1
+
+
 class KVCacheManager:
     def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
                  group_windows: Sequence[int | None] = (None,)) -> None:  # fmt: skip
@@ -70,7 +77,7 @@ class KVCacheManager:
         windows = [w for w in self.group_windows if w is not None]
         if not windows:
             return self.capacity_tokens
-        bounded = sum(self.blocks_needed(w - 1 + max_num_batched_tokens) + 1 for w in windows) + 1
+        bounded = sum(window_blocks_held(w, max_num_batched_tokens, self.block_size) for w in windows) + 1
         num_global = self.num_groups - len(windows)
         if num_global == 0:
             return None if bounded <= self.pool.num_blocks else self.capacity_tokens
