@@ -124,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "before the server answers 429 (default 256)")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "
                        "to finish after SIGTERM (default 30; fractions allowed)")  # fmt: skip
+    serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
+                       help="run the engine in a process of its own, apart from the HTTP server's Python "
+                       "(default: a thread of the server's process)")  # fmt: skip
     _add_chat_parser_args(serve)
     _add_limit_args(serve)
     _add_replica_args(serve)

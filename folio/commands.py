@@ -239,7 +239,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return _serve_replicas(args, options)
     try:
         with sigterm_stops_startup():
-            serve(EngineArgs.from_cli_args(args), args.host, args.port, options)
+            serve(EngineArgs.from_cli_args(args), args.host, args.port, options, args.engine_process)
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0

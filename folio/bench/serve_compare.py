@@ -22,6 +22,8 @@ the same with `--routing round_robin`: with `--dataset tenants` they show what r
 the replica holding its document buys. Their /metrics are refreshed from the replicas about once a second, so
 their runs wait `ServerSpec.metrics_lag_s` before reading the prefix-cache counters. `folio-ray-1` is one
 replica of two CPUs: against plain `folio serve` on the same cores it measures what the Ray path costs.
+`--peer folio-engine-process` is `folio serve` with the engine in a process of its own: against plain
+`folio serve` it measures what taking the engine loop out of the HTTP server's process buys.
 `folio-disaggregated` is one prefill and one decode replica of one CPU each (`--disaggregate`): against
 `folio-replicas` on a mix of long prompts and long outputs it shows what taking prefills off the decode
 engine buys.
@@ -109,6 +111,13 @@ def folio_batching_spec(policy: str) -> PeerLauncher:
     return spec
 
 
+def folio_engine_process_spec(config: CompareConfig) -> ServerSpec:
+    """folio serve as folio_spec starts it, with the engine in a process of its own (`--engine-process`)."""
+    folio = folio_spec(config)
+    return replace(folio, name="folio-engine-process", argv=lambda port: [*folio.argv(port), "--engine-process"],
+                   info={**folio.info, "engine_process": True})  # fmt: skip
+
+
 REPLICA_METRICS_LAG_S = 2.5  # the ingress refreshes the replicas' metrics at most once a second, so ~1-2 s behind
 
 
@@ -191,6 +200,7 @@ PEERS: dict[str, PeerLauncher] = {
     "folio-no-prefix-cache": folio_no_prefix_cache_spec,
     "folio-static": folio_batching_spec("static"),
     "folio-dynamic": folio_batching_spec("dynamic"),
+    "folio-engine-process": folio_engine_process_spec,
     "folio-replicas": folio_replicas_spec("folio-replicas", "cache_aware"),
     "folio-replicas-round-robin": folio_replicas_spec("folio-replicas-round-robin", "round_robin"),
     "folio-ray-1": folio_replicas_spec("folio-ray-1", "cache_aware", replicas=1, cpus=2),
@@ -339,10 +349,10 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         default="llama.cpp",
         help="the server to compare with: llama.cpp (default); or folio serve with the same engine options "
         "and --no-prefix-caching (folio-no-prefix-cache), --batching static (folio-static), --batching "
-        "dynamic (folio-dynamic), or on two replicas behind one endpoint, --replicas 2 --cpus-per-replica 1, "
-        "routed by prefix cache (folio-replicas) or round robin (folio-replicas-round-robin), or one replica of "
-        "two CPUs (folio-ray-1: the Ray path's own cost), or one prefill and one decode replica "
-        "(folio-disaggregated)",
+        "dynamic (folio-dynamic), --engine-process (folio-engine-process), or on two replicas behind one "
+        "endpoint, --replicas 2 --cpus-per-replica 1, routed by prefix cache (folio-replicas) or round robin "
+        "(folio-replicas-round-robin), or one replica of two CPUs (folio-ray-1: the Ray path's own cost), or one "
+        "prefill and one decode replica (folio-disaggregated)",
     )
     add_workload_args(parser)
     parser.add_argument("--llama-parallel", type=int, default=16, help="llama-server slots (default 16)")

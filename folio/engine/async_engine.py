@@ -1,9 +1,10 @@
 """The narrow async interface the server talks to: the engine loop runs in a background thread.
 
 Requests and aborts reach the loop through a thread-safe inbox; the updates of one API call's requests
-come back on that call's own asyncio queue (`Generation`), so a slow client only slows its own stream,
-never the loop. Keeping the interface this small (submit, stream updates, abort) is what lets the loop
-move to a subprocess later.
+come back through that call's mailbox (engine/updates.py): its own asyncio queue in this process, so a
+slow client only slows its own stream, never the loop. In an engine process of its own
+(server/engine_process.py) this same loop posts to mailboxes that batch each step's updates onto the
+wire, flushed by `flush` once the loop has posted a round's.
 
 Detokenizing and stop strings happen here, on the engine side, so a request that hits a stop string
 frees its KV blocks in the same step and is counted as finished with reason "stop".
@@ -17,52 +18,28 @@ called so the server can report unhealthy and exit.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, TypeVar
-
-import torch
 
 from folio.engine.engine_call import EngineCall
 from folio.engine.engine_core import EngineCore
+from folio.engine.generation import Generation
 from folio.engine.output_processor import OutputDelta, OutputProcessor
 from folio.engine.request import FinishReason, Request
+from folio.engine.updates import EngineDeadError, RequestFailedError, RequestUpdate, Stream
 from folio.loaders.tokenizer import Tokenizer
-from folio.outputs import TokenLogprob
 from folio.platform import release_openmp_workers
 from folio.sampling_params import SamplingParams
 from folio.worker.executor import WorkerDiedError
 
 logger = logging.getLogger("folio")
 T = TypeVar("T")
-
-
-class EngineDeadError(RuntimeError):
-    """The engine thread has stopped: nothing runs until the process restarts."""
-
-
-class RequestFailedError(RuntimeError):
-    """A fault inside the engine ended one request; the others in its batch went on."""
-
-
-@dataclass
-class RequestUpdate:
-    text: str  # new text that is safe to show (stop strings cut, partial characters held back)
-    new_token_ids: list[int]
-    finished: bool
-    finish_reason: str | None
-    num_prompt_tokens: int
-    new_logprobs: list[TokenLogprob] = field(default_factory=list)
-    error: str | None = None  # set with finish_reason "error"
-    prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update, if asked for
-    embedding: torch.Tensor | None = None  # an embedding request's vector, in its one (finished) update
-    stop_reason: str | None = None  # the stop string that ended the request (Anthropic's stop_sequence)
 
 
 class EngineObserver(Protocol):
@@ -73,106 +50,14 @@ class EngineObserver(Protocol):
     def on_finished(self, request: Request, now: float) -> None: ...
 
 
-@dataclass(eq=False)
-class _Mailbox:
-    """Where the engine thread posts one Generation's updates. The engine holds this, not the Generation,
-    so a Generation nobody holds any more is collected, and its __del__ aborts its requests."""
-
-    loop: asyncio.AbstractEventLoop
-    queue: asyncio.Queue[tuple[int, RequestUpdate] | BaseException]
-
-    def post(self, item: tuple[int, RequestUpdate] | BaseException) -> None:
-        """Called on the engine thread. A closed event loop means nobody is listening any more."""
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
-
-
-@dataclass
-class _Stream:
-    request: Request
-    mailbox: _Mailbox
-    index: int  # the choice this request answers
-
-
 @dataclass
 class _AddGroup:
-    streams: list[_Stream]  # the first computes the prompt; the rest fork from it
+    streams: list[Stream]  # the first computes the prompt; the rest fork from it
 
 
 @dataclass
 class _Abort:
     request_id: str
-
-
-def take_update(
-    item: tuple[int, RequestUpdate] | BaseException, close: Callable[[], None], finished: Callable[[int], object]
-) -> tuple[int, RequestUpdate]:
-    """One item of an API call's update queue: a failure closes the call and is raised; a finished choice
-    is reported to `finished`, and raised as RequestFailedError if it ended in error."""
-    if isinstance(item, BaseException):
-        close()
-        raise item
-    index, update = item
-    if update.finished:
-        finished(index)
-        if update.error is not None:
-            close()
-            raise RequestFailedError(update.error)
-    return index, update
-
-
-class Generation:
-    """The engine requests behind one API call (prompts x samples), numbered as its choices.
-
-    Their updates arrive on one queue as (choice index, update). Iterating ends when every choice has
-    finished; a failed choice or a dead engine raises. `close()` aborts every choice that has not
-    finished: it is synchronous and idempotent, so it is safe in any finally block, a cancelled
-    task's included, and it also runs if the object is dropped unclosed.
-    """
-
-    _open: dict[int, str] = {}  # class defaults: __del__ must work even if __init__ failed
-    _closed = True
-
-    def __init__(self, engine: AsyncEngine) -> None:
-        self._engine = engine
-        self._mailbox = _Mailbox(asyncio.get_running_loop(), asyncio.Queue())
-        self._open = {}  # choice index -> request id, until that choice finishes
-        self._num_choices = 0
-        self._closed = False
-
-    def add(
-        self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None,
-        priority: int = 0,
-    ) -> None:  # fmt: skip
-        """The samples of one prompt, as the next choices: the first computes the prompt and the others
-        fork from it, sharing its KV blocks. Raises EngineDeadError if the engine has died."""
-        streams = []
-        for sample in params:
-            request = self._engine.new_request(prompt_token_ids, sample, cache_salt, priority)
-            streams.append(_Stream(request, self._mailbox, self._num_choices))
-            self._num_choices += 1
-        self._engine.submit(streams)
-        self._open.update({s.index: s.request.request_id for s in streams})
-
-    def __aiter__(self) -> Generation:
-        return self
-
-    async def __anext__(self) -> tuple[int, RequestUpdate]:
-        if not self._open:
-            raise StopAsyncIteration
-        item = await self._mailbox.queue.get()
-        return take_update(item, self.close, lambda index: self._open.pop(index, None))
-
-    def close(self) -> None:
-        if self._closed:
-            return
-        self._closed = True
-        for request_id in self._open.values():
-            self._engine.abort(request_id)
-        self._open = {}
-
-    def __del__(self) -> None:
-        self.close()
 
 
 class AsyncEngine:
@@ -183,6 +68,7 @@ class AsyncEngine:
         eos_token_ids: frozenset[int],
         observer: EngineObserver | None = None,
         on_death: Callable[[BaseException], None] | None = None,
+        flush: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
         # Online, requests keep arriving: a static batch waits to be full (the offline LLM flushes).
@@ -191,10 +77,11 @@ class AsyncEngine:
         self.eos_token_ids = eos_token_ids
         self.observer = observer
         self.on_death = on_death
+        self._flush = flush or (lambda: None)  # after the loop has posted a round's updates
         self.dead: BaseException | None = None  # why the engine thread died
         self._lock = threading.Lock()  # orders submissions against the engine's death
         self._inbox: queue.Queue[_AddGroup | _Abort | EngineCall | None] = queue.Queue()
-        self._streams: dict[str, _Stream] = {}
+        self._streams: dict[str, Stream] = {}
         self._outputs = OutputProcessor(engine, tokenizer)  # used on the engine thread only
         self._ids = itertools.count()
         # From here the engine steps on its own thread: this one's OpenMP workers, started by loading the
@@ -223,7 +110,7 @@ class AsyncEngine:
         return Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
                        cache_salt=cache_salt, priority=priority)  # fmt: skip
 
-    def submit(self, streams: list[_Stream]) -> None:
+    def submit(self, streams: list[Stream]) -> None:
         with self._lock:
             if self.dead is not None:
                 raise EngineDeadError("the engine has stopped after an internal error")
@@ -261,6 +148,7 @@ class AsyncEngine:
     def _loop(self) -> None:
         stalled = False  # the last step scheduled nothing: requests wait for a batch to form
         while True:
+            self._flush()  # what the last round posted goes out before the loop waits or steps again
             # Wait for work when idle (or, stalled, until a dynamic batch times out); otherwise just
             # drain what arrived since the last step.
             timeout: float | None = 0.0
@@ -315,12 +203,13 @@ class AsyncEngine:
                 message.fail(EngineDeadError(str(error)))
         for mailbox in mailboxes:
             mailbox.post(error)
+        self._flush()
 
     def _fail_in_flight(self, error: str) -> None:
         for stream in list(self._streams.values()):
             self._fail(stream, error)
 
-    def _fail(self, stream: _Stream, error: str) -> None:
+    def _fail(self, stream: Stream, error: str) -> None:
         """End one request with an error, however far it got."""
         request = stream.request
         self._outputs.fail(request, error)

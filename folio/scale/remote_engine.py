@@ -15,7 +15,7 @@ import logging
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError, RequestUpdate, take_update
+from folio.engine.updates import EngineDeadError, RequestFailedError, RequestUpdate, take_update
 from folio.sampling_params import SamplingParams
 from folio.scale.jobs import EngineJob, JobFailure
 
@@ -49,7 +49,7 @@ class RemoteEngine:
 
 class RemoteGeneration:
     """One API call's jobs; updates come back on one queue as (choice index, update), as in
-    `async_engine.Generation`. `close()` cancels every job's stream, which aborts it on its replica."""
+    `generation.Generation`. `close()` cancels every job's stream, which aborts it on its replica."""
 
     _closed = True  # class defaults: __del__ must work even if __init__ failed
     _pumps: list[asyncio.Task[None]] = []

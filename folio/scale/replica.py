@@ -20,8 +20,9 @@ from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from folio.engine.async_engine import AsyncEngine, EngineDeadError, RequestUpdate
+from folio.engine.async_engine import AsyncEngine
 from folio.engine.llm import LLM
+from folio.engine.updates import EngineDeadError, RequestUpdate
 from folio.engine_args import EngineArgs
 from folio.platform import default_device
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for

@@ -10,7 +10,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from folio.server.chat_answer import AnswerPiece

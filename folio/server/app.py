@@ -15,6 +15,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.server.anthropic_messages import count_tokens, create_message
@@ -148,6 +149,8 @@ def create_app(
     async def prometheus_metrics() -> Response:
         if metrics_registry is None:
             raise APIError(404, "metrics are disabled")
-        return Response(generate_latest(metrics_registry), media_type=CONTENT_TYPE_LATEST)
+        # Off the event loop: an engine in its own process is asked for its metrics, which takes a step.
+        body = await run_in_threadpool(generate_latest, metrics_registry)
+        return Response(body, media_type=CONTENT_TYPE_LATEST)
 
     return app

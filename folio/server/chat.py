@@ -8,7 +8,7 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader, AnswerStream
 from folio.server.chat_prompt import prepare_chat
 from folio.server.chat_protocol import ChatCompletionRequest

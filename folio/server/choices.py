@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.engine.async_engine import RequestUpdate
+from folio.engine.updates import RequestUpdate
 from folio.outputs import TokenLogprob
 from folio.server.engine_client import GenerationStream
 

@@ -6,7 +6,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.outputs import TokenLogprob
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.context import ServerContext
 from folio.server.embedding_format import encode_vector, fit_dimensions

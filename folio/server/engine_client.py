@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from folio.engine.async_engine import RequestUpdate
+from folio.engine.updates import RequestUpdate
 from folio.sampling_params import SamplingParams
 
 
 class GenerationStream(Protocol):
-    """The engine requests behind one API call, numbered as its choices (see async_engine.Generation)."""
+    """The engine requests behind one API call, numbered as its choices (see engine/generation.py)."""
 
     def add(
         self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None,

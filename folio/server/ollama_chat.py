@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader
 from folio.server.chat_prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from folio.engine.async_engine import EngineDeadError, RequestFailedError
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.chat_prompt import PreparedChat, prepare_chat
 from folio.server.chat_protocol import chat_request_from
 from folio.server.choices import ChoiceResult, collect

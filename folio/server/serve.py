@@ -1,4 +1,5 @@
-"""`folio serve`: load a model, start the engine thread, run uvicorn until SIGINT/SIGTERM.
+"""`folio serve`: load a model, start the engine (a thread here, or a process of its own with
+`--engine-process`), run uvicorn until SIGINT/SIGTERM.
 
 On SIGTERM uvicorn stops accepting connections and lets in-flight requests finish for up to
 `grace_period` seconds; then the engine thread stops and the process exits 0. A SIGTERM that arrives
@@ -19,6 +20,7 @@ from dataclasses import dataclass, field
 
 import uvicorn
 from fastapi import FastAPI
+from prometheus_client import CollectorRegistry
 
 from folio.engine.async_engine import AsyncEngine
 from folio.engine.llm import LLM
@@ -27,9 +29,11 @@ from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.chat_options import ChatOptions
 from folio.server.context import ServerContext
+from folio.server.engine_client import EngineClient
+from folio.server.engine_wire import EngineInfo
 from folio.server.limits import RequestLimits
-from folio.server.metrics import ServerMetrics
-from folio.server.model_card import ModelCard
+from folio.server.metrics import ServerMetrics, track_admission
+from folio.server.process_client import EngineMetricsCollector, EngineProcessDied, ProcessEngine
 
 logger = logging.getLogger("folio")
 
@@ -64,11 +68,14 @@ class ServerOptions:
 class Server:
     app: FastAPI
     context: ServerContext
-    metrics: ServerMetrics
+    registry: CollectorRegistry  # what /metrics serves
+    info: EngineInfo
 
     @property
-    def engine(self) -> AsyncEngine:
-        return self.context.engine
+    def engine(self) -> AsyncEngine | ProcessEngine:
+        engine = self.context.engine
+        assert isinstance(engine, AsyncEngine | ProcessEngine)
+        return engine
 
 
 class _GracefulServer(uvicorn.Server):
@@ -99,30 +106,37 @@ def build_server(
     options: ServerOptions | None = None,
     on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> Server:
-    options = options or ServerOptions()
+    """The server over an engine loop on a thread of this process."""
     metrics = ServerMetrics(llm.engine, model_name)
     eos = frozenset(llm.model_config.eos_token_ids)
     engine = AsyncEngine(llm.engine, llm.tokenizer, eos, observer=metrics, on_death=on_engine_death)
+    return _assemble(engine, EngineInfo.of(llm, model_name), model_name, options, metrics.registry)
+
+
+def build_process_server(engine: ProcessEngine, model_name: str, options: ServerOptions | None = None) -> Server:
+    """The server over an engine in a process of its own; /metrics asks it for its metrics."""
+    registry = CollectorRegistry()
+    registry.register(EngineMetricsCollector(engine.metrics_text))
+    return _assemble(engine, engine.info, model_name, options, registry)
+
+
+def _assemble(
+    engine: EngineClient, info: EngineInfo, model_name: str, options: ServerOptions | None, registry: CollectorRegistry
+) -> Server:
+    options = options or ServerOptions()
     ctx = ServerContext(
         engine=engine,
-        tokenizer=llm.tokenizer,
+        tokenizer=info.tokenizer,
         model_name=model_name,
-        vocab_size=llm.model_config.vocab_size,
-        hidden_size=llm.model_config.hidden_size,
-        admission=Admission(llm.engine.scheduler_config.max_num_seqs, options.max_queue),
+        vocab_size=info.vocab_size,
+        hidden_size=info.hidden_size,
+        admission=Admission(info.max_num_seqs, options.max_queue),
         limits=options.limits,
         chat=options.chat,
-        model_card=ModelCard.describe(
-            model_name,
-            llm.loaded.path,
-            llm.model_config,
-            llm.loaded.quantization,
-            llm.engine.max_model_len,
-            llm.loaded.weight_bytes,
-        ),  # fmt: skip
+        model_card=info.model_card,
     )
-    metrics.track_admission(ctx.admission)
-    return Server(create_app(ctx, metrics.registry, options.api_key), ctx, metrics)
+    track_admission(registry, model_name, ctx.admission)
+    return Server(create_app(ctx, registry, options.api_key), ctx, registry, info)
 
 
 def is_loopback(host: str) -> bool:
@@ -144,27 +158,35 @@ def warn_if_open(host: str, port: int, api_key: str | None) -> None:
         )
 
 
-def serve(args: EngineArgs, host: str, port: int, options: ServerOptions | None = None) -> None:
-    """Load the model `args` describe and serve it under its own name until SIGINT/SIGTERM."""
+def serve(
+    args: EngineArgs, host: str, port: int, options: ServerOptions | None = None, engine_process: bool = False
+) -> None:
+    """Load the model `args` describe and serve it under its own name until SIGINT/SIGTERM; with
+    `engine_process`, the engine loads and runs in a process of its own."""
     options = options or ServerOptions()
     warn_if_open(host, port, options.api_key)
-    llm, model_name = LLM.from_engine_args(args), args.model
+    model_name = args.model
     http: list[uvicorn.Server] = []  # filled below; the engine may die before uvicorn exists
 
     def stop_on_engine_death(_: BaseException) -> None:
         for running in http:
             running.should_exit = True
 
-    server = build_server(llm, model_name, options, on_engine_death=stop_on_engine_death)
+    if engine_process:
+        server = build_process_server(ProcessEngine(args, model_name, stop_on_engine_death), model_name, options)
+    else:
+        server = build_server(LLM.from_engine_args(args), model_name, options, on_engine_death=stop_on_engine_death)
     config = uvicorn.Config(
         server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
     )  # type: ignore[arg-type]  # uvicorn hints an int; it passes the value to asyncio.wait_for
+    info = server.info
     logger.info(
-        "serving %s (%s, KV cache %d tokens, context %d) at http://%s:%d/v1%s",
+        "serving %s (%s, KV cache %d tokens, context %d%s) at http://%s:%d/v1%s",
         model_name,
-        str(llm.dtype).removeprefix("torch."),
-        llm.engine.kv.capacity_tokens,
-        llm.engine.max_model_len,
+        info.dtype,
+        info.kv_capacity_tokens,
+        info.max_model_len,
+        f", engine in process {server.engine.process.pid}" if isinstance(server.engine, ProcessEngine) else "",
         host,
         port,
         " (API key required)" if options.api_key else "",
@@ -175,8 +197,11 @@ def serve(args: EngineArgs, host: str, port: int, options: ServerOptions | None 
             http[0].run()
     finally:
         server.engine.shutdown()
-    if server.engine.dead is not None:
-        raise EngineDiedError(f"the engine thread died ({type(server.engine.dead).__name__}); see the log above")
+    dead = server.engine.dead
+    if isinstance(dead, EngineProcessDied):
+        raise EngineDiedError(f"the engine process died: {dead}")
+    if dead is not None:
+        raise EngineDiedError(f"the engine thread died ({type(dead).__name__}); see the log above")
     logger.info("server stopped")
 
 

@@ -27,6 +27,13 @@ def free_port() -> int:
 @contextmanager
 def running_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Iterator[tuple[str, Server]]:
     server = build_server(llm, model_name, options)
+    with serving(server) as url:
+        yield url, server
+
+
+@contextmanager
+def serving(server: Server) -> Iterator[str]:
+    """Serve `server`'s app until the block ends, then stop it and its engine; yields its base URL."""
     port = free_port()
     http = uvicorn.Server(uvicorn.Config(server.app, host="127.0.0.1", port=port, log_level="warning"))
     thread = threading.Thread(target=http.run, daemon=True)
@@ -36,7 +43,7 @@ def running_server(llm: LLM, model_name: str, options: ServerOptions | None = No
         assert time.monotonic() < deadline, "server did not start"
         time.sleep(0.05)
     try:
-        yield f"http://127.0.0.1:{port}", server
+        yield f"http://127.0.0.1:{port}"
     finally:
         http.should_exit = True
         thread.join(timeout=10)

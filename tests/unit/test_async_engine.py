@@ -12,7 +12,8 @@ import time
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.engine.async_engine import AsyncEngine, EngineDeadError, RequestFailedError
+from folio.engine.async_engine import AsyncEngine
+from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.worker import model_runner
 from tests.tiny_models import make_tiny_model
 

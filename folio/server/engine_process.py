@@ -1,0 +1,140 @@
+"""The engine's side of `folio serve --engine-process`: a process that loads the model and runs the
+engine loop, so the API server's Python (HTTP, JSON, SSE, tokenizing) never holds this loop's GIL.
+
+The loop is `AsyncEngine`'s, unchanged: its faults, aborts and detokenizing work as in one process.
+Only the mailboxes differ: each API call's updates are queued in a `WireOutbox`, which sends what a
+round of the loop posted as one message. This process's main thread only receives: requests and
+aborts go to the loop's inbox, metrics scrapes are answered from the engine's own registry.
+
+It stops on `Shutdown`, and on its own when the API server's process has gone (the parent's pid
+changed), so a killed server never leaves a model loaded behind it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import sys
+import threading
+
+import zmq
+from prometheus_client import generate_latest
+
+from folio.engine.async_engine import AsyncEngine
+from folio.engine.llm import LLM
+from folio.engine.updates import EngineDeadError, Stream, Update
+from folio.engine_args import EngineArgs
+from folio.server.engine_wire import (
+    Abort,
+    Died,
+    EngineInfo,
+    MetricsQuery,
+    MetricsText,
+    Ready,
+    Shutdown,
+    StartFailed,
+    Submit,
+    Updates,
+    decode,
+    encode,
+)
+from folio.server.metrics import ServerMetrics
+
+logger = logging.getLogger("folio")
+
+PARENT_CHECK_MS = 1000  # how often an idle engine looks whether the API server is still there
+LINGER_MS = 1000  # how long closing waits for unsent messages
+
+
+class WireOutbox:
+    """Updates posted on the engine thread (and refusals on the main thread), sent in batches."""
+
+    def __init__(self, socket: zmq.Socket) -> None:
+        self._socket = socket
+        self._lock = threading.Lock()  # a ZeroMQ socket is not thread-safe: one user at a time
+        self._pending: list[tuple[int, Update]] = []
+
+    def post(self, mailbox: int, item: Update) -> None:
+        with self._lock:
+            self._pending.append((mailbox, item))
+
+    def flush(self) -> None:
+        with self._lock:
+            if self._pending:
+                batch, self._pending = self._pending, []
+                self._socket.send(encode(Updates(batch)))
+
+    def send(self, message: object) -> None:
+        with self._lock:
+            self._socket.send(encode(message))
+
+
+class WireMailbox:
+    """One API call's mailbox on the far side of the wire."""
+
+    def __init__(self, mailbox: int, outbox: WireOutbox) -> None:
+        self._mailbox = mailbox
+        self._outbox = outbox
+
+    def post(self, item: Update) -> None:
+        self._outbox.post(self._mailbox, item)
+
+
+def run_engine_process(args: EngineArgs, model_name: str, to_engine: str, from_engine: str, log_level: int) -> None:
+    """The process's target: load, say Ready (or StartFailed), serve until Shutdown or orphaned."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the server, which stops us
+    logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
+    logger.setLevel(log_level)
+    parent = os.getppid()
+    context = zmq.Context()
+    inbound, outbound = context.socket(zmq.PULL), context.socket(zmq.PUSH)
+    inbound.connect(to_engine)
+    outbound.connect(from_engine)
+    outbox = WireOutbox(outbound)
+    try:
+        try:
+            llm = LLM.from_engine_args(args)
+        except Exception as exc:  # a bad model or flag: the server reports it as one line
+            outbox.send(StartFailed(str(exc) or type(exc).__name__))
+            return
+        metrics = ServerMetrics(llm.engine, model_name)
+        engine = AsyncEngine(
+            llm.engine, llm.tokenizer, frozenset(llm.model_config.eos_token_ids), observer=metrics,
+            on_death=lambda exc: outbox.send(Died(f"{type(exc).__name__}: {exc}")), flush=outbox.flush,
+        )  # fmt: skip
+        outbox.send(Ready(EngineInfo.of(llm, model_name)))
+        try:
+            _receive(inbound, engine, outbox, metrics, parent)
+        finally:
+            engine.shutdown()
+    finally:
+        inbound.close(linger=0)
+        outbound.close(linger=LINGER_MS)
+        context.term()
+
+
+def _receive(inbound: zmq.Socket, engine: AsyncEngine, outbox: WireOutbox, metrics: ServerMetrics, parent: int) -> None:
+    poller = zmq.Poller()
+    poller.register(inbound, zmq.POLLIN)
+    while True:
+        if not poller.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent:
+                logger.warning("the API server has gone; the engine process stops")
+                return
+            continue
+        message = decode(inbound.recv())
+        if isinstance(message, Submit):
+            mailbox = WireMailbox(message.mailbox, outbox)
+            streams = [Stream(r, mailbox, message.first_index + i) for i, r in enumerate(message.requests)]
+            try:
+                engine.submit(streams)
+            except EngineDeadError as exc:
+                outbox.post(message.mailbox, exc)
+                outbox.flush()
+        elif isinstance(message, Abort):
+            engine.abort(message.request_id)
+        elif isinstance(message, MetricsQuery):
+            outbox.send(MetricsText(message.query, generate_latest(metrics.registry).decode()))
+        elif isinstance(message, Shutdown):
+            return

@@ -1,0 +1,116 @@
+"""The messages between the API server and an engine running in a process of its own.
+
+Each is a small dataclass, pickled onto a ZeroMQ socket (as vLLM's EngineCore client falls back to
+pickle for what msgpack cannot carry: here, sampling parameters, exceptions and embedding tensors).
+Both sockets are IPC sockets in a directory only this user can enter, and both ends are this program.
+"""
+
+from __future__ import annotations
+
+import pickle
+from dataclasses import dataclass
+
+from folio.engine.llm import LLM
+from folio.engine.request import Request
+from folio.engine.updates import Update
+from folio.loaders.tokenizer import Tokenizer
+from folio.server.model_card import ModelCard
+
+
+@dataclass
+class EngineInfo:
+    """What the API side needs from the loaded model: sent once, when the engine is ready."""
+
+    tokenizer: Tokenizer
+    eos_token_ids: frozenset[int]
+    vocab_size: int
+    hidden_size: int
+    max_model_len: int
+    max_num_seqs: int
+    kv_capacity_tokens: int
+    dtype: str
+    model_card: ModelCard
+
+    @classmethod
+    def of(cls, llm: LLM, model_name: str) -> EngineInfo:
+        config, engine = llm.model_config, llm.engine
+        return cls(
+            tokenizer=llm.tokenizer,
+            eos_token_ids=frozenset(config.eos_token_ids),
+            vocab_size=config.vocab_size,
+            hidden_size=config.hidden_size,
+            max_model_len=engine.max_model_len,
+            max_num_seqs=engine.scheduler_config.max_num_seqs,
+            kv_capacity_tokens=engine.kv.capacity_tokens,
+            dtype=str(llm.dtype).removeprefix("torch."),
+            model_card=ModelCard.describe(
+                model_name,
+                llm.loaded.path,
+                config,
+                llm.loaded.quantization,
+                engine.max_model_len,
+                llm.loaded.weight_bytes,
+            ),  # fmt: skip
+        )
+
+
+# -- API server -> engine -------------------------------------------------------------------------------
+@dataclass
+class Submit:
+    """One prompt's samples (the first computes the prompt, the rest fork from it), for one API call."""
+
+    mailbox: int  # the call's number: its updates come back under it
+    requests: list[Request]
+    first_index: int  # the choice the first request answers; the rest follow
+
+
+@dataclass
+class Abort:
+    request_id: str
+
+
+@dataclass
+class MetricsQuery:
+    query: int
+
+
+@dataclass
+class Shutdown:
+    pass
+
+
+# -- engine -> API server -------------------------------------------------------------------------------
+@dataclass
+class Ready:
+    info: EngineInfo
+
+
+@dataclass
+class StartFailed:
+    reason: str  # one line, for the command line
+
+
+@dataclass
+class Updates:
+    """What one round of the engine loop posted: (call's mailbox, item) in the order posted."""
+
+    items: list[tuple[int, Update]]
+
+
+@dataclass
+class MetricsText:
+    query: int
+    text: str  # the engine's registry in Prometheus' text format
+
+
+@dataclass
+class Died:
+    reason: str
+
+
+def encode(message: object) -> bytes:
+    return pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def decode(data: bytes) -> object:
+    return pickle.loads(data)  # our own process, on a socket only this user can reach

@@ -1,0 +1,249 @@
+"""`ProcessEngine`: the API server's side of an engine running in a process of its own.
+
+It is an `EngineClient` (server/engine_client.py) and a `RequestSink` (engine/generation.py), so the
+routes and their `Generation`s work as with `AsyncEngine`. Requests and aborts go out on one socket;
+a reader thread receives the engine's batches of updates and posts each to its call's mailbox (an
+asyncio queue on the call's loop), as the engine thread does in one process.
+
+The engine's death, whether it says so (`Died`) or its process just ends (a crash, a kill), fails
+every open call at once, refuses new ones, and calls `on_death` so the server can stop.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import multiprocessing
+import shutil
+import tempfile
+import threading
+import weakref
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import zmq
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
+
+from folio.engine.generation import Generation
+from folio.engine.request import Request
+from folio.engine.updates import EngineDeadError, LoopMailbox, Mailbox, Stream
+from folio.engine_args import EngineArgs
+from folio.sampling_params import SamplingParams
+from folio.server.engine_process import run_engine_process
+from folio.server.engine_wire import (
+    Abort,
+    Died,
+    EngineInfo,
+    MetricsQuery,
+    MetricsText,
+    Ready,
+    Shutdown,
+    StartFailed,
+    Submit,
+    Updates,
+    decode,
+    encode,
+)
+from folio.server.metrics import ADMITTED
+
+logger = logging.getLogger("folio")
+
+READY_POLL_MS = 200
+SHUTDOWN_TIMEOUT_S = 15.0  # the engine finishes its step and exits; then it is terminated
+METRICS_TIMEOUT_S = 10.0
+
+
+class EngineProcessDied(RuntimeError):
+    """The engine process ended, or reported its loop dead, while serving."""
+
+
+class ProcessEngine:
+    def __init__(
+        self, args: EngineArgs, model_name: str, on_death: Callable[[BaseException], None] | None = None
+    ) -> None:
+        """Start the engine process and wait until its model is loaded. A model or flag it cannot load
+        raises ValueError with its reason."""
+        self.on_death = on_death
+        self.dead: EngineProcessDied | None = None
+        self._lock = threading.Lock()  # the outbound socket, and the engine's death against submissions
+        self._stopping = False
+        self._ids = itertools.count()
+        self._mailbox_ids: weakref.WeakKeyDictionary[Mailbox, int] = weakref.WeakKeyDictionary()
+        self._mailboxes: weakref.WeakValueDictionary[int, LoopMailbox] = weakref.WeakValueDictionary()
+        self._next_mailbox = itertools.count()
+        self._metrics: dict[int, tuple[threading.Event, list[str]]] = {}
+        self._queries = itertools.count()
+        self._socket_dir = Path(tempfile.mkdtemp(prefix="folio-engine-"))  # mode 0700: only this user
+        self._zmq = zmq.Context()
+        self._outbound, self._inbound = self._zmq.socket(zmq.PUSH), self._zmq.socket(zmq.PULL)
+        to_engine, from_engine = f"ipc://{self._socket_dir}/in", f"ipc://{self._socket_dir}/out"
+        self._outbound.bind(to_engine)
+        self._inbound.bind(from_engine)
+        # spawn, not fork: this process has torch's and the event loop's threads, which fork would not copy.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, name="folio-engine",
+            args=(args, model_name, to_engine, from_engine, logging.getLogger("folio").getEffectiveLevel()),
+        )  # fmt: skip
+        self.process.start()
+        try:
+            self.info = self._wait_until_ready()
+        except BaseException:  # a failed start, or SIGTERM during it: leave nothing running
+            self._stop_process()
+            self._close()
+            raise
+        self._reader = threading.Thread(target=self._read, name="folio-engine-reader", daemon=True)
+        self._reader.start()
+
+    # -- EngineClient ----------------------------------------------------------------------------------
+    @property
+    def is_alive(self) -> bool:
+        return self.dead is None and self.process.is_alive()
+
+    @property
+    def max_model_len(self) -> int:
+        return self.info.max_model_len
+
+    def generation(self) -> Generation:
+        return Generation(self)
+
+    # -- RequestSink (called by Generation, on the event loop) -----------------------------------------
+    def new_request(
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
+    ) -> Request:
+        return Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids,
+                       cache_salt=cache_salt, priority=priority)  # fmt: skip
+
+    def submit(self, streams: list[Stream]) -> None:
+        mailbox = streams[0].mailbox  # one call's streams share its mailbox
+        assert isinstance(mailbox, LoopMailbox)
+        with self._lock:
+            if self.dead is not None:
+                raise EngineDeadError("the engine has stopped after an internal error")
+            number = self._mailbox_ids.get(mailbox)
+            if number is None:
+                number = self._mailbox_ids[mailbox] = next(self._next_mailbox)
+                self._mailboxes[number] = mailbox
+            self._outbound.send(encode(Submit(number, [s.request for s in streams], streams[0].index)))
+
+    def abort(self, request_id: str) -> None:
+        """Any thread (a Generation may be collected anywhere); nothing to do once the engine is gone."""
+        with self._lock:
+            if self.dead is None and not self._stopping:
+                self._outbound.send(encode(Abort(request_id)))
+
+    # -- metrics ---------------------------------------------------------------------------------------
+    def metrics_text(self) -> str:
+        """The engine's registry in Prometheus' text format, asked for now ("" if it cannot answer).
+        Blocks until the engine's main thread answers: call it off the event loop."""
+        query, done, answer = next(self._queries), threading.Event(), []
+        self._metrics[query] = (done, answer)
+        try:
+            with self._lock:
+                if self.dead is not None or self._stopping:
+                    return ""
+                self._outbound.send(encode(MetricsQuery(query)))
+            done.wait(METRICS_TIMEOUT_S)
+            return answer[0] if answer else ""
+        finally:
+            self._metrics.pop(query, None)
+
+    # -- lifetime --------------------------------------------------------------------------------------
+    def shutdown(self) -> None:
+        with self._lock:
+            if self._stopping:
+                return
+            self._stopping = True
+            if self.process.is_alive():
+                self._outbound.send(encode(Shutdown()))
+        self._stop_process()
+        self._reader.join(timeout=5)
+        self._close()
+
+    def _wait_until_ready(self) -> EngineInfo:
+        while True:
+            if self._inbound.poll(READY_POLL_MS):
+                message = decode(self._inbound.recv())
+                if isinstance(message, Ready):
+                    return message.info
+                if isinstance(message, StartFailed):
+                    raise ValueError(message.reason)
+            elif not self.process.is_alive():
+                raise RuntimeError(f"the engine process exited while loading the model (code {self.process.exitcode})")
+
+    def _stop_process(self) -> None:
+        self.process.join(SHUTDOWN_TIMEOUT_S if self._stopping else 0)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def _close(self) -> None:
+        self._outbound.close(linger=0)
+        self._inbound.close(linger=0)
+        self._zmq.term()
+        shutil.rmtree(self._socket_dir, ignore_errors=True)
+
+    # -- the reader thread -----------------------------------------------------------------------------
+    def _read(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self._inbound, zmq.POLLIN)
+        poller.register(self.process.sentinel, zmq.POLLIN)
+        while True:
+            events = dict(poller.poll())
+            if self._inbound in events:
+                self._drain()
+            if self.process.sentinel in events:
+                self._drain()  # its last words (Died) may have arrived with its exit
+                self.process.join(1)  # reaped, so that its exit code is known
+                if not self._stopping:
+                    self._die(f"the engine process exited (code {self.process.exitcode})")
+                return
+
+    def _drain(self) -> None:
+        while True:
+            try:
+                message = decode(self._inbound.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return
+            if isinstance(message, Updates):
+                for number, item in message.items:
+                    mailbox = self._mailboxes.get(number)
+                    if mailbox is not None:  # else its call has ended and been collected
+                        mailbox.post(item)
+            elif isinstance(message, MetricsText):
+                waiting = self._metrics.get(message.query)
+                if waiting is not None:
+                    waiting[1].append(message.text)
+                    waiting[0].set()
+            elif isinstance(message, Died):
+                self._die(f"the engine loop died ({message.reason})")
+
+    def _die(self, reason: str) -> None:
+        with self._lock:
+            if self.dead is not None:
+                return
+            self.dead = EngineProcessDied(reason)
+        logger.critical("%s; failing every request", reason)
+        error = EngineDeadError("the engine has stopped after an internal error")
+        for mailbox in list(self._mailboxes.values()):
+            mailbox.post(error)
+        for done, _ in list(self._metrics.values()):
+            done.set()
+        if self.on_death is not None:
+            self.on_death(self.dead)
+
+
+class EngineMetricsCollector:
+    """The engine process's metrics inside the API server's registry, fetched at each scrape. Admission
+    is counted on this side (server/metrics.track_admission), so the engine's own is never served."""
+
+    def __init__(self, fetch: Callable[[], str]) -> None:
+        self._fetch = fetch
+
+    def collect(self) -> Iterator[Metric]:
+        for family in text_string_to_metric_families(self._fetch()):
+            if family.name != ADMITTED:
+                yield family
