@@ -321,23 +321,29 @@ def cmd_eval(args: argparse.Namespace) -> int:
     if args.eval_command == "perplexity":
         result: Any = run_perplexity(args.model, args.quantization, args.num_tokens, args.context,
                                      kv_cache_dtype=args.kv_cache_dtype, **engine)  # fmt: skip
-        print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}): "
-              f"perplexity {result.perplexity:.3f} over {result.num_predicted} tokens in {result.num_windows} "
-              f"windows of {result.context} ({result.elapsed_s:.1f} s)")  # fmt: skip
+        print(f"{_described(result)}: perplexity {result.perplexity:.3f} over {result.num_predicted} tokens in "
+              f"{result.num_windows} windows of {result.context} ({result.elapsed_s:.1f} s)")  # fmt: skip
     else:
         result = run_agreement(args.model, args.quantization, args.kv_cache_dtype, args.num_prompts, args.max_tokens,
                                args.reference, **engine)  # fmt: skip
         share = 100 * result.mean_prefix_share
-        print(f"{result.model} ({result.quantization} weights, {result.dtype}, KV {result.kv_cache_dtype}) against "
-              f"{result.reference} in float32: {result.identical}/{result.num_prompts} continuations identical over "
-              f"{result.max_tokens} greedy tokens; mean agreeing prefix {share:.1f}%")  # fmt: skip
+        print(f"{_described(result)} against {result.reference} in float32: {result.identical}/{result.num_prompts} "
+              f"continuations identical over {result.max_tokens} greedy tokens; mean agreeing prefix "
+              f"{share:.1f}%")  # fmt: skip
     tags = [result.quantization, result.dtype]
     if result.kv_cache_dtype != "auto":
         tags.append(f"kv-{result.kv_cache_dtype}")
+    if result.activation_bits != 16:
+        tags.append(f"a{result.activation_bits}")
     path, _ = result_paths(Path(args.output_dir), args.eval_command, result.model, result.date_utc, *tags)
     write_json(path, result.to_dict())
     print(f"wrote {path}")
     return 0
+
+
+def _described(result: Any) -> str:
+    bits = f", {result.activation_bits}-bit activations" if result.activation_bits != 16 else ""
+    return f"{result.model} ({result.quantization} weights, {result.dtype}{bits}, KV {result.kv_cache_dtype})"
 
 
 def cmd_quantize(args: argparse.Namespace) -> int:

@@ -25,6 +25,7 @@ DEFAULT_MODEL = "smollm2-135m"
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "nf4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
+ACTIVATION_BITS_CHOICES = (16, 8)  # folio/quant/activation_bits.py
 
 
 @dataclass
@@ -58,6 +59,7 @@ class EngineArgs:
     cpu_collectives: str = "shm"  # ranks on one CPU host: shared memory, or gloo over loopback
     pooling: str = "last"  # embeddings: "last" token or "mean" over the prompt (why last: SchedulerConfig.pooling)
     compile: bool = False  # torch.compile each decoder layer (the Python path; whole in-process models)
+    activation_bits: int = 16  # into the int8 dot products: 16 (8 + 8, the default) or 8 (llama.cpp's Q8)
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -91,6 +93,12 @@ class EngineArgs:
             help="none: dequantize every quantized weight to --dtype at load; int8 / int4 / nf4: quantize every "
             "projection at load (per-channel int8; 4-bit round-to-nearest in groups of 32; NormalFloat-4 in blocks "
             "of 64) (default: the checkpoint's own formats - GGUF 4-bit and Q8_0, GPTQ, AWQ, NF4 - stay as they are)",
+        )  # fmt: skip
+        engine.add_argument(
+            "--activation-bits", type=int, default=16, choices=ACTIVATION_BITS_CHOICES,
+            help="bits of each activation that kept-quantized weights' int8 dot products multiply: 16 (an 8-bit "
+            "code and its rounding error; the default) or 8 (the code alone, as llama.cpp's Q8 activations: "
+            "faster batches and prefill, outputs further from float32's)",
         )  # fmt: skip
         engine.add_argument(
             "--kv-cache-dtype", default="auto", choices=KV_CACHE_DTYPE_CHOICES,

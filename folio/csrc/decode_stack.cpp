@@ -36,11 +36,12 @@ struct Projection {
   torch::Tensor weight;  // dense: the weight; else the tiles
   std::optional<torch::Tensor> scales, mins, bias;
   int64_t group = 0, rows = 0;
+  bool exact = true;  // activations in 8 + 8 bits into the dot products, else 8 (int8_activations.h)
 
   torch::Tensor operator()(const Kernels& k, const torch::Tensor& x) const {
     if (kind == Kind::kDense) return torch::linear(x, weight, bias);
-    torch::Tensor out = kind == Kind::kInt4 ? k.int4_linear(x, weight, *scales, *mins, group, rows)
-                                            : k.int8_linear(x, weight, *scales, group, rows);
+    torch::Tensor out = kind == Kind::kInt4 ? k.int4_linear(x, weight, *scales, *mins, group, rows, exact)
+                                            : k.int8_linear(x, weight, *scales, group, rows, exact);
     return bias ? out + *bias : out;
   }
 };
@@ -149,15 +150,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("dense", [](Tensor weight, Maybe bias) { return Projection{Kind::kDense, weight, {}, {}, bias}; },
                   py::arg("weight"), py::arg("bias"))
       .def_static("int4",
-                  [](Tensor tiles, Tensor scales, Tensor mins, int64_t group, int64_t rows, Maybe bias) {
-                    return Projection{Kind::kInt4, tiles, scales, mins, bias, group, rows};
+                  [](Tensor tiles, Tensor scales, Tensor mins, int64_t group, int64_t rows, Maybe bias, bool exact) {
+                    return Projection{Kind::kInt4, tiles, scales, mins, bias, group, rows, exact};
                   },
-                  py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("bias"))
+                  py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("bias"),
+                  py::arg("exact") = true)
       .def_static("int8",
-                  [](Tensor tiles, Tensor scales, int64_t group, int64_t rows, Maybe bias) {
-                    return Projection{Kind::kInt8, tiles, scales, {}, bias, group, rows};
+                  [](Tensor tiles, Tensor scales, int64_t group, int64_t rows, Maybe bias, bool exact) {
+                    return Projection{Kind::kInt8, tiles, scales, {}, bias, group, rows, exact};
                   },
-                  py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("bias"));
+                  py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("bias"),
+                  py::arg("exact") = true);
   py::class_<Norms>(m, "Norms")
       .def(py::init([](Tensor input, Tensor post_attention, Maybe pre_feedforward, Maybe post_feedforward, Maybe q,
                        Maybe k) { return Norms{input, post_attention, pre_feedforward, post_feedforward, q, k}; }),

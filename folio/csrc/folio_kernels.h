@@ -48,18 +48,19 @@ struct GatedActivation {
   using Fn = torch::Tensor (*)(torch::Tensor x, bool gelu);
 };
 
-// int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows; N output rows.
+// int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows; N output rows; exact: activations
+// in 8 + 8 bits, else 8.
 struct Int4Linear {
   static constexpr const char* name = "folio.int8_dot.int4_linear";
   using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
-                               int64_t group, int64_t rows);
+                               int64_t group, int64_t rows, bool exact);
 };
 
 // int8_dot.cpp: x [M, K] @ W^T for an 8-bit weight in groups and tiles of 16 rows; N output rows.
 struct Int8Linear {
   static constexpr const char* name = "folio.int8_dot.int8_linear";
   using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group,
-                               int64_t rows);
+                               int64_t rows, bool exact);
 };
 
 // q8_linear.cpp: float32 x [M, K] @ W^T for int8 codes [N, K] with float32 scales per group.

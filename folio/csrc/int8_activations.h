@@ -24,6 +24,8 @@ constexpr int64_t HALF = BLOCK / 2;
 // (tests/oracle/test_packed_gguf_weights.py). At one activation row the doubled integer products cost
 // no measurable time (loading and unpacking the weights dominates); at many rows they do, which is
 // part of where the callers switch to a GEMM.
+// `exact = false` leaves the residuals zero: 8-bit activations, as llama.cpp's Q8 ones, for callers
+// who trade that accuracy for half the integer products (the kernels then skip the residual's).
 constexpr float RESIDUAL_STEPS = 256.f;
 
 struct QuantizedRows {            // x [M, K] as int8 blocks
@@ -37,7 +39,7 @@ struct QuantizedRows {            // x [M, K] as int8 blocks
 };
 
 template <typename T>
-QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets) {
+QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets, bool exact = true) {
   const int64_t blocks = M * (K / BLOCK);
   QuantizedRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(blocks),
                   std::vector<float>(blocks), std::vector<int32_t>(with_offsets ? 2 * blocks : 0)};
@@ -58,6 +60,7 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets)
       const float scaled = !tiny ? v * inverse : (amax > 0.f ? static_cast<float>(127.0 * v / amax) : 0.f);
       const float code = std::nearbyint(scaled);
       q.codes[i * BLOCK + j] = static_cast<int8_t>(code);
+      if (!exact) continue;
       const float residual = std::nearbyint((scaled - code) * RESIDUAL_STEPS);  // |scaled - code| <= 1/2
       q.residuals[i * BLOCK + j] = static_cast<int8_t>(std::clamp(residual, -127.f, 127.f));
     }

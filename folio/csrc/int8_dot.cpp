@@ -47,8 +47,8 @@ constexpr int64_t X_TILE = 4;  // activation rows sharing each loaded weight
 
 // ---- 4-bit, tiled ----
 
-// out[t][i] = y[m0 + t, row i of the tile], for TILE activation rows.
-template <int TILE>
+// out[t][i] = y[m0 + t, row i of the tile], for TILE activation rows; EXACT: with the residuals.
+template <int TILE, bool EXACT>
 void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* mins, const QuantizedRows& q,
                const float* group_sums, const int32_t* group_of_block, int64_t m0, int64_t K, int64_t G, float* out) {
   const int64_t B = K / BLOCK;
@@ -73,9 +73,11 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
         const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
         sums[t][0] = _mm512_dpbusd_epi32(sums[t][0], low, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
         sums[t][1] = _mm512_dpbusd_epi32(sums[t][1], high, _mm512_set1_epi32(four_bytes(q.codes.data() + at + 16)));
-        const int8_t* r = q.residuals.data() + at;
-        residual_sums[t][0] = _mm512_dpbusd_epi32(residual_sums[t][0], low, _mm512_set1_epi32(four_bytes(r)));
-        residual_sums[t][1] = _mm512_dpbusd_epi32(residual_sums[t][1], high, _mm512_set1_epi32(four_bytes(r + 16)));
+        if constexpr (EXACT) {
+          const int8_t* r = q.residuals.data() + at;
+          residual_sums[t][0] = _mm512_dpbusd_epi32(residual_sums[t][0], low, _mm512_set1_epi32(four_bytes(r)));
+          residual_sums[t][1] = _mm512_dpbusd_epi32(residual_sums[t][1], high, _mm512_set1_epi32(four_bytes(r + 16)));
+        }
       }
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + group_of_block[b] * TILE_ROWS)));
@@ -117,10 +119,10 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
 #endif
 }
 
-template <typename T>
+template <bool EXACT, typename T>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
                       const at::Half* mins, int64_t N, int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/false);
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/false, EXACT);
   const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
@@ -138,10 +140,10 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
         const float* sums = group_sums.data();
         const int32_t* gb = group_of_block.data();
         switch (rows) {
-          case 4: int4_tile<4>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-          case 3: int4_tile<3>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-          case 2: int4_tile<2>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-          default: int4_tile<1>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          case 4: int4_tile<4, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          case 3: int4_tile<3, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          case 2: int4_tile<2, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
+          default: int4_tile<1, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
         }
         const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
         for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
@@ -152,10 +154,10 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
 
 // ---- 8-bit, tiled (int8_tiles.h) ----
 
-template <bool SPLIT, typename T, typename S>
+template <bool SPLIT, bool EXACT, typename T, typename S>
 void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
                       int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true);
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true, EXACT);
   const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   // Each tile's weights stay in L1 while every activation row passes over them (a batch's activations
@@ -169,10 +171,10 @@ void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
         const S* s = scales + tile * G * TILE_ROWS;
         const int32_t* gb = group_of_block.data();
         switch (rows) {
-          case 4: int8_tile<4, SPLIT>(c, s, q, gb, m0, K, out); break;
-          case 3: int8_tile<3, SPLIT>(c, s, q, gb, m0, K, out); break;
-          case 2: int8_tile<2, SPLIT>(c, s, q, gb, m0, K, out); break;
-          default: int8_tile<1, SPLIT>(c, s, q, gb, m0, K, out); break;
+          case 4: int8_tile<4, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
+          case 3: int8_tile<3, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
+          case 2: int8_tile<2, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
+          default: int8_tile<1, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
         }
         const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
         for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
@@ -241,7 +243,7 @@ torch::Tensor in_x_dtype(const torch::Tensor& y, const torch::Tensor& x) {
 
 // 4-bit: tiles uint8 [ceil(N / 16), K / 32 * 256] as above; scales, mins float16 [ceil(N / 16), G, 16].
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
-                          int64_t group, int64_t N) {
+                          int64_t group, int64_t N, bool exact) {
   check_x(x, group, /*eight_bit=*/false);
   const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
@@ -251,14 +253,20 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor sc
                 "scales, mins: float16 [N / 16, K / group, 16]");
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   with_x(x, [&](auto* xs) {
-    int4_linear_impl(xs, M, K, tiles.data_ptr<uint8_t>(), scales.data_ptr<at::Half>(), mins.data_ptr<at::Half>(), N,
-                     group, y.data_ptr<float>());
+    const uint8_t* c = tiles.data_ptr<uint8_t>();
+    const at::Half *s = scales.data_ptr<at::Half>(), *m = mins.data_ptr<at::Half>();
+    if (exact) {
+      int4_linear_impl<true>(xs, M, K, c, s, m, N, group, y.data_ptr<float>());
+    } else {
+      int4_linear_impl<false>(xs, M, K, c, s, m, N, group, y.data_ptr<float>());
+    }
   });
   return in_x_dtype(y, x);
 }
 
 // 8-bit: tiles uint8 [ceil(N / 16), K / 32 * 512] (int8_tiles.h); scales float16 or float32 [ceil(N / 16), G, 16].
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N) {
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N,
+                          bool exact) {
   check_x(x, group, /*eight_bit=*/true);
   const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
@@ -268,10 +276,13 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor sc
   const uint8_t* c = tiles.data_ptr<uint8_t>();
   with_x(x, [&](auto* xs) {
     auto run = [&](const auto* s) {
+      float* out = y.data_ptr<float>();
       if (group == HALF) {
-        int8_linear_impl<true>(xs, M, K, c, s, N, group, y.data_ptr<float>());
+        exact ? int8_linear_impl<true, true>(xs, M, K, c, s, N, group, out)
+              : int8_linear_impl<true, false>(xs, M, K, c, s, N, group, out);
       } else {
-        int8_linear_impl<false>(xs, M, K, c, s, N, group, y.data_ptr<float>());
+        exact ? int8_linear_impl<false, true>(xs, M, K, c, s, N, group, out)
+              : int8_linear_impl<false, false>(xs, M, K, c, s, N, group, out);
       }
     };
     if (scales.scalar_type() == torch::kHalf) {
@@ -370,8 +381,11 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products");
-  m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products");
+  // exact: activations in 8 + 8 bits (the default); False: 8 bits, as llama.cpp's Q8 activations.
+  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
+  m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
   m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");

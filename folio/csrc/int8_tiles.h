@@ -32,8 +32,8 @@ inline __m512 load_scales(const at::Half* s) {
 inline __m512 load_scales(const float* s) { return _mm512_loadu_ps(s); }
 
 // out[t * 16 + i] = y[m0 + t, row i of the tile], for TILE activation rows. SPLIT: groups of 16, so each
-// half block has its own scale.
-template <int TILE, bool SPLIT, typename S>
+// half block has its own scale. EXACT: the activations' residuals count (else they are zero, unread).
+template <int TILE, bool SPLIT, bool EXACT, typename S>
 inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows& q, const int32_t* group_of_block,
                       int64_t m0, int64_t K, float* out) {
   const int64_t B = K / BLOCK;
@@ -54,8 +54,9 @@ inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows
       for (int t = 0; t < TILE; ++t) {
         const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
         sums[t][half] = _mm512_dpbusd_epi32(sums[t][half], w, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
-        residual_sums[t][half] =
-            _mm512_dpbusd_epi32(residual_sums[t][half], w, _mm512_set1_epi32(four_bytes(q.residuals.data() + at)));
+        if constexpr (EXACT)
+          residual_sums[t][half] =
+              _mm512_dpbusd_epi32(residual_sums[t][half], w, _mm512_set1_epi32(four_bytes(q.residuals.data() + at)));
       }
     }
     const S* group_scales = scales + group_of_block[b] * 16;
@@ -81,7 +82,7 @@ inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * 16, acc[t]);
 }
 #else
-template <int TILE, bool SPLIT, typename S>
+template <int TILE, bool SPLIT, bool EXACT, typename S>
 inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows& q, const int32_t* group_of_block,
                       int64_t m0, int64_t K, float* out) {
   const int64_t B = K / BLOCK;

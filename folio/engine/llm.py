@@ -17,11 +17,12 @@ from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
-from folio.engine_args import EngineArgs
+from folio.engine_args import ACTIVATION_BITS_CHOICES, EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput
 from folio.platform import configure_threads, default_device, resolve_dtype
+from folio.quant.activation_bits import set_activation_bits
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.structured.grammar import GrammarCompiler
 from folio.worker.executor import SplitModelExecutor, WorkerLaunch
@@ -64,6 +65,7 @@ class LLM:
         cpu_collectives: str = "shm",
         pooling: str = "last",
         compile: bool = False,
+        activation_bits: int = 16,
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -80,12 +82,17 @@ class LLM:
             pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
             else ",".join(map(str, pipeline_layers)),
             nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
-            pooling=pooling, compile=compile,
+            pooling=pooling, compile=compile, activation_bits=activation_bits,
         )  # fmt: skip
         parallel = args.parallel_config()
         if compile and parallel.is_parallel:
             raise ValueError("--compile compiles a whole model in this process: not with tensor, pipeline or "
                              "context parallelism")  # fmt: skip
+        if activation_bits != 16 and parallel.is_parallel:
+            raise ValueError("--activation-bits 8 applies to a model loaded in this process: not with tensor, "
+                             "pipeline or context parallelism")  # fmt: skip
+        if activation_bits not in ACTIVATION_BITS_CHOICES:
+            raise ValueError(f"--activation-bits must be one of {ACTIVATION_BITS_CHOICES}, got {activation_bits}")
         configure_threads()
         self.device = torch.device(device) if device else default_device()
         self.dtype, dtype_reason = resolve_dtype(dtype, self.device)
@@ -98,6 +105,7 @@ class LLM:
             self.loaded = LoadedModel(None, checkpoint.config, checkpoint.tokenizer, path, checkpoint.label, 0.0)
         else:
             self.loaded = load_model(path, self.dtype, self.device, quantization)
+            set_activation_bits(self.loaded.model, activation_bits)  # before the decode step copies it
             logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
         self.tokenizer = self.loaded.tokenizer
         self.model_config = self.loaded.config
@@ -105,6 +113,7 @@ class LLM:
         self.draft: LoadedModel | None = None
         if spec is not None and spec.draft_model is not None and not parallel.is_parallel:
             self.draft = load_model(resolve_model(spec.draft_model), self.dtype, self.device, spec.draft_quantization)
+            set_activation_bits(self.draft.model, activation_bits)
             logger.info("draft model: %s, %.1f MiB resident (%s)", self.draft.path.name,
                         self.draft.weight_bytes / 2**20, self.draft.quantization)  # fmt: skip
         self.engine = EngineCore(
@@ -128,8 +137,9 @@ class LLM:
             whole.compile_layers()
         decode = "the C++ decode step" if whole is not None and whole.has_compiled_decode_step else "Python layers"
         dtype_name = str(self.dtype).removeprefix("torch.")
-        logger.info("compute: %s activations (%s), %d threads, decodes through %s%s", dtype_name, dtype_reason,
-                    torch.get_num_threads(), decode, ", layers torch.compile'd" if compile else "")  # fmt: skip
+        logger.info("compute: %s activations (%s), %d threads, decodes through %s%s%s", dtype_name, dtype_reason,
+                    torch.get_num_threads(), decode, ", layers torch.compile'd" if compile else "",
+                    ", 8-bit activations into the int8 dot products" if activation_bits == 8 else "")  # fmt: skip
         # Ranks are processes: stop them when this LLM is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
         self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)

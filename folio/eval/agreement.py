@@ -36,6 +36,7 @@ class AgreementResult:
     identical: int  # prompts whose continuation equals the reference's
     mean_prefix_share: float  # mean over prompts of (tokens before the first difference) / max_tokens
     reference: str = ""  # the model agreed with (dequantized to float32)
+    activation_bits: int = 16  # into the int8 dot products of kept-quantized weights
     date_utc: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     machine: dict[str, Any] = field(default_factory=machine_info)
 
@@ -83,7 +84,7 @@ def run_agreement(
     """`reference_model`: the full-precision model to agree with (default: `model` itself, dequantized
     to float32); e.g. the GGUF file a quantized checkpoint was made from."""
     chats = eval_prompts(num_prompts)
-    reference_engine = {k: v for k, v in engine.items() if k != "dtype"}
+    reference_engine = {k: v for k, v in engine.items() if k not in ("dtype", "activation_bits")}
     reference = LLM(reference_model or model, quantization="none", dtype="float32", **reference_engine)
     expected = greedy_token_ids(reference, chats, max_tokens)
     del reference
@@ -102,4 +103,5 @@ def run_agreement(
         sum(a == b for a, b in zip(got, expected, strict=True)),
         sum(shares) / len(shares),
         reference_model or model,
+        engine.get("activation_bits", 16),
     )

@@ -31,6 +31,7 @@ class PerplexityResult:
     num_predicted: int  # tokens scored: (context - 1) per window
     mean_nll: float
     elapsed_s: float
+    activation_bits: int = 16  # into the int8 dot products of kept-quantized weights
     date_utc: str = field(default_factory=lambda: datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     machine: dict[str, Any] = field(default_factory=machine_info)
 
@@ -88,4 +89,5 @@ def run_perplexity(
     elapsed = time.perf_counter() - start
     kv_cache_dtype = llm.engine.kv_cache_dtype
     label, dtype = weight_format_label(llm, quantization), str(llm.dtype).removeprefix("torch.")
-    return PerplexityResult(model, label, dtype, kv_cache_dtype, context, len(windows), count, total / count, elapsed)
+    return PerplexityResult(model, label, dtype, kv_cache_dtype, context, len(windows), count, total / count, elapsed,
+                            engine.get("activation_bits", 16))  # fmt: skip

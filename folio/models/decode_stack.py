@@ -60,10 +60,11 @@ def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> tuple[
         return module.Projection.dense(layer.weight, bias), sys.maxsize
     if isinstance(packed, int4.PackedInt4):
         projection = module.Projection.int4(packed.tiles, packed.scales, packed.mins, packed.group_size,
-                                            packed.shape[0], bias)  # fmt: skip
+                                            packed.shape[0], bias, packed.exact_activations)  # fmt: skip
         return projection, int4.dot_max_rows(dtype)
     if isinstance(packed, int8.PackedInt8):
-        projection = module.Projection.int8(packed.tiles, packed.scales, packed.group_size, packed.shape[0], bias)
+        projection = module.Projection.int8(packed.tiles, packed.scales, packed.group_size, packed.shape[0], bias,
+                                            packed.exact_activations)  # fmt: skip
         return projection, int8.dot_max_rows(dtype)
     return None
 

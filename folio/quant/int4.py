@@ -116,6 +116,7 @@ class PackedInt4:
         self.scales = tile_groups(groups.scales)
         # (code - 8) * scale + zero = code * scale + (zero - 8 * scale)
         self.mins = tile_groups(groups.zeros - 8 * groups.scales)
+        self.exact_activations = True  # False: 8-bit activations into the dot products (set_activation_bits)
 
     @property
     def nbytes(self) -> int:
@@ -144,5 +145,6 @@ class PackedInt4:
         kernel = ops.load("int8_dot")
         if kernel is None or x.shape[0] > dot_max_rows(x.dtype) or x.device.type != "cpu":
             return F.linear(x, self.dequantize(x.dtype), bias)
-        out = kernel.int4_linear(x.contiguous(), self.tiles, self.scales, self.mins, self.group_size, self.shape[0])
+        out = kernel.int4_linear(x.contiguous(), self.tiles, self.scales, self.mins, self.group_size, self.shape[0],
+                                 self.exact_activations)  # fmt: skip
         return out if bias is None else out + bias

@@ -121,6 +121,7 @@ class PackedInt8:
         scales = groups.scales.float()
         exact = bool(torch.equal(scales.half().float(), scales))  # GGUF's Q8_0 and Q5_0 store float16 scales
         self.scales = tile_groups(scales, torch.float16 if exact else torch.float32)
+        self.exact_activations = True  # False: 8-bit activations into the dot products (set_activation_bits)
 
     @property
     def nbytes(self) -> int:
@@ -162,7 +163,9 @@ class PackedInt8:
         takes = flat.dtype in (torch.float32, torch.bfloat16) and flat.shape[0] <= dot_max_rows(flat.dtype)
         kernel = ops.load("int8_dot") if takes and flat.device.type == "cpu" else None
         if kernel is not None:
-            out = kernel.int8_linear(flat.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0])
+            out = kernel.int8_linear(
+                flat.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0], self.exact_activations
+            )
         else:
             out = F.linear(flat, self.dequantize(x.dtype))
         if bias is not None:

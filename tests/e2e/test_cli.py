@@ -127,6 +127,16 @@ def test_eval_perplexity_writes_its_result(smollm2_gguf, tmp_path, capsys):
     assert "perplexity" in capsys.readouterr().out
 
 
+def test_eval_perplexity_with_8_bit_activations_is_recorded_as_such(smollm2_gguf, tmp_path, capsys):
+    args = ["eval", "perplexity", str(smollm2_gguf), "--num-tokens", "512", "--context", "256",
+            "--activation-bits", "8", "--output-dir", str(tmp_path), *KV]  # fmt: skip
+    assert main(args) == 0
+    [result_file] = list(tmp_path.glob("perplexity_*_gguf_float32_a8_*.json"))
+    result = json.loads(result_file.read_text())
+    assert result["activation_bits"] == 8 and 1 < result["perplexity"] < 100
+    assert "8-bit activations" in capsys.readouterr().out
+
+
 def test_eval_agreement_against_the_dequantized_model(smollm2_gguf, tmp_path, capsys):
     args = ["eval", "agreement", str(smollm2_gguf), "--num-prompts", "3", "--max-tokens", "6",
             "--quantization", "none", "--output-dir", str(tmp_path), *KV]  # fmt: skip

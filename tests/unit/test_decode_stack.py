@@ -19,6 +19,7 @@ import torch
 from folio import LLM, SamplingParams
 from folio.layers.linear import Linear
 from folio.quant import int4
+from folio.quant.activation_bits import set_activation_bits
 from folio.quant.int8 import Int8Groups, PackedInt8
 from tests.tiny_models import make_tiny_model
 
@@ -99,6 +100,37 @@ def _assert_stack_equals_python_layers(make, folder, *args: Any) -> None:
 def test_gemma3_file_through_the_stack_generates_what_the_python_layers_generate(gemma3_gguf, dtype):
     """Q5_0 q/k/gate/up, Q8_0 v, Q6_K down and Q4_K o, all kept quantized."""
     _assert_stack_equals_python_layers(lambda path, d: LLM(path, dtype=d, kv_cache_memory="32MiB"), gemma3_gguf, dtype)
+
+
+def _llm_8_bit_activations(folder, setting: str) -> LLM:
+    llm = _llm(folder, setting, activation_bits=8)
+    if setting == "int8-groups":  # made after the LLM set its weights: set them and build the stack again
+        model = llm.engine.runner.model
+        assert set_activation_bits(model, 8) > 0
+        model.bind_decode_stack(torch.float32)
+    return llm
+
+
+@pytest.mark.parametrize("setting", ["int4", "int8-groups"])
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_8_bit_activations_through_the_stack_equal_the_python_layers(tmp_path, kind, setting):
+    folder = make_tiny_model(kind, tmp_path / kind)
+    _assert_stack_equals_python_layers(_llm_8_bit_activations, folder, setting)
+    eight, sixteen = _generate(_llm_8_bit_activations(folder, setting)), _generate(_llm(folder, setting))
+    assert [lp for _, lp in eight] != [lp for _, lp in sixteen]  # the setting reached the kernels
+
+
+def test_gemma3_file_with_8_bit_activations_through_the_stack(gemma3_gguf):
+    _assert_stack_equals_python_layers(
+        lambda path: LLM(path, kv_cache_memory="32MiB", activation_bits=8), gemma3_gguf
+    )  # fmt: skip
+
+
+def test_8_bit_activations_are_for_a_model_in_this_process(tmp_path):
+    with pytest.raises(ValueError, match="activation-bits 8"):
+        LLM(tmp_path, activation_bits=8, tensor_parallel_size=2)
+    with pytest.raises(ValueError, match="activation-bits must be one of"):
+        LLM(tmp_path, activation_bits=4)
 
 
 def test_the_weights_kernels_cap_the_rows_a_stack_step_takes(tmp_path):

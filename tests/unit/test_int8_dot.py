@@ -245,3 +245,24 @@ def test_groups_of_16_are_8_bit_only(kernel: ModuleType) -> None:
     tiled = torch.ones(4, 4, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="16 for 8-bit"):
         kernel.int4_linear(torch.ones(2, 64), torch.zeros(4, 2 * 256, dtype=torch.uint8), tiled, tiled, 16, N)
+
+
+@pytest.mark.parametrize("m", ROWS)
+@pytest.mark.parametrize(("k", "group"), INT8_SHAPES)
+def test_8_bit_activations_multiply_the_codes_alone(kernel: ModuleType, k: int, group: int, m: int) -> None:
+    # exact=False: llama.cpp's Q8 activations, scale * code, the residuals dropped.
+    x = _x(m, k, seed=7 * k + m)
+    codes_x, scales_x, _ = quantize_activations(x)
+    x8 = codes_x.double() * _per_column(scales_x, 32)
+    codes, scales8 = _int8(k, group, seed=k + 5, scale_dtype=torch.float16)
+    got = kernel.int8_linear(x, tile_int8_codes(codes), tile_groups(scales8, scales8.dtype), group, N, False)
+    want = x8 @ (codes.double() * _per_column(scales8, group)).T
+    _assert_close(got, want, 1e-5)
+    exact = _dequantized_activations(x) @ (codes.double() * _per_column(scales8, group)).T
+    assert not torch.allclose(got.double(), exact, rtol=0, atol=1e-6)  # the residuals were not taken
+    if group != 16:  # 4-bit weights take no groups of 16
+        tiles, scales, mins, _ = _int4(k, group, seed=k + 6)
+        codes4 = untile_codes(tiles, N, k).double()
+        scales4, mins4 = untile_groups(scales, N), untile_groups(mins, N)
+        want4 = x8 @ (codes4 * _per_column(scales4, group)).T + x.double() @ _per_column(mins4, group).T
+        _assert_close(kernel.int4_linear(x, tiles, scales, mins, group, N, False), want4, 1e-5)
