@@ -172,10 +172,12 @@ def serve(
         for running in http:
             running.should_exit = True
 
+    llm: LLM | None = None  # held until serving ends: collecting it stops a split model's ranks
     if engine_process:
         server = build_process_server(ProcessEngine(args, model_name, stop_on_engine_death), model_name, options)
     else:
-        server = build_server(LLM.from_engine_args(args), model_name, options, on_engine_death=stop_on_engine_death)
+        llm = LLM.from_engine_args(args)
+        server = build_server(llm, model_name, options, on_engine_death=stop_on_engine_death)
     config = uvicorn.Config(
         server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
     )  # type: ignore[arg-type]  # uvicorn hints an int; it passes the value to asyncio.wait_for
@@ -197,6 +199,7 @@ def serve(
             http[0].run()
     finally:
         server.engine.shutdown()
+        del llm
     dead = server.engine.dead
     if isinstance(dead, EngineProcessDied):
         raise EngineDiedError(f"the engine process died: {dead}")

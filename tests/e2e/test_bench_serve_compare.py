@@ -191,8 +191,8 @@ def test_peer_problems_fail_before_any_server_starts(tiny_llama, tmp_path, capsy
                                       f"{tiny_llama}"  # fmt: skip
     assert main(_argv(tiny_llama, tmp_path / "out", "--peer", "vllm")) == 1
     assert _one_error_line(capsys) == (
-        "folio: error: unknown --peer 'vllm'; choose from folio-disaggregated, folio-dynamic, folio-no-prefix-cache, "
-        "folio-ray-1, folio-replicas, folio-replicas-round-robin, folio-static, llama.cpp"
+        "folio: error: unknown --peer 'vllm'; choose from folio-disaggregated, folio-dynamic, folio-engine-process, "
+        "folio-no-prefix-cache, folio-ray-1, folio-replicas, folio-replicas-round-robin, folio-static, llama.cpp"
     )
     assert main(_argv(tiny_llama, tmp_path / "out", "--llama-extra-body", '{"stream": false}')) == 1
     assert "--llama-extra-body must not set stream" in _one_error_line(capsys)
