@@ -3,7 +3,7 @@
 Replicas post their registry as Prometheus text (board.py); this collector parses the latest posts
 with prometheus_client's own parser and serves one family per metric name, the replicas' samples side
 by side, plus `folio:replica_info` naming each replica's process. Admission is the ingress's (it counts
-requests for all replicas), so the replicas' own admission gauge is dropped.
+requests for all replicas); a replica's registry has none (server/metrics.track_admission).
 """
 
 from __future__ import annotations
@@ -16,8 +16,6 @@ from prometheus_client.samples import Sample
 
 from folio.scale.board import ReplicaReport
 
-INGRESS_ONLY = {"folio:num_requests_admitted"}
-
 
 class ReplicaMetricsCollector:
     def __init__(self, reports: Callable[[], list[ReplicaReport]]) -> None:
@@ -27,8 +25,6 @@ class ReplicaMetricsCollector:
         families: dict[str, Metric] = {}
         for report in self._reports():
             for family in text_string_to_metric_families(report.metrics_text):
-                if family.name in INGRESS_ONLY:
-                    continue
                 merged = families.get(family.name)
                 if merged is None:
                     merged = families[family.name] = Metric(family.name, family.documentation, family.type)

@@ -25,20 +25,7 @@ from folio.engine.async_engine import AsyncEngine
 from folio.engine.llm import LLM
 from folio.engine.updates import EngineDeadError, Stream, Update
 from folio.engine_args import EngineArgs
-from folio.server.engine_wire import (
-    Abort,
-    Died,
-    EngineInfo,
-    MetricsQuery,
-    MetricsText,
-    Ready,
-    Shutdown,
-    StartFailed,
-    Submit,
-    Updates,
-    decode,
-    encode,
-)
+from folio.server import engine_wire as wire
 from folio.server.metrics import ServerMetrics
 
 logger = logging.getLogger("folio")
@@ -63,11 +50,11 @@ class WireOutbox:
         with self._lock:
             if self._pending:
                 batch, self._pending = self._pending, []
-                self._socket.send(encode(Updates(batch)))
+                self._socket.send(wire.encode(wire.Updates(batch)))
 
     def send(self, message: object) -> None:
         with self._lock:
-            self._socket.send(encode(message))
+            self._socket.send(wire.encode(message))
 
 
 class WireMailbox:
@@ -96,14 +83,14 @@ def run_engine_process(args: EngineArgs, model_name: str, to_engine: str, from_e
         try:
             llm = LLM.from_engine_args(args)
         except Exception as exc:  # a bad model or flag: the server reports it as one line
-            outbox.send(StartFailed(str(exc) or type(exc).__name__))
+            outbox.send(wire.StartFailed(str(exc) or type(exc).__name__))
             return
         metrics = ServerMetrics(llm.engine, model_name)
         engine = AsyncEngine(
             llm.engine, llm.tokenizer, frozenset(llm.model_config.eos_token_ids), observer=metrics,
-            on_death=lambda exc: outbox.send(Died(f"{type(exc).__name__}: {exc}")), flush=outbox.flush,
+            on_death=lambda exc: outbox.send(wire.Died(f"{type(exc).__name__}: {exc}")), flush=outbox.flush,
         )  # fmt: skip
-        outbox.send(Ready(EngineInfo.of(llm, model_name)))
+        outbox.send(wire.Ready(wire.EngineInfo.of(llm, model_name)))
         try:
             _receive(inbound, engine, outbox, metrics, parent)
         finally:
@@ -123,8 +110,8 @@ def _receive(inbound: zmq.Socket, engine: AsyncEngine, outbox: WireOutbox, metri
                 logger.warning("the API server has gone; the engine process stops")
                 return
             continue
-        message = decode(inbound.recv())
-        if isinstance(message, Submit):
+        message = wire.decode(inbound.recv())
+        if isinstance(message, wire.Submit):
             mailbox = WireMailbox(message.mailbox, outbox)
             streams = [Stream(r, mailbox, message.first_index + i) for i, r in enumerate(message.requests)]
             try:
@@ -132,9 +119,9 @@ def _receive(inbound: zmq.Socket, engine: AsyncEngine, outbox: WireOutbox, metri
             except EngineDeadError as exc:
                 outbox.post(message.mailbox, exc)
                 outbox.flush()
-        elif isinstance(message, Abort):
+        elif isinstance(message, wire.Abort):
             engine.abort(message.request_id)
-        elif isinstance(message, MetricsQuery):
-            outbox.send(MetricsText(message.query, generate_latest(metrics.registry).decode()))
-        elif isinstance(message, Shutdown):
+        elif isinstance(message, wire.MetricsQuery):
+            outbox.send(wire.MetricsText(message.query, generate_latest(metrics.registry).decode()))
+        elif isinstance(message, wire.Shutdown):
             return

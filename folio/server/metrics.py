@@ -23,15 +23,12 @@ _PER_TOKEN = (0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0
 _SLOW = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0, 480.0)
 
 
-ADMITTED = "folio:num_requests_admitted"
-
-
 def track_admission(registry: CollectorRegistry, model_name: str, admission: Admission) -> None:
     """The API server's admission count, read at each scrape. It lives where admission does: beside the
     routes, which may be another process than the engine's."""
     doc = ("Engine requests holding admission slots (running, queued, or being set up); new requests get 429 "
            "when this reaches --max-num-seqs + --max-queue.")  # fmt: skip
-    gauge = Gauge(ADMITTED, doc, ["model_name"], registry=registry).labels(model_name)
+    gauge = Gauge("folio:num_requests_admitted", doc, ["model_name"], registry=registry).labels(model_name)
     gauge.set_function(lambda: admission.in_flight)
 
 
@@ -84,9 +81,6 @@ class ServerMetrics:
         )  # fmt: skip
         self._model_name = model_name
         self._progress: dict[str, tuple[float, int]] = {}  # request id -> (last update, tokens seen)
-
-    def track_admission(self, admission: Admission) -> None:
-        track_admission(self.registry, self._model_name, admission)
 
     def on_step(self, updated: list[Request], now: float) -> None:
         stats = self.engine.last_step

@@ -30,22 +30,8 @@ from folio.engine.request import Request
 from folio.engine.updates import EngineDeadError, LoopMailbox, Mailbox, Stream
 from folio.engine_args import EngineArgs
 from folio.sampling_params import SamplingParams
+from folio.server import engine_wire as wire
 from folio.server.engine_process import run_engine_process
-from folio.server.engine_wire import (
-    Abort,
-    Died,
-    EngineInfo,
-    MetricsQuery,
-    MetricsText,
-    Ready,
-    Shutdown,
-    StartFailed,
-    Submit,
-    Updates,
-    decode,
-    encode,
-)
-from folio.server.metrics import ADMITTED
 
 logger = logging.getLogger("folio")
 
@@ -124,13 +110,13 @@ class ProcessEngine:
             if number is None:
                 number = self._mailbox_ids[mailbox] = next(self._next_mailbox)
                 self._mailboxes[number] = mailbox
-            self._outbound.send(encode(Submit(number, [s.request for s in streams], streams[0].index)))
+            self._outbound.send(wire.encode(wire.Submit(number, [s.request for s in streams], streams[0].index)))
 
     def abort(self, request_id: str) -> None:
         """Any thread (a Generation may be collected anywhere); nothing to do once the engine is gone."""
         with self._lock:
             if self.dead is None and not self._stopping:
-                self._outbound.send(encode(Abort(request_id)))
+                self._outbound.send(wire.encode(wire.Abort(request_id)))
 
     # -- metrics ---------------------------------------------------------------------------------------
     def metrics_text(self) -> str:
@@ -142,7 +128,7 @@ class ProcessEngine:
             with self._lock:
                 if self.dead is not None or self._stopping:
                     return ""
-                self._outbound.send(encode(MetricsQuery(query)))
+                self._outbound.send(wire.encode(wire.MetricsQuery(query)))
             done.wait(METRICS_TIMEOUT_S)
             return answer[0] if answer else ""
         finally:
@@ -155,18 +141,18 @@ class ProcessEngine:
                 return
             self._stopping = True
             if self.process.is_alive():
-                self._outbound.send(encode(Shutdown()))
+                self._outbound.send(wire.encode(wire.Shutdown()))
         self._stop_process()
         self._reader.join(timeout=5)
         self._close()
 
-    def _wait_until_ready(self) -> EngineInfo:
+    def _wait_until_ready(self) -> wire.EngineInfo:
         while True:
             if self._inbound.poll(READY_POLL_MS):
-                message = decode(self._inbound.recv())
-                if isinstance(message, Ready):
+                message = wire.decode(self._inbound.recv())
+                if isinstance(message, wire.Ready):
                     return message.info
-                if isinstance(message, StartFailed):
+                if isinstance(message, wire.StartFailed):
                     raise ValueError(message.reason)
             elif not self.process.is_alive():
                 raise RuntimeError(f"the engine process exited while loading the model (code {self.process.exitcode})")
@@ -205,20 +191,20 @@ class ProcessEngine:
     def _drain(self) -> None:
         while True:
             try:
-                message = decode(self._inbound.recv(zmq.NOBLOCK))
+                message = wire.decode(self._inbound.recv(zmq.NOBLOCK))
             except zmq.Again:
                 return
-            if isinstance(message, Updates):
+            if isinstance(message, wire.Updates):
                 for number, item in message.items:
                     mailbox = self._mailboxes.get(number)
                     if mailbox is not None:  # else its call has ended and been collected
                         mailbox.post(item)
-            elif isinstance(message, MetricsText):
+            elif isinstance(message, wire.MetricsText):
                 waiting = self._metrics.get(message.query)
                 if waiting is not None:
                     waiting[1].append(message.text)
                     waiting[0].set()
-            elif isinstance(message, Died):
+            elif isinstance(message, wire.Died):
                 self._die(f"the engine loop died ({message.reason})")
 
     def _die(self, reason: str) -> None:
@@ -238,12 +224,10 @@ class ProcessEngine:
 
 class EngineMetricsCollector:
     """The engine process's metrics inside the API server's registry, fetched at each scrape. Admission
-    is counted on this side (server/metrics.track_admission), so the engine's own is never served."""
+    is counted on this side (server/metrics.track_admission); the engine's registry has none."""
 
     def __init__(self, fetch: Callable[[], str]) -> None:
         self._fetch = fetch
 
     def collect(self) -> Iterator[Metric]:
-        for family in text_string_to_metric_families(self._fetch()):
-            if family.name != ADMITTED:
-                yield family
+        yield from text_string_to_metric_families(self._fetch())
