@@ -4,6 +4,7 @@
 #pragma once
 
 #include <torch/extension.h>
+#include <ATen/Parallel.h>
 #include <immintrin.h>
 
 #include <algorithm>
@@ -30,50 +31,121 @@ constexpr float RESIDUAL_STEPS = 256.f;
 
 struct QuantizedRows {            // x [M, K] as int8 blocks
   std::vector<int8_t> codes;      // [M, K]
-  std::vector<int8_t> residuals;  // [M, K]: x - codes * scale in steps of scale / 256
+  std::vector<int8_t> residuals;  // [M, K]: x - codes * scale in steps of scale / 256 (empty unless exact)
   std::vector<float> scales;      // [M, K / 32]
+  // [M, K / 32]: what one unit of a block's integer dot product is worth: scale / 256 with the
+  // residuals (the sum is 256 * codes' products + residuals'), scale without.
+  std::vector<float> steps;
   std::vector<float> sums;        // [M, K / 32]: exact sums of x per block, for the 4-bit mins
-  // [M, K / 16]: 128 * (256 * sum(codes) + sum(residuals)) over each half block, for the 8-bit kernel,
-  // whose weight bytes are code + 128 (the offset a half block's integer dot product then carries).
-  std::vector<int32_t> offsets;
+  // For the 8-bit kernel, whose weight bytes are code + 128, so that a dot product carries 128 times
+  // the activations' sum: the value each half block's [M, K / 16] and each block's [M, K / 32] integer
+  // sum starts from to take it back out, in the same units.
+  std::vector<int32_t> half_starts;
+  std::vector<int32_t> block_starts;
 };
+
+// Rows of x split between the threads once there are enough values to pay for it.
+constexpr int64_t kQuantizeGrain = 16384;
+
+// What quantizing one block of 32 values gives besides its codes (and residuals): its scale, its sum,
+// and its halves' integer totals (256 * codes + residuals with residuals, else codes).
+struct BlockCodes {
+  float scale, sum;
+  int32_t half_totals[2];
+};
+
+#if defined(__AVX512F__)
+inline __m512 load16(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16(const at::BFloat16* p) {
+  const __m256i raw = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(raw), 16));
+}
+// A block 16 lanes at a time; false (nothing written) for a block too small to scale by its inverse
+// (amax below ~1e-30), which quantize_block then takes.
+template <typename T>
+inline bool quantize_block_fast(const T* src, bool exact, int8_t* codes, int8_t* residuals, BlockCodes& out) {
+  const __m512 v[2] = {load16(src), load16(src + HALF)};
+  const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(v[0]), _mm512_abs_ps(v[1])));
+  if (amax < 1e-30f) return false;
+  out.scale = amax / 127.f;
+  out.sum = _mm512_reduce_add_ps(_mm512_add_ps(v[0], v[1]));
+  const __m512 inverse = _mm512_set1_ps(1.f / out.scale);
+  for (int h = 0; h < 2; ++h) {
+    const __m512 scaled = _mm512_mul_ps(v[h], inverse);
+    const __m512i code = _mm512_cvtps_epi32(scaled);  // to nearest even, as std::nearbyint
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + h * HALF), _mm512_cvtsepi32_epi8(code));
+    int32_t total = _mm512_reduce_add_epi32(code);
+    if (exact) {
+      const __m512 error = _mm512_mul_ps(_mm512_sub_ps(scaled, _mm512_cvtepi32_ps(code)), _mm512_set1_ps(RESIDUAL_STEPS));
+      const __m512i residual = _mm512_max_epi32(_mm512_cvtps_epi32(error), _mm512_set1_epi32(-127));
+      _mm_storeu_si128(reinterpret_cast<__m128i*>(residuals + h * HALF), _mm512_cvtsepi32_epi8(residual));
+      total = 256 * total + _mm512_reduce_add_epi32(_mm512_min_epi32(residual, _mm512_set1_epi32(127)));
+    }
+    out.half_totals[h] = total;
+  }
+  return true;
+}
+#else
+template <typename T>
+inline bool quantize_block_fast(const T*, bool, int8_t*, int8_t*, BlockCodes&) {
+  return false;
+}
+#endif
+
+// The same, for any block, one value at a time.
+template <typename T>
+inline void quantize_block(const T* src, bool exact, int8_t* codes, int8_t* residuals, BlockCodes& out) {
+  float amax = 0.f, sum = 0.f;
+  for (int64_t j = 0; j < BLOCK; ++j) {
+    const float v = static_cast<float>(src[j]);
+    amax = std::max(amax, std::fabs(v));
+    sum += v;
+  }
+  out.scale = amax / 127.f;
+  out.sum = sum;
+  // 1 / scale overflows (or flushes) for blocks below ~1e-37; those divide in double (rare, slower).
+  const bool tiny = amax < 1e-30f;
+  const float inverse = out.scale > 0.f ? 1.f / out.scale : 0.f;
+  out.half_totals[0] = out.half_totals[1] = 0;
+  for (int64_t j = 0; j < BLOCK; ++j) {
+    const float v = static_cast<float>(src[j]);
+    const float scaled = !tiny ? v * inverse : (amax > 0.f ? static_cast<float>(127.0 * v / amax) : 0.f);
+    const float code = std::nearbyint(scaled);
+    codes[j] = static_cast<int8_t>(code);
+    int32_t total = static_cast<int32_t>(code);
+    if (exact) {
+      const float residual = std::nearbyint((scaled - code) * RESIDUAL_STEPS);  // |scaled - code| <= 1/2
+      residuals[j] = static_cast<int8_t>(std::clamp(residual, -127.f, 127.f));
+      total = 256 * total + residuals[j];
+    }
+    out.half_totals[j / HALF] += total;
+  }
+}
 
 template <typename T>
 QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets, bool exact = true) {
-  const int64_t blocks = M * (K / BLOCK);
-  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(M * K), std::vector<float>(blocks),
-                  std::vector<float>(blocks), std::vector<int32_t>(with_offsets ? 2 * blocks : 0)};
-  for (int64_t i = 0; i < blocks; ++i) {
-    const T* src = x + i * BLOCK;
-    float amax = 0.f, sum = 0.f;
-    for (int64_t j = 0; j < BLOCK; ++j) {
-      const float v = static_cast<float>(src[j]);
-      amax = std::max(amax, std::fabs(v));
-      sum += v;
+  const int64_t per_row = K / BLOCK, blocks = M * per_row;
+  QuantizedRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(exact ? M * K : 0), std::vector<float>(blocks),
+                  std::vector<float>(blocks), std::vector<float>(blocks),
+                  std::vector<int32_t>(with_offsets ? 2 * blocks : 0), std::vector<int32_t>(with_offsets ? blocks : 0)};
+  const float units = exact ? RESIDUAL_STEPS : 1.f;
+  at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K), [&](int64_t begin, int64_t end) {
+    for (int64_t i = begin * per_row; i < end * per_row; ++i) {
+      int8_t* codes = q.codes.data() + i * BLOCK;
+      int8_t* residuals = exact ? q.residuals.data() + i * BLOCK : nullptr;
+      BlockCodes block;
+      if (!quantize_block_fast(x + i * BLOCK, exact, codes, residuals, block))
+        quantize_block(x + i * BLOCK, exact, codes, residuals, block);
+      q.scales[i] = block.scale;
+      q.steps[i] = block.scale / units;
+      q.sums[i] = block.sum;
+      if (with_offsets) {
+        q.half_starts[2 * i] = -128 * block.half_totals[0];
+        q.half_starts[2 * i + 1] = -128 * block.half_totals[1];
+        q.block_starts[i] = -128 * (block.half_totals[0] + block.half_totals[1]);
+      }
     }
-    const float scale = amax / 127.f;
-    // 1 / scale overflows (or flushes) for blocks below ~1e-37; those divide in double (rare, slower).
-    const bool tiny = amax < 1e-30f;
-    const float inverse = scale > 0.f ? 1.f / scale : 0.f;
-    for (int64_t j = 0; j < BLOCK; ++j) {
-      const float v = static_cast<float>(src[j]);
-      const float scaled = !tiny ? v * inverse : (amax > 0.f ? static_cast<float>(127.0 * v / amax) : 0.f);
-      const float code = std::nearbyint(scaled);
-      q.codes[i * BLOCK + j] = static_cast<int8_t>(code);
-      if (!exact) continue;
-      const float residual = std::nearbyint((scaled - code) * RESIDUAL_STEPS);  // |scaled - code| <= 1/2
-      q.residuals[i * BLOCK + j] = static_cast<int8_t>(std::clamp(residual, -127.f, 127.f));
-    }
-    q.scales[i] = scale;
-    q.sums[i] = sum;
-  }
-  if (with_offsets) {
-    for (int64_t h = 0; h < 2 * blocks; ++h) {
-      int32_t total = 0;
-      for (int64_t j = 0; j < HALF; ++j) total += 256 * q.codes[h * HALF + j] + q.residuals[h * HALF + j];
-      q.offsets[h] = 128 * total;
-    }
-  }
+  });
   return q;
 }
 

@@ -58,8 +58,8 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
-    // Low and high nibbles, codes and residuals apart: four vpdpbusd chains, so consecutive ones do not
-    // wait on each other's latency.
+    // Low and high nibbles, codes and residuals apart: up to four vpdpbusd chains per activation row,
+    // so consecutive ones do not wait on each other's latency.
     __m512i sums[TILE][2], residual_sums[TILE][2];
     for (int t = 0; t < TILE; ++t)
       sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm512_setzero_si512();
@@ -82,12 +82,13 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
     }
     const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + group_of_block[b] * TILE_ROWS)));
     for (int t = 0; t < TILE; ++t) {
-      // 256 * sum(code * w) + sum(residual * w), in units of scale / 256
+      // exact: 256 * sum(code * w) + sum(residual * w), in units of step
       const __m512i code_sum = _mm512_add_epi32(sums[t][0], sums[t][1]);
-      const __m512i residual_sum = _mm512_add_epi32(residual_sums[t][0], residual_sums[t][1]);
-      const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(_mm512_slli_epi32(code_sum, 8), residual_sum));
-      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS));
-      acc[t] = _mm512_fmadd_ps(dots, scale, acc[t]);
+      const __m512i total =
+          EXACT ? _mm512_add_epi32(_mm512_slli_epi32(code_sum, 8), _mm512_add_epi32(residual_sums[t][0], residual_sums[t][1]))
+                : code_sum;
+      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(q.steps[(m0 + t) * B + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[t]);
     }
   }
   for (int64_t g = 0; g < G; ++g) {
@@ -98,7 +99,6 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
 #else
   for (int t = 0; t < TILE; ++t) {
     const int8_t* xq = q.codes.data() + (m0 + t) * K;
-    const int8_t* xr = q.residuals.data() + (m0 + t) * K;
     for (int64_t i = 0; i < TILE_ROWS; ++i) {
       float total = 0.f;
       for (int64_t b = 0; b < B; ++b) {
@@ -107,10 +107,11 @@ void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* min
           for (int64_t v = 0; v < 4; ++v) {
             const uint8_t byte = codes[b * TILE_BLOCK_BYTES + j * 64 + i * 4 + v];
             const int64_t low = b * BLOCK + 4 * j + v, high = low + 16;
-            dot += (byte & 0x0F) * (256 * xq[low] + xr[low]) + (byte >> 4) * (256 * xq[high] + xr[high]);
+            const int32_t xl = EXACT ? 256 * xq[low] + q.residuals[(m0 + t) * K + low] : xq[low];
+            const int32_t xh = EXACT ? 256 * xq[high] + q.residuals[(m0 + t) * K + high] : xq[high];
+            dot += (byte & 0x0F) * xl + (byte >> 4) * xh;
           }
-        total += to_float(scales[group_of_block[b] * TILE_ROWS + i]) * q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS *
-                 static_cast<float>(dot);
+        total += to_float(scales[group_of_block[b] * TILE_ROWS + i]) * q.steps[(m0 + t) * B + b] * static_cast<float>(dot);
       }
       for (int64_t g = 0; g < G; ++g) total += to_float(mins[g * TILE_ROWS + i]) * group_sums[(m0 + t) * G + g];
       out[t * TILE_ROWS + i] = total;

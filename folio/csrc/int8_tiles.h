@@ -5,7 +5,7 @@
 // broadcast to every lane adds each row's 4 products into its own lane: a tile's 16 row sums come out
 // in one register, with no horizontal additions (a row-major layout needs one per row, which for a
 // 640-wide row costs as much as its products). The + 128 adds 128 * sum(activation codes) to each half
-// block's sum, which the activations' `offsets` take back out.
+// block's sum, which the activations' `half_starts` and `block_starts` take back out.
 //
 // Scales are [N / 16, G, 16] (float16 where the file's are, else float32), a tile's rows side by side;
 // groups are 16 (Q6_K: a half block each), 32 (Q8_0, Q5_0) or a multiple of 64.
@@ -31,51 +31,70 @@ inline __m512 load_scales(const at::Half* s) {
 }
 inline __m512 load_scales(const float* s) { return _mm512_loadu_ps(s); }
 
+// What the integer sum of block i's half h (SPLIT) or whole block starts from.
+template <bool SPLIT>
+inline __m512i start_of(const QuantizedRows& q, int64_t i, int h) {
+  return _mm512_set1_epi32(SPLIT ? q.half_starts[2 * i + h] : q.block_starts[i]);
+}
+
 // out[t * 16 + i] = y[m0 + t, row i of the tile], for TILE activation rows. SPLIT: groups of 16, so each
-// half block has its own scale. EXACT: the activations' residuals count (else they are zero, unread).
+// half block has its own scale. EXACT: the activations' residuals count (else they are empty, unread).
 template <int TILE, bool SPLIT, bool EXACT, typename S>
 inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows& q, const int32_t* group_of_block,
                       int64_t m0, int64_t K, float* out) {
   const int64_t B = K / BLOCK;
+  constexpr int SUMS = SPLIT ? 2 : 1;  // integer sums per block: one per scale
+  // vpdpbusd chains per sum: with few activation rows, two (even and odd j), so that consecutive ones
+  // do not wait on each other's latency; with more, the rows' chains interleave enough.
+  constexpr int CHAINS = TILE >= 3 ? 1 : 2;
   __m512 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* block = codes + b * INT8_TILE_BLOCK_BYTES;
-    // Per half block, codes and residuals apart: four independent vpdpbusd chains per activation row.
-    __m512i sums[TILE][2], residual_sums[TILE][2];
+    // Codes and residuals apart. Each sum takes back the + 128's share (`start`): with many rows, its
+    // last chain starts there, which saves a subtraction per block; with few, that load would wait at
+    // the head of a short chain, so it is added at the end.
+    __m512i sums[TILE][SUMS][CHAINS], residual_sums[TILE][SUMS][CHAINS];
     for (int t = 0; t < TILE; ++t)
-      sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm512_setzero_si512();
+      for (int h = 0; h < SUMS; ++h)
+        for (int c = 0; c < CHAINS; ++c) {
+          const __m512i first = CHAINS == 1 ? start_of<SPLIT>(q, (m0 + t) * B + b, h) : _mm512_setzero_si512();
+          sums[t][h][c] = EXACT ? _mm512_setzero_si512() : first;
+          if constexpr (EXACT) residual_sums[t][h][c] = first;
+        }
     // Unrolled whole, so every register index is a constant: the accumulators stay in registers.
 #pragma GCC unroll 8
     for (int j = 0; j < 8; ++j) {
       const __m512i w = _mm512_loadu_si512(block + 64 * j);
-      const int half = j / 4;
+      const int h = SPLIT ? j / 4 : 0, c = j % CHAINS;
 #pragma GCC unroll 4
       for (int t = 0; t < TILE; ++t) {
         const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
-        sums[t][half] = _mm512_dpbusd_epi32(sums[t][half], w, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
+        sums[t][h][c] = _mm512_dpbusd_epi32(sums[t][h][c], w, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
         if constexpr (EXACT)
-          residual_sums[t][half] =
-              _mm512_dpbusd_epi32(residual_sums[t][half], w, _mm512_set1_epi32(four_bytes(q.residuals.data() + at)));
+          residual_sums[t][h][c] =
+              _mm512_dpbusd_epi32(residual_sums[t][h][c], w, _mm512_set1_epi32(four_bytes(q.residuals.data() + at)));
       }
     }
     const S* group_scales = scales + group_of_block[b] * 16;
-    const __m512 first = load_scales(group_scales);
-    const __m512 second = SPLIT ? load_scales(group_scales + 16) : first;
+    __m512 w_scales[SUMS];
+    for (int h = 0; h < SUMS; ++h) w_scales[h] = load_scales(group_scales + 16 * h);
     for (int t = 0; t < TILE; ++t) {
-      const int64_t h = ((m0 + t) * B + b) * 2;
-      // 256 * sum((code + 128) * w) + sum((residual + 128) * w) - offset, in units of scale / 256
-      __m512i halves[2];
-      for (int i = 0; i < 2; ++i)
-        halves[i] = _mm512_sub_epi32(_mm512_add_epi32(_mm512_slli_epi32(sums[t][i], 8), residual_sums[t][i]),
-                                     _mm512_set1_epi32(q.offsets[h + i]));
-      const __m512 x_scale = _mm512_set1_ps(q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS);
-      if (SPLIT) {
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(halves[0]), _mm512_mul_ps(first, x_scale), acc[t]);
-        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(halves[1]), _mm512_mul_ps(second, x_scale), acc[t]);
-      } else {
-        const __m512 dots = _mm512_cvtepi32_ps(_mm512_add_epi32(halves[0], halves[1]));
-        acc[t] = _mm512_fmadd_ps(dots, _mm512_mul_ps(first, x_scale), acc[t]);
+      const __m512 step = _mm512_set1_ps(q.steps[(m0 + t) * B + b]);
+      for (int h = 0; h < SUMS; ++h) {
+        __m512i code_sum = sums[t][h][0], residual_sum = residual_sums[t][h][0];
+        if constexpr (CHAINS == 2) {
+          const __m512i start = start_of<SPLIT>(q, (m0 + t) * B + b, h);
+          code_sum = _mm512_add_epi32(code_sum, sums[t][h][1]);
+          if constexpr (EXACT) {
+            residual_sum = _mm512_add_epi32(_mm512_add_epi32(residual_sum, residual_sums[t][h][1]), start);
+          } else {
+            code_sum = _mm512_add_epi32(code_sum, start);
+          }
+        }
+        // exact: 256 * sum(codes' products) + sum(residuals' products), in units of step
+        const __m512i total = EXACT ? _mm512_add_epi32(_mm512_slli_epi32(code_sum, 8), residual_sum) : code_sum;
+        acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(w_scales[h], step), acc[t]);
       }
     }
   }
@@ -88,7 +107,6 @@ inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows
   const int64_t B = K / BLOCK;
   for (int t = 0; t < TILE; ++t) {
     const int8_t* xq = q.codes.data() + (m0 + t) * K;
-    const int8_t* xr = q.residuals.data() + (m0 + t) * K;
     for (int64_t i = 0; i < 16; ++i) {
       float total = 0.f;
       for (int64_t b = 0; b < B; ++b) {
@@ -97,14 +115,14 @@ inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows
           for (int64_t v = 0; v < 4; ++v) {
             const int32_t w = static_cast<int32_t>(codes[b * INT8_TILE_BLOCK_BYTES + j * 64 + i * 4 + v]) - 128;
             const int64_t k = b * BLOCK + 4 * j + v;
-            halves[j / 4] += w * (256 * xq[k] + xr[k]);
+            halves[j / 4] += EXACT ? w * (256 * xq[k] + q.residuals[(m0 + t) * K + k]) : w * xq[k];
           }
         const S* group_scales = scales + group_of_block[b] * 16;
-        const float x_scale = q.scales[(m0 + t) * B + b] / RESIDUAL_STEPS;
+        const float step = q.steps[(m0 + t) * B + b];
         if (SPLIT) {
-          total += x_scale * (scale_at(group_scales, i) * halves[0] + scale_at(group_scales + 16, i) * halves[1]);
+          total += step * (scale_at(group_scales, i) * halves[0] + scale_at(group_scales + 16, i) * halves[1]);
         } else {
-          total += x_scale * scale_at(group_scales, i) * static_cast<float>(halves[0] + halves[1]);
+          total += step * scale_at(group_scales, i) * static_cast<float>(halves[0] + halves[1]);
         }
       }
       out[t * 16 + i] = total;
