@@ -45,6 +45,16 @@ constexpr int64_t TILE_ROWS = 16;
 constexpr int64_t TILE_BLOCK_BYTES = TILE_ROWS * BLOCK / 2;
 constexpr int64_t X_TILE = 4;  // activation rows sharing each loaded weight
 
+// With several passes of activation rows over each tile (pass `pass` of `passes`), the next tile's bytes
+// [next, next + bytes) are prefetched a share per pass into L2: a model's weights do not stay in any
+// cache between steps, and the hardware prefetcher, seeing each tile read again and again, does not
+// run ahead into the next one. One pass streams, which it does follow.
+inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t pass, int64_t passes) {
+  if (passes < 2) return;
+  const int64_t lines = (bytes + 63) / 64, from = lines * pass / passes, to = lines * (pass + 1) / passes;
+  for (int64_t line = from; line < to; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+}
+
 // ---- 4-bit, tiled ----
 
 // out[t][i] = y[m0 + t, row i of the tile], for TILE activation rows; EXACT: with the residuals.
@@ -130,12 +140,14 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) group_sums[m * G + group_of_block[b]] += q.sums[m * B + b];
   // Each tile's weights stay in L1 while every activation row passes over them (int8_linear_impl).
+  const int64_t passes = (M + X_TILE - 1) / X_TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     float out[X_TILE * TILE_ROWS];
     for (int64_t tile = begin; tile < end; ++tile) {
       for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
         const int64_t rows = std::min(X_TILE, M - m0);
         const uint8_t* c = codes + tile * B * TILE_BLOCK_BYTES;
+        if (tile + 1 < end) prefetch_share(c + B * TILE_BLOCK_BYTES, B * TILE_BLOCK_BYTES, m0 / X_TILE, passes);
         const at::Half* s = scales + tile * G * TILE_ROWS;
         const at::Half* mn = mins + tile * G * TILE_ROWS;
         const float* sums = group_sums.data();
@@ -163,12 +175,14 @@ void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   // Each tile's weights stay in L1 while every activation row passes over them (a batch's activations
   // fit in L2; a weight matrix often does not fit in any cache).
+  const int64_t passes = (M + X_TILE - 1) / X_TILE;
   at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
     float out[X_TILE * TILE_ROWS];
     for (int64_t tile = begin; tile < end; ++tile) {
       for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
         const int64_t rows = std::min(X_TILE, M - m0);
         const uint8_t* c = codes + tile * B * INT8_TILE_BLOCK_BYTES;
+        if (tile + 1 < end) prefetch_share(c + B * INT8_TILE_BLOCK_BYTES, B * INT8_TILE_BLOCK_BYTES, m0 / X_TILE, passes);
         const S* s = scales + tile * G * TILE_ROWS;
         const int32_t* gb = group_of_block.data();
         switch (rows) {
@@ -266,14 +280,16 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor sc
 }
 
 // 8-bit: tiles uint8 [ceil(N / 16), K / 32 * 512] (int8_tiles.h); scales float16 or float32 [ceil(N / 16), G, 16].
-torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N,
-                          bool exact) {
+// Writes x @ W^T into y (float32 [M, N]).
+void int8_linear_to(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales, int64_t group,
+                    int64_t N, bool exact, torch::Tensor& y) {
   check_x(x, group, /*eight_bit=*/true);
   const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
               tiles.numel() == tile_count * (K / BLOCK) * INT8_TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 512]");
   TORCH_CHECK(scales.is_contiguous() && scales.numel() == tile_count * G * TILE_ROWS, "scales: [N / 16, K / group, 16]");
-  auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
+  TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == N,
+              "out: contiguous float32 [M, N]");
   const uint8_t* c = tiles.data_ptr<uint8_t>();
   with_x(x, [&](auto* xs) {
     auto run = [&](const auto* s) {
@@ -293,7 +309,22 @@ torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor sc
       run(scales.data_ptr<float>());
     }
   });
+}
+
+torch::Tensor int8_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N,
+                          bool exact) {
+  auto y = torch::empty({x.size(0), N}, x.options().dtype(torch::kFloat32));
+  int8_linear_to(x, tiles, scales, group, N, exact, y);
   return in_x_dtype(y, x);
+}
+
+// The same into `out` (float32 [M, N]) for float32 x: for a caller that reuses one large buffer, which
+// allocated afresh would be mapped anew and fault in page by page on every call.
+torch::Tensor int8_linear_into(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N,
+                               bool exact, torch::Tensor out) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x: float32 (out is float32)");
+  int8_linear_to(x, tiles, scales, group, N, exact, out);
+  return out;
 }
 
 // The tiled 8-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
@@ -387,6 +418,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
+  m.def("int8_linear_into", &int8_linear_into, py::call_guard<py::gil_scoped_release>(), "int8_linear written into out",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact"), py::arg("out"));
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
   m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");

@@ -87,7 +87,7 @@ class CausalLM(nn.Module):
         """Each row's argmax of `compute_logits(hidden)` [N], and whether the row's logits were all
         finite [N] bool, without gathering a split vocabulary: each rank takes its range's best, and
         the ranks exchange three numbers a row instead of N x V / ranks logits."""
-        local = self._soft_capped(self.lm_head.local_logits(hidden).float())
+        local = self._soft_capped(self.lm_head.transient_logits(hidden))
         mine = local_best(local, self.lm_head.source.first_row)
         every = self.tp.all_gather_last(mine).view(-1, self.tp.size, 3)
         return pick_best(every)

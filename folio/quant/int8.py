@@ -172,6 +172,16 @@ class PackedInt8:
             out = out + bias
         return out.view(*x.shape[:-1], self.shape[0])
 
+    def linear_into(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """x [M, K] float32 -> x @ W.T written into `out` (float32 [M, N]) where the kernel takes x, else a
+        new tensor as `linear` gives."""
+        kernel = ops.load("int8_dot") if x.device.type == "cpu" else None
+        if kernel is None or x.dtype != torch.float32 or x.shape[0] > dot_max_rows(x.dtype):
+            return self.linear(x)
+        return kernel.int8_linear_into(
+            x.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0], self.exact_activations, out
+        )
+
 
 def packed_for_kernel(groups: Int8Groups) -> PackedInt8 | Int8Groups:
     """The groups as the tiled kernel holds them, where it takes them."""

@@ -93,3 +93,21 @@ def test_embedding_and_tied_head_keep_the_weight_quantized(q8):
     hidden = torch.randn(3, 256)
     expected = hidden @ weight.t()  # activations coded in 8 + 8 bits by the dot-product kernel
     assert (head(hidden) - expected).abs().max() <= 1e-4 * expected.abs().max()
+
+
+@pytest.mark.parametrize("quantized", [True, False])
+def test_transient_logits_equal_the_heads_and_reuse_one_buffer(q8, quantized):
+    groups, weight = q8
+    head = LMHead(320, 256)
+    head.own.weight.weight_loader(head.own.weight, groups if quantized else weight)
+    hidden = torch.randn(5, 256)
+    first = head.transient_logits(hidden)
+    assert torch.equal(first, head.local_logits(hidden))
+    # Fewer rows: the same memory, rewritten; more rows: a larger buffer.
+    fewer = head.transient_logits(hidden[:2] * 2)
+    assert fewer.data_ptr() == first.data_ptr() and torch.equal(fewer, head.local_logits(hidden[:2] * 2))
+    both = torch.cat([hidden, hidden])
+    more = head.transient_logits(both)
+    assert more.shape == (10, 320) and torch.equal(more, head.local_logits(both))
+    if quantized:  # bfloat16 activations: the head's own result, widened
+        assert torch.equal(head.transient_logits(hidden.bfloat16()), head.local_logits(hidden.bfloat16()).float())
