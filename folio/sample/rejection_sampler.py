@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import torch
 
+from folio.sample.noise import exponential_rows
+
 
 def verify_greedy(target_argmax: list[int], draft_ids: list[int]) -> list[int]:
     """The accepted drafts followed by the target's own next token."""
@@ -57,5 +59,5 @@ def _draw(weights: torch.Tensor, fallback: torch.Tensor, generator: torch.Genera
     draws); if they sum to nothing (p and q agree exactly there), from `fallback`."""
     if not bool((weights > 0).any()):
         weights = fallback
-    noise = torch.empty_like(weights, dtype=torch.float32).exponential_(generator=generator)
+    noise = exponential_rows(weights.shape[-1], [generator])[0]
     return int((weights.float() / noise).argmax())

@@ -15,6 +15,7 @@ import torch
 from folio.layers.finite_rows import nonfinite_rows, rows_without_finite
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs
+from folio.sample.noise import exponential_rows
 from folio.sample.penalties import PenaltyBatch
 from folio.sampling_params import SamplingParams
 
@@ -114,9 +115,7 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     greedy_rows = batch.temperature == 0
     probs = sampling_probs(logits, batch)
     # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, one generator per row.
-    noise = torch.empty_like(probs)
-    for row, generator in enumerate(batch.generators):
-        noise[row].exponential_(generator=generator)
+    noise = exponential_rows(probs.shape[1], batch.generators)
     sampled = (probs / noise).argmax(dim=-1)
     return torch.where(greedy_rows, greedy_tokens, sampled)
 

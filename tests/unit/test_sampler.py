@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from folio.sample.noise import exponential_rows
 from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, row_problems
 from folio.sample.sampler import sample_tokens as sample
 from folio.sampling_params import SamplingParams
@@ -91,3 +92,19 @@ def test_row_problems_are_exact_where_a_row_sum_overflows_or_cancels():
     assert row_problems(logits, adjusted)[3] == "no token was allowed"
     with_inf_max = torch.tensor([[math.inf, -math.inf, -math.inf, -math.inf]])
     assert row_problems(torch.zeros(1, 4), with_inf_max) == ["no token was allowed"]  # no finite logit left
+
+
+def test_exponential_noise_is_exp_1_positive_and_per_generator():
+    rows = exponential_rows(200_000, [torch.Generator().manual_seed(1), torch.Generator().manual_seed(2)])
+    assert rows.dtype == torch.float32 and bool((rows > 0).all())
+    # Exp(1): mean 1, variance 1, P(E > 1) = 1/e
+    assert abs(rows.mean().item() - 1) < 0.01 and abs(rows.var().item() - 1) < 0.02
+    assert abs((rows > 1).float().mean().item() - math.exp(-1)) < 0.005
+    again = exponential_rows(200_000, [torch.Generator().manual_seed(2)])
+    assert torch.equal(again[0], rows[1])  # a row's noise is its generator's alone
+
+
+def test_a_token_of_probability_zero_is_never_drawn():
+    logits = torch.tensor([[0.0, float("-inf"), 0.0]]).repeat(4000, 1)
+    tokens = sample(logits, _batch([SamplingParams(temperature=1.0)] * 4000, list(range(4000))))
+    assert not bool((tokens == 1).any()) and set(tokens.tolist()) == {0, 2}
