@@ -32,6 +32,7 @@
 #include "folio_kernels.h"
 #include "int8_activations.h"
 #include "int8_tiles.h"
+#include "int_widen.h"
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #define FOLIO_VNNI 1
@@ -41,8 +42,6 @@ namespace {
 
 using namespace folio_int8_dot;
 
-constexpr int64_t TILE_ROWS = 16;
-constexpr int64_t TILE_BLOCK_BYTES = TILE_ROWS * BLOCK / 2;
 constexpr int64_t X_TILE = 4;  // activation rows sharing each loaded weight
 
 // With several passes of activation rows over each tile (pass `pass` of `passes`), the next tile's bytes
@@ -53,6 +52,33 @@ inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t pass, int
   if (passes < 2) return;
   const int64_t lines = (bytes + 63) / 64, from = lines * pass / passes, to = lines * (pass + 1) / passes;
   for (int64_t line = from; line < to; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
+}
+
+// y [M, N] = the tiles' outputs. Tiles of 16 weight rows are dealt to the threads, and each tile's
+// weights stay in L1 while every activation row passes over them, X_TILE rows at a time (a batch's
+// activations fit in L2; a weight matrix often fits in no cache). tile_fn(tile, its codes, m0, rows,
+// out) writes rows x 16 outputs to out, rows a std::integral_constant so that the tile kernels unroll.
+template <typename F>
+void over_tiles(int64_t M, int64_t N, const uint8_t* codes, int64_t tile_bytes, float* y, F tile_fn) {
+  const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS, passes = (M + X_TILE - 1) / X_TILE;
+  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
+    float out[X_TILE * TILE_ROWS];
+    for (int64_t tile = begin; tile < end; ++tile) {
+      const uint8_t* c = codes + tile * tile_bytes;
+      for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
+        const int64_t rows = std::min(X_TILE, M - m0);
+        if (tile + 1 < end) prefetch_share(c + tile_bytes, tile_bytes, m0 / X_TILE, passes);
+        switch (rows) {
+          case 4: tile_fn(tile, c, m0, std::integral_constant<int, 4>{}, out); break;
+          case 3: tile_fn(tile, c, m0, std::integral_constant<int, 3>{}, out); break;
+          case 2: tile_fn(tile, c, m0, std::integral_constant<int, 2>{}, out); break;
+          default: tile_fn(tile, c, m0, std::integral_constant<int, 1>{}, out); break;
+        }
+        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
+        for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
+      }
+    }
+  });
 }
 
 // ---- 4-bit, tiled ----
@@ -134,34 +160,14 @@ template <bool EXACT, typename T>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
                       const at::Half* mins, int64_t N, int64_t group, float* y) {
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/false, EXACT);
-  const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t B = K / BLOCK, G = K / group;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) group_sums[m * G + group_of_block[b]] += q.sums[m * B + b];
-  // Each tile's weights stay in L1 while every activation row passes over them (int8_linear_impl).
-  const int64_t passes = (M + X_TILE - 1) / X_TILE;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float out[X_TILE * TILE_ROWS];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
-        const int64_t rows = std::min(X_TILE, M - m0);
-        const uint8_t* c = codes + tile * B * TILE_BLOCK_BYTES;
-        if (tile + 1 < end) prefetch_share(c + B * TILE_BLOCK_BYTES, B * TILE_BLOCK_BYTES, m0 / X_TILE, passes);
-        const at::Half* s = scales + tile * G * TILE_ROWS;
-        const at::Half* mn = mins + tile * G * TILE_ROWS;
-        const float* sums = group_sums.data();
-        const int32_t* gb = group_of_block.data();
-        switch (rows) {
-          case 4: int4_tile<4, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-          case 3: int4_tile<3, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-          case 2: int4_tile<2, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-          default: int4_tile<1, EXACT>(c, s, mn, q, sums, gb, m0, K, G, out); break;
-        }
-        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
-        for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
-      }
-    }
+  over_tiles(M, N, codes, B * TILE_BLOCK_BYTES, y, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
+    int4_tile<decltype(rows)::value, EXACT>(c, scales + tile * G * TILE_ROWS, mins + tile * G * TILE_ROWS, q,
+                                             group_sums.data(), group_of_block.data(), m0, K, G, out);
   });
 }
 
@@ -171,30 +177,10 @@ template <bool SPLIT, bool EXACT, typename T, typename S>
 void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
                       int64_t group, float* y) {
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true, EXACT);
-  const int64_t B = K / BLOCK, G = K / group, tiles = (N + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t B = K / BLOCK, G = K / group;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
-  // Each tile's weights stay in L1 while every activation row passes over them (a batch's activations
-  // fit in L2; a weight matrix often does not fit in any cache).
-  const int64_t passes = (M + X_TILE - 1) / X_TILE;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float out[X_TILE * TILE_ROWS];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
-        const int64_t rows = std::min(X_TILE, M - m0);
-        const uint8_t* c = codes + tile * B * INT8_TILE_BLOCK_BYTES;
-        if (tile + 1 < end) prefetch_share(c + B * INT8_TILE_BLOCK_BYTES, B * INT8_TILE_BLOCK_BYTES, m0 / X_TILE, passes);
-        const S* s = scales + tile * G * TILE_ROWS;
-        const int32_t* gb = group_of_block.data();
-        switch (rows) {
-          case 4: int8_tile<4, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
-          case 3: int8_tile<3, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
-          case 2: int8_tile<2, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
-          default: int8_tile<1, SPLIT, EXACT>(c, s, q, gb, m0, K, out); break;
-        }
-        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
-        for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
-      }
-    }
+  over_tiles(M, N, codes, B * INT8_TILE_BLOCK_BYTES, y, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
+    int8_tile<decltype(rows)::value, SPLIT, EXACT>(c, scales + tile * G * TILE_ROWS, q, group_of_block.data(), m0, K, out);
   });
 }
 
@@ -215,38 +201,6 @@ void with_x(const torch::Tensor& x, F f) {
     f(x.data_ptr<at::BFloat16>());
   } else {
     f(x.data_ptr<float>());
-  }
-}
-
-// dst[0 .. 32) = src, rounded to O (to nearest even, as torch's conversions round).
-template <typename O>
-inline void store_block(O* dst, const float* src) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<O, at::BFloat16>) {
-    for (int64_t k = 0; k < BLOCK; k += 16)
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
-    return;
-  }
-#endif
-  for (int64_t k = 0; k < BLOCK; ++k) dst[k] = static_cast<O>(src[k]);
-}
-
-// What a weight is widened to: `dtype` where f below writes it, else float32 (then converted).
-at::ScalarType widened_dtype(at::ScalarType dtype) {
-  const bool written = dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf;
-  return written ? dtype : torch::kFloat32;
-}
-
-// Calls f(typed pointer) for a widened weight's output: float32, bfloat16 or float16.
-template <typename F>
-void with_output(torch::Tensor& out, F f) {
-  if (out.scalar_type() == torch::kBFloat16) {
-    f(out.data_ptr<at::BFloat16>());
-  } else if (out.scalar_type() == torch::kHalf) {
-    f(out.data_ptr<at::Half>());
-  } else {
-    TORCH_CHECK(out.scalar_type() == torch::kFloat32, "a weight widens to float32, bfloat16 or float16");
-    f(out.data_ptr<float>());
   }
 }
 
@@ -325,79 +279,6 @@ torch::Tensor int8_linear_into(torch::Tensor x, torch::Tensor tiles, torch::Tens
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x: float32 (out is float32)");
   int8_linear_to(x, tiles, scales, group, N, exact, out);
   return out;
-}
-
-// The tiled 8-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
-torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
-                              at::ScalarType dtype) {
-  const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
-  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
-              tiles.numel() == tile_count * B * INT8_TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
-              scales.is_contiguous(), "int8 tiles and scales");
-  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
-  const uint8_t* c = tiles.data_ptr<uint8_t>();
-  auto widen = [&](const auto* s, auto* o) {
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
-        for (int64_t b = 0; b < B; ++b) {
-          const uint8_t* block = c + (tile * B + b) * INT8_TILE_BLOCK_BYTES + i * 4;
-          float values[BLOCK];
-          for (int64_t half = 0; half < 2; ++half) {  // a group of 16 covers half a block
-            const float scale = scale_at(s, (tile * G + (b * BLOCK + half * HALF) / group) * TILE_ROWS + i);
-            for (int64_t j = 4 * half; j < 4 * half + 4; ++j)
-              for (int64_t t = 0; t < 4; ++t)
-                values[4 * j + t] = static_cast<float>(static_cast<int32_t>(block[j * 64 + t]) - 128) * scale;
-          }
-          store_block(o + n * K + b * BLOCK, values);
-        }
-      }
-    });
-  };
-  with_output(out, [&](auto* o) {
-    if (scales.scalar_type() == torch::kHalf) {
-      widen(scales.data_ptr<at::Half>(), o);
-    } else {
-      TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
-      widen(scales.data_ptr<float>(), o);
-    }
-  });
-  return out.to(dtype);
-}
-
-// The tiled 4-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
-torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins, int64_t group, int64_t N,
-                              int64_t K, at::ScalarType dtype) {
-  const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
-  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
-              tiles.numel() == tile_count * B * TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
-              mins.numel() == scales.numel() && scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf,
-              "int4 tiles, scales and mins");
-  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
-  const uint8_t* c = tiles.data_ptr<uint8_t>();
-  const at::Half* s = scales.data_ptr<at::Half>();
-  const at::Half* m = mins.data_ptr<at::Half>();
-  with_output(out, [&](auto* o) {
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
-        for (int64_t b = 0; b < B; ++b) {
-          const uint8_t* block = c + (tile * B + b) * TILE_BLOCK_BYTES;
-          const int64_t g = (tile * G + b * BLOCK / group) * TILE_ROWS + i;
-          const float scale = to_float(s[g]), min = to_float(m[g]);
-          float values[BLOCK];
-          for (int64_t j = 0; j < 4; ++j)
-            for (int64_t v = 0; v < 4; ++v) {
-              const uint8_t byte = block[j * 64 + i * 4 + v];
-              values[4 * j + v] = static_cast<float>(byte & 0x0F) * scale + min;
-              values[16 + 4 * j + v] = static_cast<float>(byte >> 4) * scale + min;
-            }
-          store_block(o + n * K + b * BLOCK, values);
-        }
-      }
-    });
-  });
-  return out.to(dtype);
 }
 
 // x's rows as the kernels see them: int8 codes, one float scale per block of 32, and the residual codes

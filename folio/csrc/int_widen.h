@@ -1,0 +1,124 @@
+// Tiled 4-bit and 8-bit weights (int8_dot.cpp, int8_tiles.h) widened back to float32, bfloat16 or
+// float16 [N, K], for many activation rows: one GEMM on the widened weight then beats the dot products.
+#pragma once
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <type_traits>
+
+#include "int8_activations.h"
+#include "int8_tiles.h"
+
+namespace folio_int8_dot {
+
+constexpr int64_t TILE_ROWS = 16;
+constexpr int64_t TILE_BLOCK_BYTES = TILE_ROWS * BLOCK / 2;  // a 4-bit tile's bytes per block of 32
+
+// dst[0 .. 32) = src, rounded to O (to nearest even, as torch's conversions round).
+template <typename O>
+inline void store_block(O* dst, const float* src) {
+#if defined(__AVX512BF16__)
+  if constexpr (std::is_same_v<O, at::BFloat16>) {
+    for (int64_t k = 0; k < BLOCK; k += 16)
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + k), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + k)));
+    return;
+  }
+#endif
+  for (int64_t k = 0; k < BLOCK; ++k) dst[k] = static_cast<O>(src[k]);
+}
+
+// What a weight is widened to: `dtype` where f below writes it, else float32 (then converted).
+inline at::ScalarType widened_dtype(at::ScalarType dtype) {
+  const bool written = dtype == torch::kFloat32 || dtype == torch::kBFloat16 || dtype == torch::kHalf;
+  return written ? dtype : torch::kFloat32;
+}
+
+// Calls f(typed pointer) for a widened weight's output: float32, bfloat16 or float16.
+template <typename F>
+inline void with_output(torch::Tensor& out, F f) {
+  if (out.scalar_type() == torch::kBFloat16) {
+    f(out.data_ptr<at::BFloat16>());
+  } else if (out.scalar_type() == torch::kHalf) {
+    f(out.data_ptr<at::Half>());
+  } else {
+    TORCH_CHECK(out.scalar_type() == torch::kFloat32, "a weight widens to float32, bfloat16 or float16");
+    f(out.data_ptr<float>());
+  }
+}
+
+// The tiled 8-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
+inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
+                                     at::ScalarType dtype) {
+  const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * B * INT8_TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
+              scales.is_contiguous(), "int8 tiles and scales");
+  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
+  const uint8_t* c = tiles.data_ptr<uint8_t>();
+  auto widen = [&](const auto* s, auto* o) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
+        for (int64_t b = 0; b < B; ++b) {
+          const uint8_t* block = c + (tile * B + b) * INT8_TILE_BLOCK_BYTES + i * 4;
+          float values[BLOCK];
+          for (int64_t half = 0; half < 2; ++half) {  // a group of 16 covers half a block
+            const float scale = scale_at(s, (tile * G + (b * BLOCK + half * HALF) / group) * TILE_ROWS + i);
+            for (int64_t j = 4 * half; j < 4 * half + 4; ++j)
+              for (int64_t t = 0; t < 4; ++t)
+                values[4 * j + t] = static_cast<float>(static_cast<int32_t>(block[j * 64 + t]) - 128) * scale;
+          }
+          store_block(o + n * K + b * BLOCK, values);
+        }
+      }
+    });
+  };
+  with_output(out, [&](auto* o) {
+    if (scales.scalar_type() == torch::kHalf) {
+      widen(scales.data_ptr<at::Half>(), o);
+    } else {
+      TORCH_CHECK(scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
+      widen(scales.data_ptr<float>(), o);
+    }
+  });
+  return out.to(dtype);
+}
+
+// The tiled 4-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
+inline torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins, int64_t group,
+                                     int64_t N, int64_t K, at::ScalarType dtype) {
+  const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * B * TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
+              mins.numel() == scales.numel() && scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf,
+              "int4 tiles, scales and mins");
+  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
+  const uint8_t* c = tiles.data_ptr<uint8_t>();
+  const at::Half* s = scales.data_ptr<at::Half>();
+  const at::Half* m = mins.data_ptr<at::Half>();
+  with_output(out, [&](auto* o) {
+    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t n = begin; n < end; ++n) {
+        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
+        for (int64_t b = 0; b < B; ++b) {
+          const uint8_t* block = c + (tile * B + b) * TILE_BLOCK_BYTES;
+          const int64_t g = (tile * G + b * BLOCK / group) * TILE_ROWS + i;
+          const float scale = to_float(s[g]), min = to_float(m[g]);
+          float values[BLOCK];
+          for (int64_t j = 0; j < 4; ++j)
+            for (int64_t v = 0; v < 4; ++v) {
+              const uint8_t byte = block[j * 64 + i * 4 + v];
+              values[4 * j + v] = static_cast<float>(byte & 0x0F) * scale + min;
+              values[16 + 4 * j + v] = static_cast<float>(byte >> 4) * scale + min;
+            }
+          store_block(o + n * K + b * BLOCK, values);
+        }
+      }
+    });
+  });
+  return out.to(dtype);
+}
+
+}  // namespace folio_int8_dot
