@@ -15,8 +15,9 @@ import torch
 from folio.layers.finite_rows import nonfinite_rows, rows_without_finite
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs
-from folio.sample.noise import exponential_rows
 from folio.sample.penalties import PenaltyBatch
+from folio.sample.race import race_kept, race_whole_rows
+from folio.sample.top_k_top_p import top_k_top_p_prefix
 from folio.sampling_params import SamplingParams
 
 
@@ -73,30 +74,20 @@ class SamplerOutput:
     problems: list[str | None]  # per row: why its token is meaningless (None: the token is good)
 
 
+def apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """Mask (to -inf) tokens less likely than min_p times the row's best."""
+    if not bool(batch.min_p.gt(0).any()):
+        return logits
+    probs = logits.softmax(dim=-1)
+    threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p.unsqueeze(1)
+    return logits.masked_fill(probs < threshold, float("-inf"))
+
+
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set."""
-    use_top_k = bool((batch.top_k > 0).any())
-    use_top_p = bool((batch.top_p < 1.0).any())
-    if batch.min_p.gt(0).any():
-        probs = logits.softmax(dim=-1)
-        threshold = probs.max(dim=-1, keepdim=True).values * batch.min_p.unsqueeze(1)
-        logits = logits.masked_fill(probs < threshold, float("-inf"))
-    if not (use_top_k or use_top_p):
-        return logits
-    sorted_logits, sorted_index = logits.sort(dim=-1, descending=True)
-    remove = torch.zeros_like(sorted_logits, dtype=torch.bool)
-    if use_top_k:
-        vocab = logits.shape[-1]
-        k = torch.where(batch.top_k > 0, batch.top_k, vocab).clamp(max=vocab)
-        ranks = torch.arange(vocab).unsqueeze(0)
-        remove |= ranks >= k.unsqueeze(1)
-    if use_top_p:
-        probs = sorted_logits.masked_fill(remove, float("-inf")).softmax(dim=-1)
-        mass_before = probs.cumsum(dim=-1) - probs  # probability of strictly better tokens
-        remove |= mass_before >= batch.top_p.unsqueeze(1)
-    remove[:, 0] = False  # always keep the best token
-    mask = torch.zeros_like(remove).scatter_(1, sorted_index, remove)
-    return logits.masked_fill(mask, float("-inf"))
+    logits = apply_min_p(logits, batch)
+    kept = top_k_top_p_prefix(logits, batch.top_k, batch.top_p)
+    return logits if kept is None else logits.masked_fill(~kept.mask(logits.shape[-1]), float("-inf"))
 
 
 def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
@@ -113,11 +104,22 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     if batch.all_greedy:
         return greedy_tokens
     greedy_rows = batch.temperature == 0
-    probs = sampling_probs(logits, batch)
-    # Exponential-race sampling: argmax(p / E) with E ~ Exp(1) draws from p, one generator per row.
-    noise = exponential_rows(probs.shape[1], batch.generators)
-    sampled = (probs / noise).argmax(dim=-1)
-    return torch.where(greedy_rows, greedy_tokens, sampled)
+    temperature = torch.where(greedy_rows, 1.0, batch.temperature).unsqueeze(1)
+    scaled = apply_min_p(logits / temperature, batch)
+    # Greedy rows take the argmax whatever their filters, so they need no prefix.
+    top_k = batch.top_k.masked_fill(greedy_rows, 0)
+    top_p = batch.top_p.masked_fill(greedy_rows, 1.0)
+    kept = top_k_top_p_prefix(scaled, top_k, top_p)
+    filtering = torch.zeros_like(greedy_rows) if kept is None else kept.filters
+    tokens = greedy_tokens.clone()
+    whole_rows = (~greedy_rows & ~filtering).nonzero().flatten().tolist()
+    if whole_rows:
+        tokens[whole_rows] = torch.tensor(race_whole_rows(scaled, whole_rows, batch.generators))
+    if kept is not None:
+        filtered_rows = (~greedy_rows & filtering).nonzero().flatten().tolist()
+        if filtered_rows:
+            tokens[filtered_rows] = torch.tensor(race_kept(scaled, kept, filtered_rows, batch.generators))
+    return tokens
 
 
 def adjust_logits(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

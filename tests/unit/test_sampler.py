@@ -4,6 +4,7 @@ import math
 
 import torch
 
+from folio.sample import race
 from folio.sample.noise import exponential_rows
 from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, row_problems
 from folio.sample.sampler import sample_tokens as sample
@@ -108,3 +109,46 @@ def test_a_token_of_probability_zero_is_never_drawn():
     logits = torch.tensor([[0.0, float("-inf"), 0.0]]).repeat(4000, 1)
     tokens = sample(logits, _batch([SamplingParams(temperature=1.0)] * 4000, list(range(4000))))
     assert not bool((tokens == 1).any()) and set(tokens.tolist()) == {0, 2}
+
+
+def test_filtered_rows_draw_from_their_kept_set_in_proportion():
+    """Rows that filter race among their kept tokens only; the draws follow the renormalised set."""
+    probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
+    logits = probs.log().repeat(20000, 1)
+    tokens = sample(logits, _batch([SamplingParams(top_k=3)] * 20000, list(range(20000))))
+    expected = torch.tensor([0.0, 0.4, 0.0, 0.3, 0.15]) / 0.85
+    freq = torch.bincount(tokens, minlength=5).float() / 20000
+    assert torch.allclose(freq, expected, atol=0.015)
+    nucleus = sample(logits, _batch([SamplingParams(top_p=0.65)] * 20000, list(range(20000))))
+    assert set(torch.unique(nucleus).tolist()) == {1, 3}  # 0.15 has 0.7 >= 0.65 before it
+
+
+def test_seeded_filtered_rows_do_not_depend_on_their_batch():
+    logits = torch.randn(5, 300) * 3
+    params = [
+        SamplingParams(seed=5, top_k=40),
+        SamplingParams(seed=6, top_p=0.9),
+        SamplingParams(seed=7),
+        SamplingParams(temperature=0, top_k=2),
+        SamplingParams(seed=8, top_k=250, top_p=0.99),
+    ]
+    seeds = [5, 6, 7, None, 8]
+    together = sample(logits, _batch(params, seeds))
+    for row, (p, seed) in enumerate(zip(params, seeds, strict=True)):
+        alone = sample(logits[row : row + 1], _batch([p], [seed]))
+        assert together[row] == alone[0]
+    assert together[3] == logits[3].argmax()
+
+
+def test_whole_rows_draw_from_head_and_tail_in_proportion(monkeypatch):
+    """A row that keeps every token picks its head or its tail by their mass, then races within it."""
+    monkeypatch.setattr(race, "HEAD", 2)
+    probs = torch.tensor([0.1, 0.35, 0.05, 0.3, 0.2])  # head: tokens 1 and 3 (0.65); tail: 0.35
+    logits = probs.log().repeat(20000, 1)
+    tokens = sample(logits, _batch([SamplingParams(temperature=1.0)] * 20000, list(range(20000))))
+    freq = torch.bincount(tokens, minlength=5).float() / 20000
+    assert torch.allclose(freq, probs, atol=0.015)
+    masked = logits.clone()
+    masked[:, [0, 2, 4]] = float("-inf")  # nothing left past the head
+    tokens = sample(masked[:2000], _batch([SamplingParams(temperature=1.0)] * 2000, list(range(2000))))
+    assert set(torch.unique(tokens).tolist()) == {1, 3}
