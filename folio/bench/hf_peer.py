@@ -56,9 +56,16 @@ def _left_padded(batch: list[BenchRequest], pad_id: int) -> tuple[torch.Tensor, 
 
 
 def run_hf(
-    model: Any, requests: list[BenchRequest], batch_size: int, load_s: float, use_tqdm: bool = True
+    model: Any,
+    requests: list[BenchRequest],
+    batch_size: int,
+    load_s: float,
+    use_tqdm: bool = True,
+    generate_kwargs: dict[str, Any] | None = None,
 ) -> EngineResult:
-    """Time `generate` over all requests in batches of `batch_size`, greedy."""
+    """Time `generate` over all requests in batches of `batch_size`: greedy, or as `generate_kwargs`
+    (do_sample, temperature, top_p, top_k) say."""
+    choice = generate_kwargs or {"do_sample": False}
     torch.set_num_threads(os.cpu_count() or 1)
     pad_id = 0  # any id works: padded positions are masked out of attention
     generated = 0
@@ -74,8 +81,8 @@ def run_hf(
                 attention_mask=mask,
                 max_new_tokens=new_tokens,
                 min_new_tokens=new_tokens,
-                do_sample=False,
                 pad_token_id=pad_id,
+                **choice,
             )
             if out.shape != (len(batch), ids.shape[1] + new_tokens):
                 raise RuntimeError(f"transformers returned shape {tuple(out.shape)}, expected {new_tokens} new tokens")

@@ -28,10 +28,10 @@ from folio.bench.flags import add_output_dir, command_line
 from folio.bench.hf_peer import load_hf_model, require_transformers, run_hf
 from folio.bench.report import EngineResult, ThroughputReport, format_table, write_report
 from folio.bench.roofline import TokenCost, measure_peaks
+from folio.bench.sampling import BenchSampling, add_sampling_args, sampling_from_args
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.platform import default_device, resolve_dtype
-from folio.sampling_params import SamplingParams
 
 PEERS = ("hf",)
 
@@ -46,6 +46,7 @@ class ThroughputConfig:
     seed: int = 0
     peer: str | None = None
     hf_batch_size: int = 16
+    sampling: BenchSampling = field(default_factory=BenchSampling)
     engine_args: dict[str, Any] = field(default_factory=dict)  # keyword arguments of folio.LLM
     use_tqdm: bool = True
 
@@ -80,10 +81,19 @@ def check_fits(requests: list[BenchRequest], max_model_len: int) -> None:
         )
 
 
-def run_folio(llm: Any, requests: list[BenchRequest], load_s: float, use_tqdm: bool = True) -> EngineResult:
-    """Time one `generate` call over all requests: greedy, ignoring EOS, each to its own length."""
+def run_folio(
+    llm: Any,
+    requests: list[BenchRequest],
+    load_s: float,
+    use_tqdm: bool = True,
+    sampling: BenchSampling | None = None,
+    seed: int = 0,
+) -> EngineResult:
+    """Time one `generate` call over all requests: greedy (or sampled, request i seeded seed + i),
+    ignoring EOS, each to its own length."""
     torch.set_num_threads(os.cpu_count() or 1)
-    params = [SamplingParams(max_tokens=r.output_len, temperature=0.0, ignore_eos=True) for r in requests]
+    sampling = sampling or BenchSampling()
+    params = [sampling.folio_params(r.output_len, seed + i) for i, r in enumerate(requests)]
     prompts = [r.prompt_token_ids for r in requests]
     preempted = llm.engine.scheduler.num_preemptions
     start = time.perf_counter()
@@ -123,7 +133,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
     load_s = time.perf_counter() - start
     requests = build_requests(config, llm)
     check_fits(requests, llm.engine.max_model_len)
-    results = [run_folio(llm, requests, load_s, config.use_tqdm)]
+    results = [run_folio(llm, requests, load_s, config.use_tqdm, config.sampling, config.seed)]
     model_path, dtype = llm.loaded.path, llm.dtype
     cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
     kv = llm.engine.kv
@@ -133,7 +143,8 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
 
     if config.peer == "hf":
         model, hf_load_s = load_hf_model(model_path, dtype)
-        results.append(run_hf(model, requests, config.hf_batch_size, hf_load_s, config.use_tqdm))
+        choice = config.sampling.hf_generate_kwargs()
+        results.append(run_hf(model, requests, config.hf_batch_size, hf_load_s, config.use_tqdm, choice))
         del model
         gc.collect()
 
@@ -155,6 +166,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
             "output_len_range": str(config.output_len_range),
             "peer": config.peer,
             "hf_batch_size": config.hf_batch_size if config.peer == "hf" else None,
+            "sampling": config.sampling.to_dict(),
             "engine": {k: v for k, v in config.engine_args.items() if k != "dtype"},
             "mean_prompt_tokens": sum(len(r.prompt_token_ids) for r in requests) / len(requests),
             "mean_output_tokens": sum(r.output_len for r in requests) / len(requests),
@@ -169,7 +181,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "throughput",
         help="offline throughput: all requests at once, optionally vs transformers",
         description="Submit a fixed, seeded set of requests at once and measure requests/s and tokens/s "
-        "(greedy, EOS ignored, so every request decodes exactly its output length).",
+        "(greedy unless --temperature is above 0; EOS ignored, so every request decodes exactly its output "
+        "length).",
     )
     parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
     parser.add_argument("--dataset", default="random", help="random (default) or humaneval")
@@ -181,6 +194,7 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument("--seed", type=int, default=0, help="seed of the workload (default 0)")
     parser.add_argument("--peer", default=None, help="also run the requests through a peer engine: hf")
     parser.add_argument("--hf-batch-size", type=int, default=16, help="static batch size of the hf peer (default 16)")
+    add_sampling_args(parser)
     add_output_dir(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=run_throughput_command)
@@ -196,6 +210,7 @@ def run_throughput_command(args: argparse.Namespace) -> int:
         seed=args.seed,
         peer=args.peer,
         hf_batch_size=args.hf_batch_size,
+        sampling=sampling_from_args(args),
         engine_args=EngineArgs.from_cli_args(args).llm_kwargs(),
     )
     report = run_throughput(config, command_line(args))

@@ -77,6 +77,32 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
     assert f"folio KV pool: {pool['blocks']} blocks in 1 block table(s) a request" in printed
 
 
+def test_sampled_throughput_runs_both_engines_with_the_same_settings(tiny_llama, tmp_path, monkeypatch):
+    """--temperature/--top-p/--top-k sample in folio (seeded a request) and in transformers alike."""
+    from folio.bench import hf_peer
+
+    seen = []
+    generate = hf_peer.run_hf
+
+    def recording_run_hf(*args, **kwargs):
+        seen.append(args[5] if len(args) > 5 else kwargs.get("generate_kwargs"))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr("folio.bench.throughput.run_hf", recording_run_hf)
+    out_dir = tmp_path / "results"
+    code = main([
+        "bench", "throughput", str(tiny_llama), "--num-prompts", "4", "--input-len-range", "4:12",
+        "--output-len-range", "3:6", "--temperature", "0.8", "--top-p", "0.9", "--top-k", "20",
+        "--peer", "hf", "--hf-batch-size", "2", "--kv-cache-memory", "16MiB", "--output-dir", str(out_dir),
+    ])  # fmt: skip
+    assert code == 0
+    report = json.loads(next(out_dir.glob("*.json")).read_text())
+    assert report["settings"]["sampling"] == {"temperature": 0.8, "top_p": 0.9, "top_k": 20}
+    assert seen == [{"do_sample": True, "temperature": 0.8, "top_p": 0.9, "top_k": 20}]
+    folio = report["results"]["folio"]
+    assert folio["generated_tokens"] == folio["output_tokens"] > 0
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
@@ -85,6 +111,8 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
         (["--peer", "vllm"], "unknown peer 'vllm'"),
         (["--dataset", "sharegpt"], "unknown dataset 'sharegpt'"),
         (["--input-len-range", "400:500", "--output-len-range", "100:200"], "the model's context is 512"),
+        (["--temperature", "-1"], "--temperature must be at least 0"),
+        (["--temperature", "1", "--top-p", "0"], "--top-p must be in (0, 1]"),
     ],
 )
 def test_bad_arguments_give_one_line(tiny_llama, tmp_path, capsys, argv, message):
