@@ -4,11 +4,13 @@ row constant, so no softmax is needed for the race itself.
 
 Each row draws from its own generator, and as many values as the row itself decides, so a seeded
 request gets the same tokens whatever shares its batch:
-- a row that filters races among the tokens its top-k / top-p keep (40 values for top-k 40, not 262,144);
+- a row whose top-k / top-p set is a prefix of its best tokens races among them only (40 values for
+  top-k 40, not 262,144);
+- a row whose nucleus is wider than its prefix races over the whole row, the rest masked (`race_dense`);
 - a row that keeps every token first tosses a coin weighted by the mass of its best `HEAD` tokens, then
   races within the head or within the rest. That is the same distribution as one race over the whole
-  row (a mixture of the two parts, each drawn in proportion), and the whole row's noise (~1.5 ms a row
-  of 262,144 tokens) is drawn only when the tail wins the toss.
+  row (a mixture of the two parts, each drawn in proportion), and the whole row's noise is drawn only
+  when the tail wins the toss (the tails of a batch in one race).
 """
 
 from __future__ import annotations
@@ -18,15 +20,15 @@ from collections.abc import Sequence
 import torch
 
 from folio.sample.noise import exponential_rows
-from folio.sample.top_k_top_p import KeptPrefix
+from folio.sample.top_k_top_p import KeptTokens
 
 HEAD = 1024
 
 
 def race_kept(
-    scaled: torch.Tensor, kept: KeptPrefix, rows: Sequence[int], generators: Sequence[torch.Generator | None]
+    scaled: torch.Tensor, kept: KeptTokens, rows: Sequence[int], generators: Sequence[torch.Generator | None]
 ) -> list[int]:
-    """The token of each of `rows` (rows that filter), raced among the tokens the row keeps only."""
+    """The token of each of `rows` (rows that filter, not wide ones), raced among the tokens it keeps only."""
     return [_race(scaled[row], kept.index[row, : int(kept.counts[row])], generators[row]) for row in rows]
 
 
@@ -39,25 +41,28 @@ def race_whole_rows(
         return []
     part = scaled if len(rows) == scaled.shape[0] else scaled[list(rows)]
     head_mass, head_index = part.softmax(dim=-1).topk(min(HEAD, part.shape[1]), dim=-1)
-    whole_row_is_head = head_index.shape[1] == part.shape[1]
-    tokens = []
-    for j, row in enumerate(rows):
-        generator = generators[row]
-        coin = float(torch.rand(1, generator=generator, dtype=torch.float64))
-        tail_token = None
-        if not whole_row_is_head and coin >= float(head_mass[j].sum(dtype=torch.float64)):
-            tail_token = _race_tail(part[j], head_index[j], generator)
+    if head_index.shape[1] == part.shape[1]:  # the head is the whole row
+        return [_race(part[j], head_index[j], generators[row]) for j, row in enumerate(rows)]
+    coins = [float(torch.rand(1, generator=generators[row], dtype=torch.float64)) for row in rows]
+    head_masses = head_mass.sum(dim=-1, dtype=torch.float64).tolist()
+    in_tail = [j for j in range(len(rows)) if coins[j] >= head_masses[j]]
+    tail_tokens: dict[int, int] = {}
+    if in_tail:  # one batched race over these rows with their heads masked out
+        tails = part[in_tail].scatter_(1, head_index[in_tail], float("-inf"))
+        won = race_dense(tails, [generators[rows[j]] for j in in_tail])
+        finite = torch.isfinite(tails.gather(1, won.unsqueeze(1))).squeeze(1)
         # The head's mass rounds below 1 even when nothing is left past it (masks): then the head it is.
-        tokens.append(_race(part[j], head_index[j], generator) if tail_token is None else tail_token)
-    return tokens
+        tail_tokens = {j: int(token) for j, token, ok in zip(in_tail, won, finite.tolist(), strict=True) if ok}
+    return [
+        tail_tokens[j] if j in tail_tokens else _race(part[j], head_index[j], generators[row])
+        for j, row in enumerate(rows)
+    ]
 
 
-def _race_tail(scaled_row: torch.Tensor, head: torch.Tensor, generator: torch.Generator | None) -> int | None:
-    """A race over the tokens outside `head`; None when none of them is possible."""
-    tail = scaled_row.index_fill(0, head, float("-inf"))
-    noise = exponential_rows(tail.shape[0], [generator])[0]
-    token = int(tail.sub_(noise.log_()).argmax())
-    return token if bool(torch.isfinite(tail[token])) else None
+def race_dense(scaled: torch.Tensor, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """scaled [M, V] (given up: changed in place) -> each row's token [M], raced over the whole row."""
+    noise = exponential_rows(scaled.shape[1], generators)
+    return scaled.sub_(noise.log_()).argmax(dim=-1)
 
 
 def _race(scaled_row: torch.Tensor, candidates: torch.Tensor, generator: torch.Generator | None) -> int:

@@ -16,8 +16,8 @@ from folio.layers.finite_rows import nonfinite_rows, rows_without_finite
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs
 from folio.sample.penalties import PenaltyBatch
-from folio.sample.race import race_kept, race_whole_rows
-from folio.sample.top_k_top_p import top_k_top_p_prefix
+from folio.sample.race import race_dense, race_kept, race_whole_rows
+from folio.sample.top_k_top_p import top_k_top_p_kept
 from folio.sampling_params import SamplingParams
 
 
@@ -86,7 +86,7 @@ def apply_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 def apply_top_k_top_p_min_p(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """Mask (to -inf) tokens outside each row's top-k / nucleus / min-p set."""
     logits = apply_min_p(logits, batch)
-    kept = top_k_top_p_prefix(logits, batch.top_k, batch.top_p)
+    kept = top_k_top_p_kept(logits, batch.top_k, batch.top_p)
     return logits if kept is None else logits.masked_fill(~kept.mask(logits.shape[-1]), float("-inf"))
 
 
@@ -109,16 +109,22 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     # Greedy rows take the argmax whatever their filters, so they need no prefix.
     top_k = batch.top_k.masked_fill(greedy_rows, 0)
     top_p = batch.top_p.masked_fill(greedy_rows, 1.0)
-    kept = top_k_top_p_prefix(scaled, top_k, top_p)
-    filtering = torch.zeros_like(greedy_rows) if kept is None else kept.filters
+    kept = top_k_top_p_kept(scaled, top_k, top_p)
+    racing = ~greedy_rows
+    by_prefix = torch.zeros_like(racing) if kept is None else kept.filters.clone()
     tokens = greedy_tokens.clone()
-    whole_rows = (~greedy_rows & ~filtering).nonzero().flatten().tolist()
+    if kept is not None and kept.wide_rows:  # a nucleus wider than its prefix: one race over the masked row
+        wide = list(kept.wide_rows)
+        masked = scaled[wide].masked_fill_(~kept.wide_mask, float("-inf"))
+        tokens[wide] = race_dense(masked, [batch.generators[row] for row in wide])
+        by_prefix[wide] = False
+        racing[wide] = False
+    whole_rows = (racing & ~by_prefix).nonzero().flatten().tolist()
     if whole_rows:
         tokens[whole_rows] = torch.tensor(race_whole_rows(scaled, whole_rows, batch.generators))
-    if kept is not None:
-        filtered_rows = (~greedy_rows & filtering).nonzero().flatten().tolist()
-        if filtered_rows:
-            tokens[filtered_rows] = torch.tensor(race_kept(scaled, kept, filtered_rows, batch.generators))
+    prefix_rows = (racing & by_prefix).nonzero().flatten().tolist()
+    if kept is not None and prefix_rows:
+        tokens[prefix_rows] = torch.tensor(race_kept(scaled, kept, prefix_rows, batch.generators))
     return tokens
 
 

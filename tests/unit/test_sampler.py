@@ -2,9 +2,10 @@ from __future__ import annotations
 
 import math
 
+import pytest
 import torch
 
-from folio.sample import race
+from folio.sample import race, top_k_top_p
 from folio.sample.noise import exponential_rows
 from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, row_problems
 from folio.sample.sampler import sample_tokens as sample
@@ -111,8 +112,10 @@ def test_a_token_of_probability_zero_is_never_drawn():
     assert not bool((tokens == 1).any()) and set(tokens.tolist()) == {0, 2}
 
 
-def test_filtered_rows_draw_from_their_kept_set_in_proportion():
+@pytest.mark.parametrize("prefix", [1024, 1])  # 1: the nucleus is wider than the prefix (a masked whole-row race)
+def test_filtered_rows_draw_from_their_kept_set_in_proportion(monkeypatch, prefix):
     """Rows that filter race among their kept tokens only; the draws follow the renormalised set."""
+    monkeypatch.setattr(top_k_top_p, "NUCLEUS_PREFIX", prefix)
     probs = torch.tensor([0.05, 0.4, 0.1, 0.3, 0.15])
     logits = probs.log().repeat(20000, 1)
     tokens = sample(logits, _batch([SamplingParams(top_k=3)] * 20000, list(range(20000))))
