@@ -15,6 +15,7 @@ from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
+from folio.heap import reuse_large_allocations
 from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
 from folio.kv_cache.manager import KVCacheManager
 from folio.models.base import CausalLM
@@ -131,6 +132,8 @@ class EngineCore:
         # A pipeline of P stages keeps up to P steps in flight (disjoint requests): stage 0 starts the
         # next step while the later stages finish this one. Steps leave in the order they entered.
         self.max_steps_in_flight = parallel.pipeline_parallel_size if workers is not None else 1
+        if device.type == "cpu":  # the model and pool are loaded: from here a step's large tensors reuse the heap
+            reuse_large_allocations()
         self.in_flight: deque[SchedulerOutput] = deque()
         self.kv_bytes_per_token = bytes_per_token
         self.kv_cache_dtype = cache_config.kv_cache_dtype
