@@ -29,6 +29,7 @@ RUNTIME = frozenset(
         "folio.distributed",  # the tensor-parallel group and the rendezvous (imports no other folio package)
         "folio.engine",
         "folio.engine_args",
+        "folio.heap",  # glibc's large blocks reused, not remapped (the engine asks once loaded)
         "folio.kv_cache",
         "folio.layers",
         "folio.loaders",
