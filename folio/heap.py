@@ -19,16 +19,6 @@ M_MMAP_MAX = -4
 KEPT_FREE_AT_TOP = 256 << 20
 
 
-class MallInfo2(ctypes.Structure):
-    """glibc's `struct mallinfo2` (2.33 on)."""
-
-    _fields_ = [
-        (name, ctypes.c_size_t)
-        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
-                     "keepcost")
-    ]  # fmt: skip
-
-
 def reuse_large_allocations() -> bool:
     """Turn glibc's mmap of large blocks off and bound its trimming; False where the C library has no
     mallopt (not glibc: macOS, musl's stub) or refuses it."""
@@ -38,13 +28,3 @@ def reuse_large_allocations() -> bool:
         return False
     mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
     return mallopt(M_MMAP_MAX, 0) == 1 and mallopt(M_TRIM_THRESHOLD, KEPT_FREE_AT_TOP) == 1
-
-
-def mapped_block_bytes() -> int | None:
-    """Bytes glibc holds in blocks it mapped with mmap (mallinfo2's hblkhd); None without glibc 2.33+."""
-    try:
-        mallinfo2 = ctypes.CDLL(None).mallinfo2
-    except (OSError, AttributeError):
-        return None
-    mallinfo2.argtypes, mallinfo2.restype = [], MallInfo2
-    return int(mallinfo2().hblkhd)

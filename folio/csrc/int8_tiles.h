@@ -20,7 +20,9 @@
 
 namespace folio_int8_dot {
 
-constexpr int64_t INT8_TILE_BLOCK_BYTES = 16 * BLOCK;
+constexpr int64_t TILE_ROWS = 16;  // weight rows a tile holds side by side, one per AVX-512 lane
+constexpr int64_t TILE_BLOCK_BYTES = TILE_ROWS * BLOCK / 2;  // a 4-bit tile's bytes per block of 32
+constexpr int64_t INT8_TILE_BLOCK_BYTES = TILE_ROWS * BLOCK;
 
 inline float scale_at(const at::Half* s, int64_t i) { return to_float(s[i]); }
 inline float scale_at(const float* s, int64_t i) { return s[i]; }

@@ -13,9 +13,6 @@
 
 namespace folio_int8_dot {
 
-constexpr int64_t TILE_ROWS = 16;
-constexpr int64_t TILE_BLOCK_BYTES = TILE_ROWS * BLOCK / 2;  // a 4-bit tile's bytes per block of 32
-
 // dst[0 .. 32) = src, rounded to O (to nearest even, as torch's conversions round).
 template <typename O>
 inline void store_block(O* dst, const float* src) {

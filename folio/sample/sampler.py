@@ -100,9 +100,8 @@ def sampling_probs(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
 
 def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """logits [N, V] float32 (penalties already applied) -> token ids [N]."""
-    greedy_tokens = logits.argmax(dim=-1)
     if batch.all_greedy:
-        return greedy_tokens
+        return logits.argmax(dim=-1)
     greedy_rows = batch.temperature == 0
     temperature = torch.where(greedy_rows, 1.0, batch.temperature).unsqueeze(1)
     scaled = apply_min_p(logits / temperature, batch)
@@ -112,7 +111,9 @@ def sample_tokens(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     kept = top_k_top_p_kept(scaled, top_k, top_p)
     racing = ~greedy_rows
     by_prefix = torch.zeros_like(racing) if kept is None else kept.filters.clone()
-    tokens = greedy_tokens.clone()
+    tokens = torch.empty(logits.shape[0], dtype=torch.long)
+    if bool(greedy_rows.any()):  # a full pass over the vocabulary: only for the rows that need it
+        tokens[greedy_rows] = logits[greedy_rows].argmax(dim=-1)
     if kept is not None and kept.wide_rows:  # a nucleus wider than its prefix: one race over the masked row
         wide = list(kept.wide_rows)
         masked = scaled[wide].masked_fill_(~kept.wide_mask, float("-inf"))

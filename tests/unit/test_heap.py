@@ -2,10 +2,32 @@
 
 from __future__ import annotations
 
+import ctypes
+
 import pytest
 import torch
 
-from folio.heap import mapped_block_bytes, reuse_large_allocations
+from folio.heap import reuse_large_allocations
+
+
+class MallInfo2(ctypes.Structure):
+    """glibc's `struct mallinfo2` (2.33 on)."""
+
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                     "keepcost")
+    ]  # fmt: skip
+
+
+def mapped_block_bytes() -> int | None:
+    """Bytes glibc holds in blocks it mapped with mmap (mallinfo2's hblkhd); None without glibc 2.33+."""
+    try:
+        mallinfo2 = ctypes.CDLL(None).mallinfo2
+    except (OSError, AttributeError):
+        return None
+    mallinfo2.argtypes, mallinfo2.restype = [], MallInfo2
+    return int(mallinfo2().hblkhd)
 
 
 def test_a_large_tensor_is_not_mapped_afresh_after_reuse_large_allocations():
