@@ -29,19 +29,29 @@ struct Kernels {
   folio::GatedActivation::Fn activation;
 };
 
-// A projection: a dense weight [N, K], or 4-bit or 8-bit tiles (int8_dot.cpp's layouts) with N rows.
+// A projection: a dense weight [N, K], 4-bit (or 5-bit) or 8-bit tiles (int8_dot.cpp's layouts) with N
+// rows, or row blocks of those (`parts`, e.g. a fused q/k/v whose v is in another format), outputs joined.
 struct Projection {
-  enum class Kind { kDense, kInt4, kInt8 };
+  enum class Kind { kDense, kInt4, kInt8, kRowBlocks };
   Kind kind;
   torch::Tensor weight;  // dense: the weight; else the tiles
   std::optional<torch::Tensor> scales, mins, bias;
   int64_t group = 0, rows = 0;
   bool exact = true;  // activations in 8 + 8 bits into the dot products, else 8 (int8_activations.h)
+  torch::Tensor high_bits = torch::empty({0}, torch::kUInt8);  // 5-bit codes' fifth bits (int8_tiles.h)
+  std::vector<Projection> parts;
 
   torch::Tensor operator()(const Kernels& k, const torch::Tensor& x) const {
     if (kind == Kind::kDense) return torch::linear(x, weight, bias);
-    torch::Tensor out = kind == Kind::kInt4 ? k.int4_linear(x, weight, *scales, *mins, group, rows, exact)
-                                            : k.int8_linear(x, weight, *scales, group, rows, exact);
+    torch::Tensor out;
+    if (kind == Kind::kRowBlocks) {
+      std::vector<torch::Tensor> outs;
+      for (const Projection& part : parts) outs.push_back(part(k, x));
+      out = torch::cat(outs, 1);
+    } else {
+      out = kind == Kind::kInt4 ? k.int4_linear(x, weight, high_bits, *scales, *mins, group, rows, exact)
+                                : k.int8_linear(x, weight, *scales, group, rows, exact);
+    }
     return bias ? out + *bias : out;
   }
 };
@@ -150,11 +160,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_static("dense", [](Tensor weight, Maybe bias) { return Projection{Kind::kDense, weight, {}, {}, bias}; },
                   py::arg("weight"), py::arg("bias"))
       .def_static("int4",
-                  [](Tensor tiles, Tensor scales, Tensor mins, int64_t group, int64_t rows, Maybe bias, bool exact) {
-                    return Projection{Kind::kInt4, tiles, scales, mins, bias, group, rows, exact};
+                  [](Tensor tiles, Tensor high_bits, Tensor scales, Tensor mins, int64_t group, int64_t rows, Maybe bias,
+                     bool exact) {
+                    return Projection{Kind::kInt4, tiles, scales, mins, bias, group, rows, exact, high_bits};
                   },
-                  py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("bias"),
-                  py::arg("exact") = true)
+                  py::arg("tiles"), py::arg("high_bits"), py::arg("scales"), py::arg("mins"), py::arg("group"),
+                  py::arg("rows"), py::arg("bias"), py::arg("exact") = true)
+      .def_static("row_blocks",
+                  [](std::vector<Projection> parts, Maybe bias) {
+                    TORCH_CHECK(!parts.empty(), "row_blocks: at least one part");
+                    Projection joined{Kind::kRowBlocks, torch::Tensor(), {}, {}, bias};
+                    joined.parts = std::move(parts);
+                    return joined;
+                  },
+                  py::arg("parts"), py::arg("bias"))
       .def_static("int8",
                   [](Tensor tiles, Tensor scales, int64_t group, int64_t rows, Maybe bias, bool exact) {
                     return Projection{Kind::kInt8, tiles, scales, {}, bias, group, rows, exact};

@@ -48,12 +48,12 @@ struct GatedActivation {
   using Fn = torch::Tensor (*)(torch::Tensor x, bool gelu);
 };
 
-// int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows; N output rows; exact: activations
-// in 8 + 8 bits, else 8.
+// int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows (5-bit: with its fifth bits, else
+// high_bits empty); N output rows; exact: activations in 8 + 8 bits, else 8.
 struct Int4Linear {
   static constexpr const char* name = "folio.int8_dot.int4_linear";
-  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
-                               int64_t group, int64_t rows, bool exact);
+  using Fn = torch::Tensor (*)(torch::Tensor x, torch::Tensor tiles, torch::Tensor high_bits, torch::Tensor scales,
+                               torch::Tensor mins, int64_t group, int64_t rows, bool exact);
 };
 
 // int8_dot.cpp: x [M, K] @ W^T for an 8-bit weight in groups and tiles of 16 rows; N output rows.

@@ -1,23 +1,20 @@
-// y = x @ W^T for 4-bit and 8-bit weights by integer dot products, the way llama.cpp computes them,
+// y = x @ W^T for 4-, 5- and 8-bit weights by integer dot products, the way llama.cpp computes them,
 // with activations coded in 8 + 8 bits instead of 8.
 //
 // Each row of x is first quantized to int8 in blocks of 32 (one float scale per block, as GGUF's
 // Q8_0), so a block's dot product with the weight's codes is exact integer arithmetic: 64 multiply-adds
 // per AVX-512 VNNI instruction (vpdpbusd, unsigned x signed bytes). Only block results are scaled:
-//   4-bit, W[n, k] = codes[n, k] * s[n, g] + m[n, g]   (codes 0..15; groups 32 or a multiple of 64)
+//   4-bit, W[n, k] = codes[n, k] * s[n, g] + m[n, g]   (codes 0..15, or 0..31 with 5 bits; groups 32 or a
+//                                                        multiple of 64)
 //     y[n] = sum_b s[n, g(b)] * dx[b] * dot_b(codes, xq + xr / 256) + sum_g m[n, g] * sum_{k in g} x[k]
 //   8-bit, W[n, k] = codes[n, k] * s[n, g]             (codes -128..127; groups 16, 32 or a multiple of 64)
 //     y[n] = sum_b s[n, g(b)] * dx[b] * dot_b(codes, xq + xr / 256)
 // (xr: the 8-bit code of each activation's rounding error, int8_activations.h.)
 // Decode reads each weight byte once, so these loops set batch-1 speed.
 //
-// 4-bit weights are tiled for it: rows in tiles of 16, and for each tile and block of 32 values, 256
-// bytes where byte (j, i, t) (j < 4, i < 16, t < 4) holds value 4j + t of the block for row i in its
-// low nibble and value 16 + 4j + t in its high one. One 64-byte load then gives, after an AND (or a
-// shift and an AND), 16 rows x 4 values, and vpdpbusd against 4 activation bytes broadcast to every
-// lane adds each row's 4 products into its own lane: a tile's 16 block sums come out in one register,
-// with no horizontal additions. Scales and mins are float16 [N / 16, G, 16], a tile's 16 rows side by
-// side. 8-bit weights are tiled the same way, a byte per value (int8_tiles.h).
+// Weights are tiled by 16 rows, one per AVX-512 lane, so a tile's 16 block sums come out in one register
+// with no horizontal additions: 4-bit codes (and 5-bit ones' fifth bits) as int4_tiles.h lays them out,
+// 8-bit codes a byte per value (int8_tiles.h).
 // Without AVX-512 VNNI the same arithmetic runs as plain loops.
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -31,12 +28,9 @@
 
 #include "folio_kernels.h"
 #include "int8_activations.h"
+#include "int4_tiles.h"
 #include "int8_tiles.h"
 #include "int_widen.h"
-
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-#define FOLIO_VNNI 1
-#endif
 
 namespace {
 
@@ -81,93 +75,40 @@ void over_tiles(int64_t M, int64_t N, const uint8_t* codes, int64_t tile_bytes, 
   });
 }
 
-// ---- 4-bit, tiled ----
+// ---- 4- and 5-bit, tiled (int4_tiles.h) ----
 
-// out[t][i] = y[m0 + t, row i of the tile], for TILE activation rows; EXACT: with the residuals.
-template <int TILE, bool EXACT>
-void int4_tile(const uint8_t* codes, const at::Half* scales, const at::Half* mins, const QuantizedRows& q,
-               const float* group_sums, const int32_t* group_of_block, int64_t m0, int64_t K, int64_t G, float* out) {
-  const int64_t B = K / BLOCK;
-#ifdef FOLIO_VNNI
-  const __m512i nibble = _mm512_set1_epi8(0x0F);
-  __m512 acc[TILE];
-  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
-  for (int64_t b = 0; b < B; ++b) {
-    const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
-    // Low and high nibbles, codes and residuals apart: up to four vpdpbusd chains per activation row,
-    // so consecutive ones do not wait on each other's latency.
-    __m512i sums[TILE][2], residual_sums[TILE][2];
-    for (int t = 0; t < TILE; ++t)
-      sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm512_setzero_si512();
-#pragma GCC unroll 4
-    for (int j = 0; j < 4; ++j) {
-      const __m512i packed = _mm512_loadu_si512(block + 64 * j);
-      const __m512i low = _mm512_and_si512(packed, nibble);
-      const __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-#pragma GCC unroll 4
-      for (int t = 0; t < TILE; ++t) {
-        const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
-        sums[t][0] = _mm512_dpbusd_epi32(sums[t][0], low, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
-        sums[t][1] = _mm512_dpbusd_epi32(sums[t][1], high, _mm512_set1_epi32(four_bytes(q.codes.data() + at + 16)));
-        if constexpr (EXACT) {
-          const int8_t* r = q.residuals.data() + at;
-          residual_sums[t][0] = _mm512_dpbusd_epi32(residual_sums[t][0], low, _mm512_set1_epi32(four_bytes(r)));
-          residual_sums[t][1] = _mm512_dpbusd_epi32(residual_sums[t][1], high, _mm512_set1_epi32(four_bytes(r + 16)));
-        }
-      }
-    }
-    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + group_of_block[b] * TILE_ROWS)));
-    for (int t = 0; t < TILE; ++t) {
-      // exact: 256 * sum(code * w) + sum(residual * w), in units of step
-      const __m512i code_sum = _mm512_add_epi32(sums[t][0], sums[t][1]);
-      const __m512i total =
-          EXACT ? _mm512_add_epi32(_mm512_slli_epi32(code_sum, 8), _mm512_add_epi32(residual_sums[t][0], residual_sums[t][1]))
-                : code_sum;
-      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(q.steps[(m0 + t) * B + b]));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[t]);
-    }
-  }
-  for (int64_t g = 0; g < G; ++g) {
-    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * TILE_ROWS)));
-    for (int t = 0; t < TILE; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(group_sums[(m0 + t) * G + g]), acc[t]);
-  }
-  for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
-#else
-  for (int t = 0; t < TILE; ++t) {
-    const int8_t* xq = q.codes.data() + (m0 + t) * K;
-    for (int64_t i = 0; i < TILE_ROWS; ++i) {
-      float total = 0.f;
-      for (int64_t b = 0; b < B; ++b) {
-        int32_t dot = 0;
-        for (int64_t j = 0; j < 4; ++j)
-          for (int64_t v = 0; v < 4; ++v) {
-            const uint8_t byte = codes[b * TILE_BLOCK_BYTES + j * 64 + i * 4 + v];
-            const int64_t low = b * BLOCK + 4 * j + v, high = low + 16;
-            const int32_t xl = EXACT ? 256 * xq[low] + q.residuals[(m0 + t) * K + low] : xq[low];
-            const int32_t xh = EXACT ? 256 * xq[high] + q.residuals[(m0 + t) * K + high] : xq[high];
-            dot += (byte & 0x0F) * xl + (byte >> 4) * xh;
-          }
-        total += to_float(scales[group_of_block[b] * TILE_ROWS + i]) * q.steps[(m0 + t) * B + b] * static_cast<float>(dot);
-      }
-      for (int64_t g = 0; g < G; ++g) total += to_float(mins[g * TILE_ROWS + i]) * group_sums[(m0 + t) * G + g];
-      out[t * TILE_ROWS + i] = total;
-    }
-  }
-#endif
-}
+// Activation rows from which a 5-bit tile is widened to the 8-bit layout once, for every pass over it
+// (two or more passes of X_TILE rows), instead of unpacking its nibbles and fifth bits on each pass
+// (which at 64 or more rows ran ~15% behind the 8-bit tiles; 4-bit tiles keep pace unwidened).
+constexpr int64_t WIDEN_TILE_MIN_ROWS = 2 * X_TILE;
 
-template <bool EXACT, typename T>
-void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const at::Half* scales,
-                      const at::Half* mins, int64_t N, int64_t group, float* y) {
-  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/false, EXACT);
+template <bool EXACT, bool FIVE, typename T>
+void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* high,
+                      const at::Half* scales, const at::Half* mins, int64_t N, int64_t group, float* y) {
+  const bool widen = FIVE && M >= WIDEN_TILE_MIN_ROWS;
+  const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/widen, EXACT);
   const int64_t B = K / BLOCK, G = K / group;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) group_sums[m * G + group_of_block[b]] += q.sums[m * B + b];
   over_tiles(M, N, codes, B * TILE_BLOCK_BYTES, y, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
-    int4_tile<decltype(rows)::value, EXACT>(c, scales + tile * G * TILE_ROWS, mins + tile * G * TILE_ROWS, q,
-                                             group_sums.data(), group_of_block.data(), m0, K, G, out);
+    constexpr int TILE = decltype(rows)::value;
+    const uint8_t* tile_high = FIVE ? high + tile * B * FIFTH_BIT_BLOCK_BYTES : nullptr;
+    const at::Half *tile_scales = scales + tile * G * TILE_ROWS, *tile_mins = mins + tile * G * TILE_ROWS;
+    if (!widen) {
+      int4_tile<TILE, EXACT, FIVE>(c, tile_high, tile_scales, tile_mins, q, group_sums.data(), group_of_block.data(),
+                                   m0, K, G, out);
+      return;
+    }
+    WidenedTile& wide = widened_tile();
+    if (m0 == 0) {
+      wide.codes.resize(B * INT8_TILE_BLOCK_BYTES);
+      wide.symmetric = mins_are_minus_16_scales(tile_scales, tile_mins, G);
+      widen_tile_to_int8<FIVE>(c, tile_high, B, wide.symmetric ? 128 - 16 : 128, wide.codes.data());
+    }
+    int8_tile<TILE, /*SPLIT=*/false, EXACT>(wide.codes.data(), tile_scales, q, group_of_block.data(), m0, K, out);
+    if (!wide.symmetric) add_mins<TILE>(tile_mins, group_sums.data(), m0, G, out);
   });
 }
 
@@ -182,6 +123,15 @@ void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   over_tiles(M, N, codes, B * INT8_TILE_BLOCK_BYTES, y, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
     int8_tile<decltype(rows)::value, SPLIT, EXACT>(c, scales + tile * G * TILE_ROWS, q, group_of_block.data(), m0, K, out);
   });
+}
+
+// Whether a 4-bit weight has fifth bits: high_bits empty (4-bit) or uint8 [tiles, K / 32 * 64] (5-bit).
+bool check_high_bits(const torch::Tensor& high_bits, int64_t tile_count, int64_t K) {
+  if (high_bits.numel() == 0) return false;
+  TORCH_CHECK(high_bits.scalar_type() == torch::kUInt8 && high_bits.is_contiguous() &&
+              high_bits.numel() == tile_count * (K / BLOCK) * FIFTH_BIT_BLOCK_BYTES,
+              "high_bits: empty, or uint8 [N / 16, K / 32 * 64]");
+  return true;
 }
 
 // 4-bit weights take groups of 32 or a multiple of 64; 8-bit ones also groups of 16 (Q6_K's).
@@ -211,23 +161,29 @@ torch::Tensor in_x_dtype(const torch::Tensor& y, const torch::Tensor& x) {
 }  // namespace
 
 // 4-bit: tiles uint8 [ceil(N / 16), K / 32 * 256] as above; scales, mins float16 [ceil(N / 16), G, 16].
-torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins,
-                          int64_t group, int64_t N, bool exact) {
+// 5-bit: the same, and high_bits uint8 [ceil(N / 16), K / 32 * 64] (int8_tiles.h); 4-bit: high_bits empty.
+torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor high_bits, torch::Tensor scales,
+                          torch::Tensor mins, int64_t group, int64_t N, bool exact) {
   check_x(x, group, /*eight_bit=*/false);
   const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
               tiles.numel() == tile_count * (K / BLOCK) * TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 256]");
+  const bool five = check_high_bits(high_bits, tile_count, K);
   for (const auto* t : {&scales, &mins})
     TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == tile_count * G * TILE_ROWS,
                 "scales, mins: float16 [N / 16, K / group, 16]");
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   with_x(x, [&](auto* xs) {
     const uint8_t* c = tiles.data_ptr<uint8_t>();
+    const uint8_t* h = five ? high_bits.data_ptr<uint8_t>() : nullptr;
     const at::Half *s = scales.data_ptr<at::Half>(), *m = mins.data_ptr<at::Half>();
-    if (exact) {
-      int4_linear_impl<true>(xs, M, K, c, s, m, N, group, y.data_ptr<float>());
+    float* out = y.data_ptr<float>();
+    if (five) {
+      exact ? int4_linear_impl<true, true>(xs, M, K, c, h, s, m, N, group, out)
+            : int4_linear_impl<false, true>(xs, M, K, c, h, s, m, N, group, out);
     } else {
-      int4_linear_impl<false>(xs, M, K, c, s, m, N, group, y.data_ptr<float>());
+      exact ? int4_linear_impl<true, false>(xs, M, K, c, h, s, m, N, group, out)
+            : int4_linear_impl<false, false>(xs, M, K, c, h, s, m, N, group, out);
     }
   });
   return in_x_dtype(y, x);
@@ -295,14 +251,14 @@ std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   // exact: activations in 8 + 8 bits (the default); False: 8 bits, as llama.cpp's Q8 activations.
-  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 4-bit in tiles of 16 rows, by int8 dot products",
-        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
+  m.def("int4_linear", &int4_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 4- or 5-bit in tiles of 16 rows, by int8 dot products",
+        py::arg("x"), py::arg("tiles"), py::arg("high_bits"), py::arg("scales"), py::arg("mins"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
   m.def("int8_linear", &int8_linear, py::call_guard<py::gil_scoped_release>(), "x @ W^T, W 8-bit in groups and tiles of 16 rows, by int8 dot products",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
   m.def("int8_linear_into", &int8_linear_into, py::call_guard<py::gil_scoped_release>(), "int8_linear written into out",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact"), py::arg("out"));
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
-  m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4-bit weight widened, [N, K]");
+  m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4- or 5-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;

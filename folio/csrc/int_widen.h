@@ -1,4 +1,4 @@
-// Tiled 4-bit and 8-bit weights (int8_dot.cpp, int8_tiles.h) widened back to float32, bfloat16 or
+// Tiled 4-, 5- and 8-bit weights (int8_dot.cpp, int8_tiles.h) widened back to float32, bfloat16 or
 // float16 [N, K], for many activation rows: one GEMM on the widened weight then beats the dot products.
 #pragma once
 #include <torch/extension.h>
@@ -45,6 +45,43 @@ inline void with_output(torch::Tensor& out, F f) {
   }
 }
 
+// One tile's B blocks of 4-bit codes (FIVE: and their fifth bits) rewritten in the 8-bit tile layout
+// (int8_tiles.h) as code + offset (128: the codes as they are; 112: code - 16, Q5_0's signed codes) into
+// out [B * 512]. The nibbles of the 4-bit tile's register j are values
+// 4j + t (low) and 16 + 4j + t (high) of each row, which are the 8-bit tile's registers j and 4 + j, so a
+// block is eight stores. With many activation rows the 8-bit tile loop over this copy, which stays in
+// L1 or L2, beats unpacking the nibbles again on every pass.
+template <bool FIVE>
+inline void widen_tile_to_int8(const uint8_t* codes, const uint8_t* fifth, int64_t B, int offset, uint8_t* out) {
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
+    uint8_t* wide = out + b * INT8_TILE_BLOCK_BYTES;
+#if defined(__AVX512BW__)
+    const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+    const __m512i shift = _mm512_set1_epi8(static_cast<char>(offset));
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 * j);
+      __m512i low = _mm512_and_si512(packed, nibble);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (FIVE) {
+        low = _mm512_mask_add_epi8(low, fifth_mask(fifth, b, 2 * j), low, sixteen);
+        high = _mm512_mask_add_epi8(high, fifth_mask(fifth, b, 2 * j + 1), high, sixteen);
+      }
+      _mm512_storeu_si512(wide + 64 * j, _mm512_add_epi8(low, shift));
+      _mm512_storeu_si512(wide + 64 * (4 + j), _mm512_add_epi8(high, shift));
+    }
+#else
+    for (int j = 0; j < 4; ++j)
+      for (int64_t byte = 0; byte < 64; ++byte) {
+        const uint8_t packed = block[64 * j + byte];
+        const int low_bit = FIVE ? fifth_bit(fifth, b, 2 * j, byte) : 0, high_bit = FIVE ? fifth_bit(fifth, b, 2 * j + 1, byte) : 0;
+        wide[64 * j + byte] = static_cast<uint8_t>(offset + (packed & 0x0F) + 16 * low_bit);
+        wide[64 * (4 + j) + byte] = static_cast<uint8_t>(offset + (packed >> 4) + 16 * high_bit);
+      }
+#endif
+  }
+}
+
 // The tiled 8-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
 inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
                                      at::ScalarType dtype) {
@@ -83,16 +120,22 @@ inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, 
   return out.to(dtype);
 }
 
-// The tiled 4-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
-inline torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, torch::Tensor mins, int64_t group,
-                                     int64_t N, int64_t K, at::ScalarType dtype) {
+// The tiled 4-bit weight (5-bit with its fifth bits, else high_bits empty) widened to `dtype` [N, K], for
+// many rows: one GEMM then beats the dot products.
+inline torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor high_bits, torch::Tensor scales,
+                                     torch::Tensor mins, int64_t group, int64_t N, int64_t K, at::ScalarType dtype) {
   const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
               tiles.numel() == tile_count * B * TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
               mins.numel() == scales.numel() && scales.scalar_type() == torch::kHalf && mins.scalar_type() == torch::kHalf,
               "int4 tiles, scales and mins");
+  const bool five = high_bits.numel() > 0;
+  TORCH_CHECK(!five || (high_bits.scalar_type() == torch::kUInt8 && high_bits.is_contiguous() &&
+                        high_bits.numel() == tile_count * B * FIFTH_BIT_BLOCK_BYTES),
+              "high_bits: empty, or uint8 [N / 16, K / 32 * 64]");
   auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
   const uint8_t* c = tiles.data_ptr<uint8_t>();
+  const uint8_t* h = five ? high_bits.data_ptr<uint8_t>() : nullptr;
   const at::Half* s = scales.data_ptr<at::Half>();
   const at::Half* m = mins.data_ptr<at::Half>();
   with_output(out, [&](auto* o) {
@@ -104,12 +147,16 @@ inline torch::Tensor int4_dequantize(torch::Tensor tiles, torch::Tensor scales, 
           const int64_t g = (tile * G + b * BLOCK / group) * TILE_ROWS + i;
           const float scale = to_float(s[g]), min = to_float(m[g]);
           float values[BLOCK];
-          for (int64_t j = 0; j < 4; ++j)
+          const uint8_t* tile_fifth = five ? h + tile * B * FIFTH_BIT_BLOCK_BYTES : nullptr;
+          for (int j = 0; j < 4; ++j) {
             for (int64_t v = 0; v < 4; ++v) {
               const uint8_t byte = block[j * 64 + i * 4 + v];
-              values[4 * j + v] = static_cast<float>(byte & 0x0F) * scale + min;
-              values[16 + 4 * j + v] = static_cast<float>(byte >> 4) * scale + min;
+              const int32_t low = (byte & 0x0F) + (five ? 16 * fifth_bit(tile_fifth, b, 2 * j, i * 4 + v) : 0);
+              const int32_t high = (byte >> 4) + (five ? 16 * fifth_bit(tile_fifth, b, 2 * j + 1, i * 4 + v) : 0);
+              values[4 * j + v] = static_cast<float>(low) * scale + min;
+              values[16 + 4 * j + v] = static_cast<float>(high) * scale + min;
             }
+          }
           store_block(o + n * K + b * BLOCK, values);
         }
       }

@@ -64,9 +64,6 @@ class Linear(nn.Module):
         weight = self.weight
         keep = not self._has_dense_rows and can_keep(part, self.out_features, self.in_features, weight.dtype,
                                                      weight.device)  # fmt: skip
-        if keep and self._staging is not None and not self._staging.accepts(part):
-            self._to_dense()
-            keep = False
         if not keep:
             _copy_rows(weight.data, offset, size, part.dequantize(weight.dtype), shard_id)
             self._has_dense_rows = True

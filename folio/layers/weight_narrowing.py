@@ -44,7 +44,7 @@ def narrow_weight(loaded: Any, dim: int, start: int, size: int) -> Any:
         return loaded.narrow(dim, start, size)
     if isinstance(loaded, Int4Groups | Int8Groups):
         if dim == 0:
-            return type(loaded)(*(t.narrow(0, start, size).clone() for t in _fields(loaded)))
+            return _with_fields(loaded, [t.narrow(0, start, size).clone() for t in _fields(loaded)])
         group = loaded.group_size
         if start % group or size % group:
             raise ValueError(
@@ -53,7 +53,7 @@ def narrow_weight(loaded: Any, dim: int, start: int, size: int) -> Any:
             )
         codes, *scales = _fields(loaded)
         narrowed = [codes.narrow(1, start, size), *(s.narrow(1, start // group, size // group) for s in scales)]
-        return type(loaded)(*(t.contiguous() for t in narrowed))
+        return _with_fields(loaded, [t.contiguous() for t in narrowed])
     if isinstance(loaded, ChannelInt8):
         scales = loaded.scales.float()
         codes = loaded.codes.narrow(dim, start, size).clone()
@@ -65,3 +65,10 @@ def _fields(groups: Int4Groups | Int8Groups) -> list[torch.Tensor]:
     if isinstance(groups, Int4Groups):
         return [groups.codes, groups.scales, groups.zeros]
     return [groups.codes, groups.scales]
+
+
+def _with_fields(groups: Int4Groups | Int8Groups, tensors: list[torch.Tensor]) -> Int4Groups | Int8Groups:
+    """`groups` with its tensors (in `_fields` order) replaced; a 5-bit weight stays 5-bit."""
+    if isinstance(groups, Int4Groups):
+        return Int4Groups(*tensors, bits=groups.bits)
+    return Int8Groups(*tensors)

@@ -1,14 +1,15 @@
 """How a Linear layer holds its weight: dense, or quantized for a kernel.
 
 A checkpoint may hand a layer its weight already quantized, in one of the row-separable forms folio
-has kernels for: 4-bit groups (`Int4Groups`: GGUF Q4_0/Q4_1/Q4_K, GPTQ, AWQ), per-channel int8
+has kernels for: 4- and 5-bit groups (`Int4Groups`: GGUF Q4_0/Q4_1/Q4_K/Q5_0/Q5_1/Q5_K, GPTQ, AWQ), per-channel int8
 (`ChannelInt8`), 8-bit groups (`Int8Groups`) or NF4 (`NF4Weight`). Once joined, 4-bit and 8-bit
 groups are tiled for their dot-product kernels (`PackedInt4`, `PackedInt8`). The rows of the first three
 depend only on their own codes and scales, so the shards of a fused layer (q|k|v, gate|up), which arrive one at a
 time, are staged as they come and joined once every row is in: no dense copy of the weight ever
 exists. A format whose parts cannot be joined exactly (NF4: its double-quantized scales run across
-rows) keeps them side by side (`ConcatRows`). If a fused layer gets shards of mixed kinds (e.g. a
-4-bit q and a 5-bit k in one GGUF file), it falls back to dense for the whole layer.
+rows), and shards of different kinds (a GGUF file's q and k in Q5_0 and v in Q8_0), are kept side by
+side (`ConcatRows`), each run of one kind joined and tiled for its kernel. Only a dense shard makes
+the whole layer dense.
 """
 
 from __future__ import annotations
@@ -54,13 +55,6 @@ class RowStaging:
         self.parts: dict[int, RowQuantized] = {}
         self.filled = torch.zeros(rows, dtype=torch.bool)
 
-    def accepts(self, part: RowQuantized) -> bool:
-        """Parts join only if they are of one kind and one group size."""
-        if not self.parts:
-            return True
-        first = next(iter(self.parts.values()))
-        return type(first) is type(part) and getattr(first, "group_size", None) == getattr(part, "group_size", None)
-
     def put(self, offset: int, part: RowQuantized) -> None:
         self.parts[offset] = part
         self.filled[offset : offset + part.shape[0]] = True
@@ -74,16 +68,28 @@ class RowStaging:
         return [(offset, part.dequantize(dtype)) for offset, part in sorted(self.parts.items())]
 
     def build(self) -> QuantizedKernel:
-        parts = [part for _, part in sorted(self.parts.items())]
-        if len(parts) == 1:
-            joined = parts[0]
-        elif hasattr(type(parts[0]), "cat_rows"):
-            joined = type(parts[0]).cat_rows(parts)
-        else:
-            return ConcatRows(parts)
-        if isinstance(joined, Int4Groups):
-            return PackedInt4(joined)
-        return packed_for_kernel(joined) if isinstance(joined, Int8Groups) else joined
+        """The weight to multiply by. Consecutive parts of one kind and group size join into one kernel
+        (the q|k|v of a file in one format: one tiled weight); runs of different kinds (q and k in Q5_0, v
+        in Q8_0) or parts that cannot join (NF4) are kept side by side as ConcatRows."""
+        runs: list[list[RowQuantized]] = []
+        for _, part in sorted(self.parts.items()):
+            if runs and _joinable(runs[-1][-1], part):
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        kernels = [_kernel(run[0] if len(run) == 1 else type(run[0]).cat_rows(run)) for run in runs]
+        return kernels[0] if len(kernels) == 1 else ConcatRows(kernels)
+
+
+def _joinable(before: RowQuantized, part: RowQuantized) -> bool:
+    same_groups = getattr(before, "group_size", None) == getattr(part, "group_size", None)
+    return type(before) is type(part) and hasattr(type(part), "cat_rows") and same_groups
+
+
+def _kernel(joined: RowQuantized) -> QuantizedKernel:
+    if isinstance(joined, Int4Groups):
+        return PackedInt4(joined)
+    return packed_for_kernel(joined) if isinstance(joined, Int8Groups) else joined  # type: ignore[return-value]
 
 
 class ConcatRows:

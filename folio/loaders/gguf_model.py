@@ -23,9 +23,12 @@ from folio.quant.gguf_dequant import dequantize_tensor, unpack
 from folio.quant.int4 import Int4Groups, int4_groups
 from folio.quant.int8 import Int8Groups, int8_groups
 
-INT4_FORMATS = frozenset({GGMLQuantizationType.Q4_0, GGMLQuantizationType.Q4_1, GGMLQuantizationType.Q4_K})
-# Symmetric formats whose codes fit int8 as they are (folio/quant/int8.py).
-INT8_FORMATS = frozenset({GGMLQuantizationType.Q8_0, GGMLQuantizationType.Q6_K, GGMLQuantizationType.Q5_0})
+Q = GGMLQuantizationType
+# 4- and 5-bit formats in groups of 32, kept as 4-bit tiles (plus a fifth bit plane) for projections.
+INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K})
+# Symmetric formats whose codes fit int8 as they are (folio/quant/int8.py): the embedding and LM head in
+# Q5_0 too, whose rows an embedding lookup reads.
+INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K, Q.Q5_0})
 
 _BLOCK_RE = re.compile(r"^blk\.(\d+)\.([a-z_]+)\.(weight|bias)$")
 
@@ -81,7 +84,8 @@ def _as_int4(tensor: GGUFTensor, name: str, heads: int | None) -> Int4Groups | N
 
 
 def _as_int8(tensor: GGUFTensor, heads: int | None) -> Int8Groups | None:
-    """A weight in a symmetric 5- to 8-bit format (Q8_0, Q6_K, Q5_0), kept as 8-bit groups; else None."""
+    """A weight in a symmetric 5- to 8-bit format (Q8_0, Q6_K, Q5_0) that is not kept as 4-bit tiles (the
+    embedding), kept as 8-bit groups; else None."""
     if tensor.ggml_type not in INT8_FORMATS:
         return None
     groups = int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
@@ -140,9 +144,10 @@ def iter_gguf_weights(
     gguf: GGUFFile, config: ModelConfig, dtype: torch.dtype, keep_quantized: bool = True, lazy: bool = False
 ) -> Iterator[tuple[str, torch.Tensor | Int4Groups | Int8Groups | GGUFWeight]]:
     """(Hugging Face name, weight) for every tensor. With `keep_quantized`, projection weights in a
-    4-bit format come as Int4Groups and weights in Q8_0, Q6_K or Q5_0 (projections, embedding, LM head)
-    as Int8Groups, for the layers to keep quantized; everything else is dequantized. With `lazy`, 2-D
-    tensors come unread (`GGUFWeight`) for tensor-parallel layers to narrow before reading."""
+    4- or 5-bit format come as Int4Groups and weights in Q8_0 or Q6_K (projections, embedding, LM head)
+    or Q5_0 (embedding) as Int8Groups, for the layers to keep quantized; everything else is
+    dequantized. With `lazy`, 2-D tensors come unread (`GGUFWeight`) for tensor-parallel layers to
+    narrow before reading."""
     layout = gguf_layout(gguf)
     for name, tensor in gguf.tensors.items():
         weight = GGUFWeight(tensor, name, _rope_heads(name, layout, config), layout.norm_offset, keep_quantized, dtype)

@@ -1,12 +1,12 @@
 """A model's decode steps in one C++ call (folio/csrc/decode_stack.cpp): the Llama family, Qwen3 and Gemma 3.
 
 Built once the KV cache is bound, from the model's own tensors (nothing is copied), when every piece
-has a C++ kernel: projections dense, 4-bit (`PackedInt4`) or 8-bit (`PackedInt8`: GGUF's Q8_0,
-Q6_K, Q5_0), a KV cache in the model's dtype, the decode attention, norm, rotary and activation
-kernels all built. A step takes it when every scheduled token is a decode and the batch is within the
-rows its weights' dot-product kernels are picked for (all of them with float32 activations); anything
-else runs the Python layers, which stay the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack
-off).
+has a C++ kernel: projections dense, 4- or 5-bit (`PackedInt4`: GGUF's Q4_*, Q5_*) or 8-bit
+(`PackedInt8`: Q8_0, Q6_K), or row blocks of those (`ConcatRows`), a KV cache in the model's dtype,
+the decode attention, norm, rotary and activation kernels all built. A step takes it when every
+scheduled token is a decode and the batch is within the rows its weights' dot-product kernels are
+picked for (all of them with float32 activations); anything else runs the Python layers, which stay
+the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack off).
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from folio.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.linear import Linear
 from folio.layers.norm import RMSNorm
+from folio.layers.weight_storage import ConcatRows
 from folio.quant import int4, int8
 
 Rope = tuple[torch.Tensor, torch.Tensor]
@@ -58,9 +59,21 @@ def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> tuple[
     packed, bias = layer.packed, layer.bias
     if packed is None and layer.weight.dtype == dtype:
         return module.Projection.dense(layer.weight, bias), sys.maxsize
+    if isinstance(packed, ConcatRows):  # row blocks in formats of their own (e.g. q and k Q5_0, v Q8_0)
+        parts = [_packed_projection(module, part, None, dtype) for part in packed.parts]
+        if any(p is None for p in parts):
+            return None
+        return module.Projection.row_blocks([p for p, _ in parts], bias), min(rows for _, rows in parts)
+    return _packed_projection(module, packed, bias, dtype)
+
+
+def _packed_projection(
+    module: ModuleType, packed: Any, bias: torch.Tensor | None, dtype: torch.dtype
+) -> tuple[Any, int] | None:
     if isinstance(packed, int4.PackedInt4):
-        projection = module.Projection.int4(packed.tiles, packed.scales, packed.mins, packed.group_size,
-                                            packed.shape[0], bias, packed.exact_activations)  # fmt: skip
+        projection = module.Projection.int4(packed.tiles, packed.high_bits, packed.scales, packed.mins,
+                                            packed.group_size, packed.shape[0], bias,
+                                            packed.exact_activations)  # fmt: skip
         return projection, int4.dot_max_rows(dtype)
     if isinstance(packed, int8.PackedInt8):
         projection = module.Projection.int8(packed.tiles, packed.scales, packed.group_size, packed.shape[0], bias,

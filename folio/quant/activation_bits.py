@@ -24,7 +24,8 @@ def set_activation_bits(model: nn.Module, bits: int) -> int:
     count = 0
     for module in model.modules():
         packed = getattr(module, "packed", None)
-        if isinstance(packed, PackedInt4 | PackedInt8):
-            packed.exact_activations = bits == 16
-            count += 1
+        for kernel in getattr(packed, "parts", [packed]):  # a weight in row blocks (ConcatRows): each block's
+            if isinstance(kernel, PackedInt4 | PackedInt8):
+                kernel.exact_activations = bits == 16
+                count += 1
     return count

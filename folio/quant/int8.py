@@ -1,6 +1,7 @@
 """8-bit weights in groups along K: GGUF's symmetric formats of 5 to 8 bits (Q8_0 and Q5_0 in groups of
 32, Q6_K in groups of 16), whose codes fit int8 as they are, and 8-bit GPTQ. That is what the model
-keeps instead of a 2- or 4-byte dense weight.
+keeps instead of a 2- or 4-byte dense weight. (Q5_0 projections are held tighter, as 5-bit tiles,
+int4.py; a Q5_0 embedding comes here, where lookups read its rows.)
 
 W[n, k] = scales[n, k // group] * codes[n, k]. `Int8Groups` is the form a loader produces (row-major
 codes, float32 scales: rows can be split and joined). On CPU a layer then holds it as `PackedInt8`:

@@ -40,6 +40,29 @@ def untile_codes(tiles: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
     return both.reshape(-1, cols)[:rows]
 
 
+FIFTH_BIT_BLOCK_BYTES = 64  # a 5-bit tile's fifth bits per block of 32: eight 64-bit masks
+_BIT_WEIGHTS = 1 << torch.arange(8, dtype=torch.int16)
+
+
+def tile_fifth_bits(codes: torch.Tensor) -> torch.Tensor:
+    """[N, K] codes 0..31 -> their fifth bits as the 5-bit kernel reads them beside `tile_codes(codes & 15)`:
+    uint8 [ceil(N / 16), K / 32 * 64], per tile and block eight little-endian 64-bit masks, mask 2j + h
+    holding in bit 4i + t the fifth bit of value 16h + 4j + t of row i (int8_tiles.h)."""
+    rows, cols = codes.shape
+    padded = _pad_rows((codes.to(torch.uint8) >> 4) & 1, TILE_ROWS)
+    parts = padded.view(-1, TILE_ROWS, cols // ACTIVATION_BLOCK, 2, 4, 4)  # [tile, i, block, h, j, t]
+    bits = parts.permute(0, 2, 4, 3, 1, 5).reshape(-1, 8)  # [tile, block, j, h, (i, t)] in bytes of 8 bits
+    packed = (bits.to(torch.int16) * _BIT_WEIGHTS).sum(1).to(torch.uint8)
+    return packed.view(padded.shape[0] // TILE_ROWS, -1).contiguous()
+
+
+def untile_fifth_bits(high_bits: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """The inverse of `tile_fifth_bits`: [N, K] uint8, 16 where a code's fifth bit is set, else 0."""
+    bits = (high_bits.view(-1, 1).to(torch.int16) >> torch.arange(8, dtype=torch.int16)) & 1
+    parts = bits.view(-1, cols // ACTIVATION_BLOCK, 4, 2, TILE_ROWS, 4)  # [tile, block, j, h, i, t]
+    return (parts.permute(0, 4, 1, 3, 2, 5).reshape(-1, cols)[:rows] << 4).to(torch.uint8)
+
+
 def tile_int8_codes(codes: torch.Tensor) -> torch.Tensor:
     """[N, K] int8 codes -> the 8-bit kernel's tiles, uint8 [ceil(N / 16), K / 32 * 512]: rows in tiles of
     16 (the last padded with zeros), and per tile and block of 32 values, byte (j, i, t) holds value

@@ -1,5 +1,5 @@
-"""GGUF weights kept quantized (4-bit formats in the int4 kernel with bf16 activations; Q5_0, Q6_K and
-Q8_0 as int8 groups in the C++ kernel) against the same weights dequantized to fp32, on both real
+"""GGUF weights kept quantized (4- and 5-bit formats in the int4 kernel; Q6_K and Q8_0 as int8 groups in
+the C++ kernel) against the same weights dequantized to fp32, on both real
 models, teacher-forced: every position of the dequantized model's greedy continuation is scored by
 both, so one early disagreement cannot hide the rest."""
 
@@ -49,19 +49,26 @@ def test_packed_weights_are_smaller_and_score_like_the_dequantized_ones(both):
     assert worst < 0.05
 
 
-def test_gemma3_keeps_its_5_6_and_8_bit_projections_as_int8_groups(gemma3_gguf):
-    """gemma3-270m's file holds Q5_0 q/k/v/gate/up, Q6_K or Q4_K down and Q8_0 v: none is widened (the 8-bit
-    ones are tiled for the dot-product kernel)."""
+def test_gemma3_keeps_its_5_6_and_8_bit_projections_packed(gemma3_gguf):
+    """gemma3-270m's file holds Q5_0 q/k/gate/up (and v in half the layers), Q8_0 v, Q6_K or Q4_K down and
+    Q4_K o: none is widened. The 5-bit ones are 4-bit tiles with a fifth bit plane, the 8-bit ones 8-bit
+    tiles, and a q/k/v whose v is Q8_0 keeps both side by side."""
     from folio.layers.linear import Linear
+    from folio.layers.weight_storage import ConcatRows
     from folio.loaders.gguf_file import GGUFFile
     from folio.quant.gguf_dequant import dequantize_tensor, unpack
     from folio.quant.int4 import PackedInt4
     from folio.quant.int8 import PackedInt8, int8_groups
 
     loaded = load_model(gemma3_gguf, torch.bfloat16, torch.device("cpu"))
-    kinds = {type(m.packed) for m in loaded.model.modules() if isinstance(m, Linear)}
-    assert kinds == {PackedInt8, PackedInt4}
-    assert all(m.weight.numel() == 0 for m in loaded.model.modules() if isinstance(m, Linear))
+    linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]
+    kinds = {type(m.packed) for m in linears}
+    assert kinds == {PackedInt8, PackedInt4, ConcatRows}
+    assert all(m.weight.numel() == 0 for m in linears)
+    joined = [m.packed for m in linears if isinstance(m.packed, ConcatRows)]
+    blocks = [[(type(p), getattr(p, "bits", 8)) for p in packed.parts] for packed in joined]
+    assert blocks and all(b == [(PackedInt4, 5), (PackedInt8, 8)] for b in blocks)
+    assert {m.packed.bits for m in linears if isinstance(m.packed, PackedInt4)} == {4, 5}
     gguf = GGUFFile(gemma3_gguf)
     [name] = [n for n, t in gguf.tensors.items() if t.ggml_type.name == "Q6_K"][:1]
     tensor = gguf.tensors[name]

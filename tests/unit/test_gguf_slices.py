@@ -16,7 +16,8 @@ def _same(a, b) -> bool:
     if isinstance(a, torch.Tensor):
         return torch.equal(a, b)
     return type(a) is type(b) and all(
-        torch.equal(x, y) for x, y in zip(vars(a).values(), vars(b).values(), strict=True)
+        torch.equal(x, y) if isinstance(x, torch.Tensor) else x == y  # a field like Int4Groups.bits
+        for x, y in zip(vars(a).values(), vars(b).values(), strict=True)
     )
 
 

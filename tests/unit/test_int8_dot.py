@@ -5,8 +5,9 @@ a step), so products are checked twice: against the same arithmetic on the kerne
 (the integer block dot products must be exact, leaving only float32 accumulation error) and against the
 uncoded product (the rounding must stay small). Shapes cover the row tiles of 4 (M = 1..5, 8), output rows
 split across threads and a last tile of 16 rows only partly filled (N = 50), each group-size branch (Q6_K's
-16 for 8-bit weights), float16 and float32 scales, bfloat16 activations, -128 weight codes, and the tiled
-layouts of the 4-bit and 8-bit codes.
+16 for 8-bit weights), 4- and 5-bit codes (a fifth bit plane beside the nibbles), float16 and float32
+scales, bfloat16 activations, -128 weight codes, and the tiled layouts of the 4-bit and 8-bit codes and the
+fifth bits.
 """
 
 from __future__ import annotations
@@ -20,9 +21,11 @@ from folio import ops
 from folio.quant.int8_dot import (
     quantize_activations,
     tile_codes,
+    tile_fifth_bits,
     tile_groups,
     tile_int8_codes,
     untile_codes,
+    untile_fifth_bits,
     untile_groups,
     untile_int8_codes,
 )
@@ -30,7 +33,8 @@ from folio.quant.int8_dot import (
 N = 50  # not a multiple of the 16-row tiles
 SHAPES = [(608, 32), (1536, 128), (640, 64), (96, 32)]  # (K, group): tail + pairs of groups, wide groups, one run
 INT8_SHAPES = [*SHAPES, (608, 16), (2048, 16)]  # 8-bit weights also come in Q6_K's groups of 16 (with a tail)
-ROWS = [1, 2, 3, 4, 5, 8]
+ROWS = [1, 2, 3, 4, 5, 8, 13]  # 13: 4-row passes over a widened tile, then a 1-row pass
+_NO_FIFTH_BITS = torch.empty(0, dtype=torch.uint8)  # a 4-bit weight's
 
 
 @pytest.fixture(scope="module")
@@ -44,14 +48,20 @@ def _x(m: int, k: int, seed: int, dtype: torch.dtype = torch.float32) -> torch.T
     return torch.randn(m, k, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def _int4(k: int, group: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(tiles, tiled scales, tiled mins) and the float64 weight code * scale + min."""
+def _int4(
+    k: int, group: int, seed: int, bits: int = 4
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tiles, fifth bits (empty for 4 bits), tiled scales, tiled mins) and the float64 weight code * scale +
+    min, for codes of `bits` bits."""
     gen = torch.Generator().manual_seed(seed)
-    codes = torch.randint(0, 16, (N, k), generator=gen)
+    codes = torch.randint(0, 1 << bits, (N, k), generator=gen)
+    if bits == 5:
+        codes[:, ::5] = 31  # every bit set somewhere in each mask
     scales = (torch.rand(N, k // group, generator=gen) * 0.02 + 0.001).half()
     mins = (-8 * scales.float() + torch.randn(N, k // group, generator=gen) * 0.01).half()
     weight = codes.double() * _per_column(scales, group) + _per_column(mins, group)
-    return tile_codes(codes), tile_groups(scales), tile_groups(mins), weight
+    high = tile_fifth_bits(codes) if bits == 5 else torch.empty(0, dtype=torch.uint8)
+    return tile_codes(codes & 15), high, tile_groups(scales), tile_groups(mins), weight
 
 
 def _int8(k: int, group: int, seed: int, scale_dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
@@ -163,13 +173,16 @@ def test_integer_block_products_are_exact(kernel: ModuleType, k: int, group: int
     x = _x(m, k, seed=k + m, dtype=dtype)
     xq = _dequantized_activations(x)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2  # float32 accumulation, or rounding to bfloat16
-    tiles, scales, mins, _ = _int4(k, group, seed=k)
-    codes4 = untile_codes(tiles, N, k).double()
-    scales4, mins4 = untile_groups(scales, N), untile_groups(mins, N)
-    want = xq @ (codes4 * _per_column(scales4, group)).T + x.double() @ _per_column(mins4, group).T
-    got = kernel.int4_linear(x, tiles, scales, mins, group, N)
-    assert got.dtype == dtype and got.shape == (m, N)
-    _assert_close(got, want, tolerance)
+    for bits in (4, 5):
+        tiles, high, scales, mins, _ = _int4(k, group, seed=k, bits=bits)
+        codes4 = untile_codes(tiles, N, k).double()
+        if bits == 5:
+            codes4 += untile_fifth_bits(high, N, k).double()
+        scales4, mins4 = untile_groups(scales, N), untile_groups(mins, N)
+        want = xq @ (codes4 * _per_column(scales4, group)).T + x.double() @ _per_column(mins4, group).T
+        got = kernel.int4_linear(x, tiles, high, scales, mins, group, N)
+        assert got.dtype == dtype and got.shape == (m, N)
+        _assert_close(got, want, tolerance)
     codes, scales8 = _int8(k, group, seed=k, scale_dtype=torch.float16)
     got = _int8_linear(kernel, x, codes, scales8, group)
     assert got.dtype == dtype and got.shape == (m, N)
@@ -194,21 +207,66 @@ def test_int8_negative_codes_and_scale_dtypes(kernel: ModuleType, m: int, scale_
 @pytest.mark.parametrize(("k", "group"), SHAPES)
 def test_error_against_the_unquantized_product_is_small(kernel: ModuleType, k: int, group: int, m: int) -> None:
     x = _x(m, k, seed=100 + m)
-    tiles, scales, mins, weight = _int4(k, group, seed=k + 2)
-    # Codes and residuals give activations 15 significant bits.
-    _assert_close(kernel.int4_linear(x, tiles, scales, mins, group, N), x.double() @ weight.T, 1e-4)
+    for bits in (4, 5):
+        tiles, high, scales, mins, weight = _int4(k, group, seed=k + 2, bits=bits)
+        # Codes and residuals give activations 15 significant bits.
+        _assert_close(kernel.int4_linear(x, tiles, high, scales, mins, group, N), x.double() @ weight.T, 1e-4)
     codes, scales8 = _int8(k, group, seed=k + 3, scale_dtype=torch.float16)
     weight8 = codes.double() * _per_column(scales8, group)
     _assert_close(_int8_linear(kernel, x, codes, scales8, group), x.double() @ weight8.T, 1e-4)
 
 
+@pytest.mark.parametrize("bits", [4, 5])
 @pytest.mark.parametrize(("k", "group"), [*SHAPES, (32, 32)])
-def test_int4_dequantize(kernel: ModuleType, k: int, group: int) -> None:
-    tiles, scales, mins, weight = _int4(k, group, seed=k + 4)
-    wide = kernel.int4_dequantize(tiles, scales, mins, group, N, k, torch.float32)
+def test_int4_dequantize(kernel: ModuleType, k: int, group: int, bits: int) -> None:
+    tiles, high, scales, mins, weight = _int4(k, group, seed=k + 4, bits=bits)
+    wide = kernel.int4_dequantize(tiles, high, scales, mins, group, N, k, torch.float32)
     assert wide.dtype == torch.float32 and torch.allclose(wide.double(), weight, rtol=0, atol=1e-7)
-    bf16 = kernel.int4_dequantize(tiles, scales, mins, group, N, k, torch.bfloat16)
+    bf16 = kernel.int4_dequantize(tiles, high, scales, mins, group, N, k, torch.bfloat16)
     assert torch.equal(bf16, wide.to(torch.bfloat16))
+
+
+@pytest.mark.parametrize("m", [1, 8, 13])
+def test_5_bit_tiles_of_signed_codes_fold_their_mins_in(kernel: ModuleType, m: int) -> None:
+    """Q5_0's weights are scale * (code - 16): every min is -16 * its scale. From 8 rows the kernel widens a
+    tile to 8 bits as code - 16 and skips the mins' products, so the coded activations multiply the whole
+    weight (as the 8-bit tiles do); one tile whose mins differ (rows 16-31) takes them apart, against the
+    uncoded activations."""
+    k, group = 640, 32
+    tiles, high, scales, _, _ = _int4(k, group, seed=m, bits=5)
+    codes = untile_codes(tiles, N, k).double() + untile_fifth_bits(high, N, k).double()
+    scales16 = untile_groups(scales, N).float()
+    mins16 = (-16 * scales16).half()
+    mins16[16:32] = (mins16[16:32].float() * 1.01).half()
+    x = _x(m, k, seed=m)
+    scaled, mins = codes * _per_column(scales16, group), _per_column(mins16, group)
+    xq = _dequantized_activations(x)
+    want = xq @ (scaled + mins).T
+    if m >= 8:
+        want[:, 16:32] = xq @ scaled[16:32].T + x.double() @ mins[16:32].T
+    else:  # unwidened: every tile's mins against the uncoded activations
+        want = xq @ scaled.T + x.double() @ mins.T
+    got = kernel.int4_linear(x, tiles, high, scales, tile_groups(mins16), group, N)
+    _assert_close(got, want, 1e-5)
+
+
+def test_fifth_bits_follow_their_layout_and_round_trip() -> None:
+    """Mask 2j + h of block b holds in bit 4i + t the fifth bit of value 32b + 16h + 4j + t of row i."""
+    codes = torch.zeros(20, 64, dtype=torch.uint8)
+    codes[3, 32 + 16 + 4 * 2 + 1] = 16  # row 3, block 1, h 1, j 2, t 1: mask 5, bit 13
+    codes[19, 0] = 31  # tile 1, row 3, block 0, mask 0, bit 12
+    high = tile_fifth_bits(codes)
+    assert high.shape == (2, 2 * 64)
+    masks = high.view(2, 2, 8, 8)  # [tile, block, mask, byte]
+    assert masks[0, 1, 5, 1].item() == 1 << 5 and masks.count_nonzero() == 2
+    assert masks[1, 0, 0, 1].item() == 1 << 4
+    assert torch.equal(untile_fifth_bits(high, 20, 64), codes & 16)
+
+
+def test_a_wrongly_sized_fifth_bit_plane_is_refused(kernel: ModuleType) -> None:
+    tiles, high, scales, mins, _ = _int4(64, 32, seed=1, bits=5)
+    with pytest.raises(RuntimeError, match="high_bits"):
+        kernel.int4_linear(_x(1, 64, seed=1), tiles, high[:, :-8].contiguous(), scales, mins, 32, N)
 
 
 @pytest.mark.parametrize("scale_dtype", [torch.float16, torch.float32])
@@ -236,7 +294,7 @@ def test_bad_shapes_are_refused(kernel: ModuleType, k: int, group: int) -> None:
     x = torch.ones(2, k)
     tiled = torch.ones(4, k // group, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError):
-        kernel.int4_linear(x, torch.zeros(4, k // 32 * 256, dtype=torch.uint8), tiled, tiled, group, N)
+        kernel.int4_linear(x, torch.zeros(4, k // 32 * 256, dtype=torch.uint8), _NO_FIFTH_BITS, tiled, tiled, group, N)
     with pytest.raises(RuntimeError):
         kernel.int8_linear(x, torch.zeros(4, k // 32 * 512, dtype=torch.uint8), tiled, group, N)
 
@@ -244,7 +302,8 @@ def test_bad_shapes_are_refused(kernel: ModuleType, k: int, group: int) -> None:
 def test_groups_of_16_are_8_bit_only(kernel: ModuleType) -> None:
     tiled = torch.ones(4, 4, 16, dtype=torch.float16)
     with pytest.raises(RuntimeError, match="16 for 8-bit"):
-        kernel.int4_linear(torch.ones(2, 64), torch.zeros(4, 2 * 256, dtype=torch.uint8), tiled, tiled, 16, N)
+        kernel.int4_linear(torch.ones(2, 64), torch.zeros(4, 2 * 256, dtype=torch.uint8), _NO_FIFTH_BITS, tiled, tiled,
+                           16, N)  # fmt: skip
 
 
 @pytest.mark.parametrize("m", ROWS)
@@ -261,8 +320,9 @@ def test_8_bit_activations_multiply_the_codes_alone(kernel: ModuleType, k: int, 
     exact = _dequantized_activations(x) @ (codes.double() * _per_column(scales8, group)).T
     assert not torch.allclose(got.double(), exact, rtol=0, atol=1e-6)  # the residuals were not taken
     if group != 16:  # 4-bit weights take no groups of 16
-        tiles, scales, mins, _ = _int4(k, group, seed=k + 6)
-        codes4 = untile_codes(tiles, N, k).double()
-        scales4, mins4 = untile_groups(scales, N), untile_groups(mins, N)
-        want4 = x8 @ (codes4 * _per_column(scales4, group)).T + x.double() @ _per_column(mins4, group).T
-        _assert_close(kernel.int4_linear(x, tiles, scales, mins, group, N, False), want4, 1e-5)
+        for bits in (4, 5):
+            tiles, high, scales, mins, weight = _int4(k, group, seed=k + 6, bits=bits)
+            scales4, mins4 = untile_groups(scales, N), untile_groups(mins, N)
+            codes4 = (weight - _per_column(mins4, group)) / _per_column(scales4, group)
+            want4 = x8 @ (codes4.round() * _per_column(scales4, group)).T + x.double() @ _per_column(mins4, group).T
+            _assert_close(kernel.int4_linear(x, tiles, high, scales, mins, group, N, False), want4, 1e-5)

@@ -1,0 +1,149 @@
+// The 4-bit (and 5-bit) tile kernel of int8_dot.cpp, and what its widened path needs.
+//
+// 4-bit weights are tiled: rows in tiles of 16, and for each tile and block of 32 values, 256 bytes where
+// byte (j, i, t) (j < 4, i < 16, t < 4) holds value 4j + t of the block for row i in its low nibble and
+// value 16 + 4j + t in its high one. One 64-byte load then gives, after an AND (or a shift and an AND),
+// 16 rows x 4 values, and vpdpbusd against 4 activation bytes broadcast to every lane adds each row's 4
+// products into its own lane. 5-bit codes add their fifth bits (int8_tiles.h). Scales and mins are
+// float16 [N / 16, G, 16], a tile's 16 rows side by side: W = code * scale + min.
+#pragma once
+
+#include <torch/extension.h>
+#include <immintrin.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "int8_activations.h"
+#include "int8_tiles.h"
+
+namespace folio_int8_dot {
+
+// out[t][i] += the mins' share, sum_g mins[g][i] * (sum of x over group g), for TILE activation rows.
+template <int TILE>
+inline void add_mins(const at::Half* mins, const float* group_sums, int64_t m0, int64_t G, float* out) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  __m512 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_loadu_ps(out + t * TILE_ROWS);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * TILE_ROWS)));
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(group_sums[(m0 + t) * G + g]), acc[t]);
+  }
+  for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
+#else
+  for (int t = 0; t < TILE; ++t)
+    for (int64_t i = 0; i < TILE_ROWS; ++i)
+      for (int64_t g = 0; g < G; ++g)
+        out[t * TILE_ROWS + i] += to_float(mins[g * TILE_ROWS + i]) * group_sums[(m0 + t) * G + g];
+#endif
+}
+
+// out[t][i] = y[m0 + t, row i of the tile], for TILE activation rows; EXACT: with the residuals. FIVE:
+// 5-bit codes, whose fifth bits (`fifth`, FIFTH_BIT_BLOCK_BYTES a block) add 16 to the nibbles they mark.
+template <int TILE, bool EXACT, bool FIVE>
+inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half* scales, const at::Half* mins,
+                      const QuantizedRows& q, const float* group_sums, const int32_t* group_of_block, int64_t m0,
+                      int64_t K, int64_t G, float* out) {
+  const int64_t B = K / BLOCK;
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  __m512 acc[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
+    // Low and high nibbles, codes and residuals apart: up to four vpdpbusd chains per activation row,
+    // so consecutive ones do not wait on each other's latency.
+    __m512i sums[TILE][2], residual_sums[TILE][2];
+    for (int t = 0; t < TILE; ++t)
+      sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i packed = _mm512_loadu_si512(block + 64 * j);
+      __m512i low = _mm512_and_si512(packed, nibble);
+      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+      if constexpr (FIVE) {
+        low = _mm512_mask_add_epi8(low, fifth_mask(fifth, b, 2 * j), low, sixteen);
+        high = _mm512_mask_add_epi8(high, fifth_mask(fifth, b, 2 * j + 1), high, sixteen);
+      }
+#pragma GCC unroll 4
+      for (int t = 0; t < TILE; ++t) {
+        const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
+        sums[t][0] = _mm512_dpbusd_epi32(sums[t][0], low, _mm512_set1_epi32(four_bytes(q.codes.data() + at)));
+        sums[t][1] = _mm512_dpbusd_epi32(sums[t][1], high, _mm512_set1_epi32(four_bytes(q.codes.data() + at + 16)));
+        if constexpr (EXACT) {
+          const int8_t* r = q.residuals.data() + at;
+          residual_sums[t][0] = _mm512_dpbusd_epi32(residual_sums[t][0], low, _mm512_set1_epi32(four_bytes(r)));
+          residual_sums[t][1] = _mm512_dpbusd_epi32(residual_sums[t][1], high, _mm512_set1_epi32(four_bytes(r + 16)));
+        }
+      }
+    }
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + group_of_block[b] * TILE_ROWS)));
+    for (int t = 0; t < TILE; ++t) {
+      // exact: 256 * sum(code * w) + sum(residual * w), in units of step
+      const __m512i code_sum = _mm512_add_epi32(sums[t][0], sums[t][1]);
+      const __m512i total =
+          EXACT ? _mm512_add_epi32(_mm512_slli_epi32(code_sum, 8), _mm512_add_epi32(residual_sums[t][0], residual_sums[t][1]))
+                : code_sum;
+      const __m512 scale = _mm512_mul_ps(s, _mm512_set1_ps(q.steps[(m0 + t) * B + b]));
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), scale, acc[t]);
+    }
+  }
+  for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
+#else
+  for (int t = 0; t < TILE; ++t) {
+    const int8_t* xq = q.codes.data() + (m0 + t) * K;
+    for (int64_t i = 0; i < TILE_ROWS; ++i) {
+      float total = 0.f;
+      for (int64_t b = 0; b < B; ++b) {
+        int32_t dot = 0;
+        for (int64_t j = 0; j < 4; ++j)
+          for (int64_t v = 0; v < 4; ++v) {
+            const uint8_t byte = codes[b * TILE_BLOCK_BYTES + j * 64 + i * 4 + v];
+            const int64_t low = b * BLOCK + 4 * j + v, high_k = low + 16;
+            const int32_t xl = EXACT ? 256 * xq[low] + q.residuals[(m0 + t) * K + low] : xq[low];
+            const int32_t xh = EXACT ? 256 * xq[high_k] + q.residuals[(m0 + t) * K + high_k] : xq[high_k];
+            int32_t code_low = byte & 0x0F, code_high = byte >> 4;
+            if (FIVE) {
+              code_low += 16 * fifth_bit(fifth, b, 2 * j, i * 4 + v);
+              code_high += 16 * fifth_bit(fifth, b, 2 * j + 1, i * 4 + v);
+            }
+            dot += code_low * xl + code_high * xh;
+          }
+        total += to_float(scales[group_of_block[b] * TILE_ROWS + i]) * q.steps[(m0 + t) * B + b] * static_cast<float>(dot);
+      }
+      out[t * TILE_ROWS + i] = total;
+    }
+  }
+#endif
+  add_mins<TILE>(mins, group_sums, m0, G, out);
+}
+
+// This thread's current tile, widened on its first pass: one for every row count's tile kernel.
+struct WidenedTile {
+  std::vector<uint8_t> codes;  // the 8-bit tile layout (int8_tiles.h)
+  bool symmetric = false;      // codes stored as code - 16 (+ 128), the mins folded in
+};
+inline WidenedTile& widened_tile() {
+  thread_local WidenedTile wide;
+  return wide;
+}
+
+// Whether every min of a 5-bit tile is -16 * its scale (Q5_0: scale * (code - 16)): the codes then fit
+// int8 as code - 16, and the mins' products (~6% of a widened tile's work) fall away.
+inline bool mins_are_minus_16_scales(const at::Half* scales, const at::Half* mins, int64_t G) {
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+  const __m512 minus_16 = _mm512_set1_ps(-16.f);
+  for (int64_t g = 0; g < G; ++g) {
+    const __m512 s = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(scales + g * TILE_ROWS)));
+    const __m512 m = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(mins + g * TILE_ROWS)));
+    if (_mm512_cmp_ps_mask(m, _mm512_mul_ps(s, minus_16), _CMP_EQ_OQ) != 0xFFFF) return false;
+  }
+  return true;
+#else
+  for (int64_t v = 0; v < G * TILE_ROWS; ++v)
+    if (to_float(mins[v]) != -16.f * to_float(scales[v])) return false;
+  return true;
+#endif
+}
+
+}  // namespace folio_int8_dot
