@@ -1,5 +1,5 @@
 // Small fused CPU ops for the layers around the matmuls: RMSNorm (with the residual add before it),
-// rotary embedding in place, and gated activations. Each replaces 5-15 PyTorch ops, and at decode,
+// rotary embedding in place, and gated activations; and the greedy pick's row argmax (row_argmax.h). Each replaces 5-15 PyTorch ops, and at decode,
 // where a token's whole layer is a few microseconds of arithmetic, the per-op dispatch is the cost.
 //
 // Arithmetic is float32 and rounds to the tensor's dtype where the PyTorch path (the oracle, in
@@ -16,6 +16,7 @@
 #endif
 
 #include "folio_kernels.h"
+#include "row_argmax.h"
 #include "vec_exp.h"
 
 namespace {
@@ -202,6 +203,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm", &add_rms_norm, py::call_guard<py::gil_scoped_release>(), "residual += x; RMSNorm(residual)");
   m.def("rotary_", &rotary_, py::call_guard<py::gil_scoped_release>(), "rotate-half rotary embedding of q and k, in place");
   m.def("gated_activation", &gated_activation, py::call_guard<py::gil_scoped_release>(), "act(gate) * up");
+  m.def("row_argmax", &folio_row_argmax::row_argmax, py::call_guard<py::gil_scoped_release>(),
+        "each row's maximum and its first index, as torch.max(x, dim=-1)");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::RmsNorm>(entries, &rms_norm);

@@ -1,5 +1,6 @@
 """A split vocabulary's argmax: each rank's best over its rows, merged, equals the argmax over the
-whole row, ties included, and a row with a non-finite logit on any rank is reported."""
+whole row, ties included, and a row with a non-finite logit on any rank is reported. The fused row max
+(folio/csrc/row_argmax.h) gives what torch.max gives, across its chunks of a long row too."""
 
 from __future__ import annotations
 
@@ -8,7 +9,10 @@ import math
 import pytest
 import torch
 
-from folio.layers.split_argmax import local_best, pick_best
+from folio import ops
+from folio.layers.split_argmax import local_best, pick_best, row_max
+
+CHUNK = 1 << 15  # row_argmax.h: a long row is split over the threads in chunks of this many values
 
 
 def _merged(logits: torch.Tensor, ranks: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -37,3 +41,21 @@ def test_non_finite_rows_are_reported_from_any_rank():
     tokens, finite = _merged(logits, 2)
     assert finite.tolist() == [False, False, True]
     assert tokens[2] == 0
+
+
+@pytest.mark.parametrize("width", [1, 17, 1000, 2 * CHUNK + 5])
+def test_the_fused_row_max_equals_torch_max(width):
+    assert ops.load("fused_ops") is not None, "the fused ops must build: a C++ compiler is part of the setup"
+    rows = torch.randn(8, width, generator=torch.Generator().manual_seed(width))
+    rows[1] = 2.0  # every value tied: the first
+    rows[2] = -math.inf
+    last = width - 1
+    rows[3, [last // 2, last]] = 9.0  # a tie, across chunks when the row is long
+    rows[4, last] = math.inf
+    rows[5, [last, last // 3]] = math.nan  # a NaN: NaN at the first one, as torch.max gives it
+    rows[6, min(CHUNK, last)] = 7.0  # the best at a chunk's first value
+    for values in (rows, rows[:, : max(1, width // 2)]):  # contiguous rows, and rows of a wider tensor
+        best, index = row_max(values)
+        want_best, want_index = values.max(dim=-1)
+        assert torch.equal(index, want_index)
+        torch.testing.assert_close(best, want_best, rtol=0, atol=0, equal_nan=True)
