@@ -46,7 +46,6 @@ inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half
                       int64_t K, int64_t G, float* out) {
   const int64_t B = K / BLOCK;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
-  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
   __m512 acc[TILE];
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
@@ -58,13 +57,8 @@ inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half
       sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm512_setzero_si512();
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
-      const __m512i packed = _mm512_loadu_si512(block + 64 * j);
-      __m512i low = _mm512_and_si512(packed, nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      if constexpr (FIVE) {
-        low = _mm512_mask_add_epi8(low, fifth_mask(fifth, b, 2 * j), low, sixteen);
-        high = _mm512_mask_add_epi8(high, fifth_mask(fifth, b, 2 * j + 1), high, sixteen);
-      }
+      __m512i low, high;
+      unpack_codes<FIVE>(block, fifth, b, j, low, high);
 #pragma GCC unroll 4
       for (int t = 0; t < TILE; ++t) {
         const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;

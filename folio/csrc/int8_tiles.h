@@ -42,6 +42,20 @@ inline int32_t fifth_bit(const uint8_t* fifth, int64_t b, int mask, int64_t byte
 }
 #if defined(__AVX512BW__)
 inline __mmask64 fifth_mask(const uint8_t* fifth, int64_t b, int mask) { return _cvtu64_mask64(fifth_bits(fifth, b, mask)); }
+
+// Register j (< 4) of a 4-bit tile's block b (int4_tiles.h) unpacked to a code a byte: `low` holds values
+// 4j + t of the tile's rows, `high` values 16 + 4j + t; FIVE: their fifth bits added.
+template <bool FIVE>
+inline void unpack_codes(const uint8_t* block, const uint8_t* fifth, int64_t b, int j, __m512i& low, __m512i& high) {
+  const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
+  const __m512i packed = _mm512_loadu_si512(block + 64 * j);
+  low = _mm512_and_si512(packed, nibble);
+  high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
+  if constexpr (FIVE) {
+    low = _mm512_mask_add_epi8(low, fifth_mask(fifth, b, 2 * j), low, sixteen);
+    high = _mm512_mask_add_epi8(high, fifth_mask(fifth, b, 2 * j + 1), high, sixteen);
+  }
+}
 #endif
 
 inline float scale_at(const at::Half* s, int64_t i) { return to_float(s[i]); }

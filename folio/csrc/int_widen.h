@@ -57,16 +57,10 @@ inline void widen_tile_to_int8(const uint8_t* codes, const uint8_t* fifth, int64
     const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
     uint8_t* wide = out + b * INT8_TILE_BLOCK_BYTES;
 #if defined(__AVX512BW__)
-    const __m512i nibble = _mm512_set1_epi8(0x0F), sixteen = _mm512_set1_epi8(0x10);
     const __m512i shift = _mm512_set1_epi8(static_cast<char>(offset));
     for (int j = 0; j < 4; ++j) {
-      const __m512i packed = _mm512_loadu_si512(block + 64 * j);
-      __m512i low = _mm512_and_si512(packed, nibble);
-      __m512i high = _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble);
-      if constexpr (FIVE) {
-        low = _mm512_mask_add_epi8(low, fifth_mask(fifth, b, 2 * j), low, sixteen);
-        high = _mm512_mask_add_epi8(high, fifth_mask(fifth, b, 2 * j + 1), high, sixteen);
-      }
+      __m512i low, high;
+      unpack_codes<FIVE>(block, fifth, b, j, low, high);
       _mm512_storeu_si512(wide + 64 * j, _mm512_add_epi8(low, shift));
       _mm512_storeu_si512(wide + 64 * (4 + j), _mm512_add_epi8(high, shift));
     }
