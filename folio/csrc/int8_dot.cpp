@@ -28,6 +28,7 @@
 
 #include "folio_kernels.h"
 #include "int8_activations.h"
+#include "int8_greedy.h"
 #include "int4_tiles.h"
 #include "int8_tiles.h"
 #include "int_widen.h"
@@ -237,6 +238,35 @@ torch::Tensor int8_linear_into(torch::Tensor x, torch::Tensor tiles, torch::Tens
   return out;
 }
 
+// The greedy pick of x's rows (float32 [M, K]) over an 8-bit weight, in two stages (int8_greedy.h): x's
+// 8-bit product written into `approx` (float32 [M, N], a buffer the caller reuses), then the rows it
+// leaves near the top multiplied again with the residuals. Returns best (float64 [M, 3]: the row's
+// maximum, its first index, 0) and decided ([M] bool: false where the caller's full product decides).
+std::vector<torch::Tensor> int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group,
+                                       int64_t N, torch::Tensor norms, torch::Tensor approx) {
+  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x: float32");
+  TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == N,
+              "norms: contiguous float32 [N]");
+  int8_linear_to(x, tiles, scales, group, N, /*exact=*/false, approx);
+  const int64_t M = x.size(0), K = x.size(1);
+  auto best = torch::zeros({M, 3}, x.options().dtype(torch::kFloat64));
+  auto decided = torch::zeros({M}, x.options().dtype(torch::kBool));
+  const float* xs = x.data_ptr<float>();
+  const uint8_t* c = tiles.data_ptr<uint8_t>();
+  auto run = [&](const auto* s) {
+    auto pick = group == HALF ? greedy_rows<true, std::remove_cv_t<std::remove_pointer_t<decltype(s)>>>
+                              : greedy_rows<false, std::remove_cv_t<std::remove_pointer_t<decltype(s)>>>;
+    pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), approx.data_ptr<float>(), best.data_ptr<double>(),
+         decided.data_ptr<bool>());
+  };
+  if (scales.scalar_type() == torch::kHalf) {
+    run(scales.data_ptr<at::Half>());
+  } else {
+    run(scales.data_ptr<float>());
+  }
+  return {best, decided};
+}
+
 // x's rows as the kernels see them: int8 codes, one float scale per block of 32, and the residual codes
 // (for tests).
 std::vector<torch::Tensor> quantize_activations(torch::Tensor x) {
@@ -257,6 +287,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
   m.def("int8_linear_into", &int8_linear_into, py::call_guard<py::gil_scoped_release>(), "int8_linear written into out",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact"), py::arg("out"));
+  m.def("int8_greedy", &int8_greedy, py::call_guard<py::gil_scoped_release>(), "each row's argmax of x @ W^T, W 8-bit, from its 8-bit product and the rows near the top",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("norms"), py::arg("approx"));
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
   m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4- or 5-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");

@@ -17,6 +17,7 @@ from torch import nn
 
 from folio.distributed.tensor_parallel import TensorParallel, current
 from folio.layers.linear import default_weight_loader
+from folio.layers.split_argmax import local_best
 from folio.layers.weight_narrowing import narrow_weight
 from folio.quant.int8 import Int8Groups, PackedInt8, packed_for_kernel
 
@@ -96,14 +97,41 @@ class LMHead(nn.Module):
         rows = hidden.shape[0]
         if hidden.dtype != torch.float32 or hidden.device.type != "cpu":
             return self.local_logits(hidden).float()
-        if self._buffer is None or self._buffer.shape[0] < rows:
-            self._buffer = torch.empty(rows, source.num_rows, dtype=torch.float32)
-        out = self._buffer[:rows]
+        out = self._buffer_rows(rows)
         if isinstance(source.int8, PackedInt8):
             return source.int8.linear_into(hidden, out)
         if source.int8 is not None or source.weight.dtype != torch.float32:
             return self.local_logits(hidden).float()
         return torch.mm(hidden, source.weight.t(), out=out)
+
+    def greedy_best(self, hidden: torch.Tensor) -> torch.Tensor:
+        """`local_best` of this rank's logits for `hidden` [N, dim]: [N, 3] float64 (each row's best value,
+        its token id, 1.0 if the row was not all finite). An 8-bit head (a GGUF file's tied embedding)
+        picks from its 8-bit product and the few rows that can still win (PackedInt8.greedy): the same
+        tokens and values as the full product, for about half its integer work."""
+        source = self.source
+        packed = source.int8
+        if isinstance(packed, PackedInt8) and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
+            picked = packed.greedy(hidden, self._buffer_rows(hidden.shape[0]))
+            if picked is not None:
+                best, decided = picked
+                if not bool(decided.all()):  # rows the bound left open: their full product decides
+                    undecided = (~decided).nonzero().flatten()
+                    best[undecided] = local_best(packed.linear(hidden[undecided]).float(), 0)
+                best[:, 1] += source.first_row
+                return best
+        return local_best(self.transient_logits(hidden), source.first_row)
+
+    def prepare_greedy(self) -> None:
+        """Make at start-up what `greedy_best` reads."""
+        if isinstance(self.source.int8, PackedInt8):
+            self.source.int8.prepare_greedy()
+
+    def _buffer_rows(self, rows: int) -> torch.Tensor:
+        """[rows, num_rows] float32 of the reused logits buffer, grown to the most rows asked for."""
+        if self._buffer is None or self._buffer.shape[0] < rows:
+            self._buffer = torch.empty(rows, self.source.num_rows, dtype=torch.float32)
+        return self._buffer[:rows]
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         source = self.source

@@ -87,8 +87,10 @@ class CausalLM(nn.Module):
         """Each row's argmax of `compute_logits(hidden)` [N], and whether the row's logits were all
         finite [N] bool, without gathering a split vocabulary: each rank takes its range's best, and
         the ranks exchange three numbers a row instead of N x V / ranks logits."""
-        local = self._soft_capped(self.lm_head.transient_logits(hidden))
-        mine = local_best(local, self.lm_head.source.first_row)
+        if self.config.final_logit_softcapping:  # tanh can tie values the head tells apart: pick after it
+            mine = local_best(self._soft_capped(self.lm_head.transient_logits(hidden)), self.lm_head.source.first_row)
+        else:
+            mine = self.lm_head.greedy_best(hidden)
         every = self.tp.all_gather_last(mine).view(-1, self.tp.size, 3)
         return pick_best(every)
 
@@ -147,6 +149,8 @@ class CausalLM(nn.Module):
         for module in self.modules():
             if (packed := getattr(module, "packed", None)) is not None:
                 packed.load_kernels()
+        if isinstance(self.lm_head, LMHead):
+            self.lm_head.prepare_greedy()
         self.bind_decode_stack(dtype)
         return caches
 

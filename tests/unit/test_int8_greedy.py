@@ -1,0 +1,138 @@
+"""The greedy pick over an 8-bit LM head from its 8-bit product and the rows near the top
+(folio/csrc/int8_greedy.h, PackedInt8.greedy, LMHead.greedy_best) against the full product's argmax:
+the same token and the same float value in every row, ties and all; rows it cannot bound (non-finite
+activations, too many rows near the top) are left to the full product, which then decides them."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from folio import LLM, SamplingParams, ops
+from folio.layers.embedding import LMHead
+from folio.layers.split_argmax import local_best
+from folio.quant.int8 import Int8Groups, PackedInt8
+
+pytestmark = pytest.mark.skipif(ops.load("int8_dot") is None, reason="needs the int8 dot-product kernel")
+
+
+def _packed(rows: int, cols: int, group: int, seed: int, float16_scales: bool = True) -> PackedInt8:
+    generator = torch.Generator().manual_seed(seed)
+    codes = torch.randint(-127, 128, (rows, cols), dtype=torch.int8, generator=generator)
+    scales = torch.rand(rows, cols // group, generator=generator) * 1e-3 + 1e-4
+    return PackedInt8(Int8Groups(codes, scales.half().float() if float16_scales else scales))
+
+
+def _activations(rows: int, cols: int, seed: int) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(seed)) * 3
+    x[:, 5] = 40.0  # an outlier channel, as real activations have: its blocks' other values get coarse codes
+    return x
+
+
+def _full_best(packed: PackedInt8, x: torch.Tensor) -> torch.Tensor:
+    return local_best(packed.linear(x).float(), 0)
+
+
+@pytest.mark.parametrize(
+    "rows, cols, group, float16_scales",
+    [(1000, 640, 32, True), (4099, 576, 16, False), (515, 256, 128, True), (40000, 64, 64, False)],
+)
+@pytest.mark.parametrize("batch", [2, 3, 5, 64])
+def test_the_pick_equals_the_full_products_argmax(rows, cols, group, float16_scales, batch):
+    """Groups of 32 (Q8_0), 16 (Q6_K's, float32 scales), 128 and 64; a row count that is not a whole
+    number of tiles; 2 to 64 activation rows."""
+    packed = _packed(rows, cols, group, seed=rows + batch, float16_scales=float16_scales)
+    x = _activations(batch, cols, seed=batch)
+    best, decided = packed.greedy(x, torch.empty(batch, rows))
+    assert bool(decided.all())
+    assert torch.equal(best, _full_best(packed, x))  # the value's float bits and the first index
+
+
+def test_ties_and_rows_only_the_residuals_tell_apart():
+    """For each activation row, copies of its best weight row tie with it (the first index wins), and
+    copies with one code moved up and another down, at two columns of one block whose activation codes
+    are equal but whose rounding errors are not, have the same 8-bit product as the best row: only the
+    recomputed rows can order them, and they must order them as the full product does."""
+    packed = _packed(2000, 640, 32, seed=7)
+    x = _activations(4, 640, seed=3)
+    codes, scales = packed.codes(), packed._row_scales().clone()
+    q_codes, _, residuals = ops.load("int8_dot").quantize_activations(x)
+    best_rows = _full_best(packed, x)[:, 1].long().tolist()
+    for m, source in enumerate(best_rows):
+        c1, c2 = next(
+            (a, b)
+            for a in range(640)
+            for b in range(a + 1, a - a % 32 + 32)
+            if q_codes[m, a] == q_codes[m, b] and residuals[m, a] != residuals[m, b]
+            and abs(int(codes[source, a])) < 127 and abs(int(codes[source, b])) < 127
+        )  # fmt: skip
+        for target, moved in ((100 + 9 * m, (c1, c2)), (1500 + m, None), (3 + m, None), (800 + m, (c2, c1))):
+            row = codes[source].clone()
+            if moved is not None:
+                row[moved[0]] += 1
+                row[moved[1]] -= 1
+            codes[target], scales[target] = row, scales[source]
+    nudged = PackedInt8(Int8Groups(codes, scales))
+    approx = torch.empty(4, 2000)
+    best, decided = nudged.greedy(x, approx)
+    assert bool(decided.all())
+    assert torch.equal(best, _full_best(nudged, x))
+    for m, source in enumerate(best_rows):  # the premise: one 8-bit value for all five rows
+        assert len(set(approx[m, [source, 100 + 9 * m, 1500 + m, 3 + m, 800 + m]].tolist())) == 1
+    assert best[:, 1].long().tolist() != best_rows  # and the residuals moved the pick to a nudged copy
+
+
+def test_rows_it_cannot_bound_are_left_to_the_full_product():
+    """A row with a NaN or an infinity among its activations, and a head whose rows are all one row (every
+    tile near the top), come back undecided; the LM head then gives what the full product gives."""
+    same = _packed(1, 128, 32, seed=1)
+    flat = PackedInt8(Int8Groups(same.codes().repeat(4096, 1), same._row_scales().repeat(4096, 1)))
+    x = _activations(4, 128, seed=2)
+    x[1, 7] = math.nan
+    x[2, 9] = math.inf
+    best, decided = flat.greedy(x, torch.empty(4, 4096))
+    assert decided.tolist() == [False, False, False, False]  # rows 0 and 3: all 4,096 rows tie at the top
+
+    head = LMHead(4096, 128)
+    head.own.int8 = flat
+    picked = head.greedy_best(x)
+    torch.testing.assert_close(picked, local_best(flat.linear(x).float(), 0), rtol=0, atol=0, equal_nan=True)
+    assert picked[[0, 3], 1].tolist() == [0.0, 0.0]  # the first of the tied rows
+
+
+def test_one_row_and_8_bit_activations_take_the_full_product():
+    packed = _packed(300, 64, 32, seed=4)
+    assert packed.greedy(_activations(1, 64, seed=1), torch.empty(1, 300)) is None
+    packed.exact_activations = False  # --activation-bits 8: the 8-bit product is the full product
+    assert packed.greedy(_activations(3, 64, seed=1), torch.empty(3, 300)) is None
+
+
+def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf):
+    """The real Gemma 3 file's 262,144-row Q8_0 head (tied to its embedding), on the final hidden states
+    of a batch of greedy requests: every step's pick is the full product's, value and token, and the
+    bound decides every row."""
+    llm = LLM(gemma3_gguf, kv_cache_memory="32MiB")
+    seen: list[torch.Tensor] = []
+    pick = LMHead.greedy_best
+
+    def recording(head: LMHead, hidden: torch.Tensor) -> torch.Tensor:
+        seen.append(hidden.clone())
+        return pick(head, hidden)
+
+    prompts = [f"Chapter {i}. The old lighthouse keeper" for i in range(6)]
+    params = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    try:
+        LMHead.greedy_best = recording
+        llm.generate(prompts, params, use_tqdm=False)
+    finally:
+        LMHead.greedy_best = pick
+    head = llm.engine.runner.model.lm_head
+    packed = head.source.int8
+    assert isinstance(packed, PackedInt8) and packed.shape[0] == 262144
+    assert len(seen) >= 6 and all(h.shape[0] == 6 for h in seen)
+    for hidden in seen:
+        best, decided = packed.greedy(hidden, torch.empty(hidden.shape[0], packed.shape[0]))
+        assert bool(decided.all())
+        assert torch.equal(best, local_best(head.transient_logits(hidden), 0))
