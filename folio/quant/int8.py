@@ -190,11 +190,11 @@ class PackedInt8:
 
     def row_norms(self, kernel: ModuleType) -> torch.Tensor:
         """[N] float32: each row's Euclidean norm, rounded up by 0.01% (the greedy bound needs an upper
-        bound; float32 sums of 2^k squares err by under k x 2^-24). Made once, widened 16,384 rows at a time."""
+        bound; float32 sums of 2^k squares err by under k x 2^-24). Made once, widened 64 MB at a time."""
         if self._row_norms is None:
             rows, cols = self.shape
             norms = torch.empty(rows, dtype=torch.float32)
-            per_slice = 1024  # tiles
+            per_slice = max(1, (16 << 20) // (TILE_ROWS * cols))  # tiles: 64 MB of float32 at a time
             for tile in range(0, self.tiles.shape[0], per_slice):
                 first, end = tile * TILE_ROWS, min(rows, (tile + per_slice) * TILE_ROWS)
                 tiles, scales = self.tiles[tile : tile + per_slice], self.scales[tile : tile + per_slice]
