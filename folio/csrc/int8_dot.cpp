@@ -32,49 +32,11 @@
 #include "int4_tiles.h"
 #include "int8_tiles.h"
 #include "int_widen.h"
+#include "tile_passes.h"
 
 namespace {
 
 using namespace folio_int8_dot;
-
-constexpr int64_t X_TILE = 4;  // activation rows sharing each loaded weight
-
-// With several passes of activation rows over each tile (pass `pass` of `passes`), the next tile's bytes
-// [next, next + bytes) are prefetched a share per pass into L2: a model's weights do not stay in any
-// cache between steps, and the hardware prefetcher, seeing each tile read again and again, does not
-// run ahead into the next one. One pass streams, which it does follow.
-inline void prefetch_share(const uint8_t* next, int64_t bytes, int64_t pass, int64_t passes) {
-  if (passes < 2) return;
-  const int64_t lines = (bytes + 63) / 64, from = lines * pass / passes, to = lines * (pass + 1) / passes;
-  for (int64_t line = from; line < to; ++line) _mm_prefetch(reinterpret_cast<const char*>(next + 64 * line), _MM_HINT_T1);
-}
-
-// y [M, N] = the tiles' outputs. Tiles of 16 weight rows are dealt to the threads, and each tile's
-// weights stay in L1 while every activation row passes over them, X_TILE rows at a time (a batch's
-// activations fit in L2; a weight matrix often fits in no cache). tile_fn(tile, its codes, m0, rows,
-// out) writes rows x 16 outputs to out, rows a std::integral_constant so that the tile kernels unroll.
-template <typename F>
-void over_tiles(int64_t M, int64_t N, const uint8_t* codes, int64_t tile_bytes, float* y, F tile_fn) {
-  const int64_t tiles = (N + TILE_ROWS - 1) / TILE_ROWS, passes = (M + X_TILE - 1) / X_TILE;
-  at::parallel_for(0, tiles, 1, [&](int64_t begin, int64_t end) {
-    float out[X_TILE * TILE_ROWS];
-    for (int64_t tile = begin; tile < end; ++tile) {
-      const uint8_t* c = codes + tile * tile_bytes;
-      for (int64_t m0 = 0; m0 < M; m0 += X_TILE) {
-        const int64_t rows = std::min(X_TILE, M - m0);
-        if (tile + 1 < end) prefetch_share(c + tile_bytes, tile_bytes, m0 / X_TILE, passes);
-        switch (rows) {
-          case 4: tile_fn(tile, c, m0, std::integral_constant<int, 4>{}, out); break;
-          case 3: tile_fn(tile, c, m0, std::integral_constant<int, 3>{}, out); break;
-          case 2: tile_fn(tile, c, m0, std::integral_constant<int, 2>{}, out); break;
-          default: tile_fn(tile, c, m0, std::integral_constant<int, 1>{}, out); break;
-        }
-        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
-        for (int64_t t = 0; t < rows; ++t) std::memcpy(y + (m0 + t) * N + n0, out + t * TILE_ROWS, valid * sizeof(float));
-      }
-    }
-  });
-}
 
 // ---- 4- and 5-bit, tiled (int4_tiles.h) ----
 
@@ -145,6 +107,17 @@ void check_x(const torch::Tensor& x, int64_t group, bool eight_bit) {
               "the group size must be 32 or a multiple of 64 (or 16 for 8-bit weights)");
 }
 
+// An 8-bit weight: tiles uint8 [ceil(N / 16), K / 32 * 512], scales float16 or float32 [ceil(N / 16), G, 16].
+void check_int8_weight(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales, int64_t group,
+                       int64_t N) {
+  check_x(x, group, /*eight_bit=*/true);
+  const int64_t K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * (K / BLOCK) * INT8_TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 512]");
+  TORCH_CHECK(scales.is_contiguous() && scales.numel() == tile_count * G * TILE_ROWS, "scales: [N / 16, K / group, 16]");
+  TORCH_CHECK(scales.scalar_type() == torch::kHalf || scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
+}
+
 // Calls f(typed x pointer).
 template <typename F>
 void with_x(const torch::Tensor& x, F f) {
@@ -194,11 +167,8 @@ torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor hi
 // Writes x @ W^T into y (float32 [M, N]).
 void int8_linear_to(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& scales, int64_t group,
                     int64_t N, bool exact, torch::Tensor& y) {
-  check_x(x, group, /*eight_bit=*/true);
-  const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
-  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
-              tiles.numel() == tile_count * (K / BLOCK) * INT8_TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 512]");
-  TORCH_CHECK(scales.is_contiguous() && scales.numel() == tile_count * G * TILE_ROWS, "scales: [N / 16, K / group, 16]");
+  check_int8_weight(x, tiles, scales, group, N);
+  const int64_t M = x.size(0), K = x.size(1);
   TORCH_CHECK(y.scalar_type() == torch::kFloat32 && y.is_contiguous() && y.dim() == 2 && y.size(0) == M && y.size(1) == N,
               "out: contiguous float32 [M, N]");
   const uint8_t* c = tiles.data_ptr<uint8_t>();
@@ -238,26 +208,24 @@ torch::Tensor int8_linear_into(torch::Tensor x, torch::Tensor tiles, torch::Tens
   return out;
 }
 
-// The greedy pick of x's rows (float32 [M, K]) over an 8-bit weight, in two stages (int8_greedy.h): x's
-// 8-bit product written into `approx` (float32 [M, N], a buffer the caller reuses), then the rows it
-// leaves near the top multiplied again with the residuals. Returns best (float64 [M, 3]: the row's
-// maximum, its first index, 0) and decided ([M] bool: false where the caller's full product decides).
+// The greedy pick of x's rows (float32 [M, K]) over an 8-bit weight in two stages (int8_greedy.h): best
+// (float64 [M, 3]: each row's maximum of x @ W^T, its first index, 0) and decided ([M] bool: false
+// where the caller's full product decides). norms: float32 [N], each weight row's Euclidean norm.
 std::vector<torch::Tensor> int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group,
-                                       int64_t N, torch::Tensor norms, torch::Tensor approx) {
+                                       int64_t N, torch::Tensor norms) {
+  check_int8_weight(x, tiles, scales, group, N);
   TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x: float32");
   TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == N,
               "norms: contiguous float32 [N]");
-  int8_linear_to(x, tiles, scales, group, N, /*exact=*/false, approx);
   const int64_t M = x.size(0), K = x.size(1);
   auto best = torch::zeros({M, 3}, x.options().dtype(torch::kFloat64));
   auto decided = torch::zeros({M}, x.options().dtype(torch::kBool));
   const float* xs = x.data_ptr<float>();
   const uint8_t* c = tiles.data_ptr<uint8_t>();
   auto run = [&](const auto* s) {
-    auto pick = group == HALF ? greedy_rows<true, std::remove_cv_t<std::remove_pointer_t<decltype(s)>>>
-                              : greedy_rows<false, std::remove_cv_t<std::remove_pointer_t<decltype(s)>>>;
-    pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), approx.data_ptr<float>(), best.data_ptr<double>(),
-         decided.data_ptr<bool>());
+    using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
+    auto pick = group == HALF ? greedy_rows<true, S> : greedy_rows<false, S>;
+    pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), best.data_ptr<double>(), decided.data_ptr<bool>());
   };
   if (scales.scalar_type() == torch::kHalf) {
     run(scales.data_ptr<at::Half>());
@@ -287,8 +255,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact") = true);
   m.def("int8_linear_into", &int8_linear_into, py::call_guard<py::gil_scoped_release>(), "int8_linear written into out",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact"), py::arg("out"));
-  m.def("int8_greedy", &int8_greedy, py::call_guard<py::gil_scoped_release>(), "each row's argmax of x @ W^T, W 8-bit, from its 8-bit product and the rows near the top",
-        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("norms"), py::arg("approx"));
+  m.def("int8_greedy", &int8_greedy, py::call_guard<py::gil_scoped_release>(), "each row's argmax of x @ W^T, W 8-bit, from its 8-bit product and the tiles near the top",
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("norms"));
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
   m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4- or 5-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");

@@ -3,19 +3,21 @@
 // With the activations' residual codes (int8_activations.h) each block's integer sum is 256 x the codes'
 // products + the residuals' products, so the 8 + 8-bit logit of weight row i is the 8-bit one (codes
 // alone, half the integer work) plus W_i . r, where r is the vector of residuals in their units
-// (residual x scale / 256). Cauchy-Schwarz bounds that term by ||W_i|| ||r||. So after the 8-bit
-// product, only rows whose 8-bit logit plus that bound reaches the largest 8-bit logit minus its bound
-// can hold the row's maximum; their tiles are multiplied again with the residuals, by the same tile
-// kernel and in the same order as the full product, which gives the same float values, and the pick is
-// made among them. On Gemma 3's 262,144-row head the bound leaves a handful of rows (its 8-bit product
-// is ~2x faster at 64 activation rows); a row whose bound leaves too many tiles, or whose values are not
-// all finite, is left undecided for the caller's full product.
+// (residual x scale / 256). Cauchy-Schwarz bounds that term by ||W_i|| ||r||. So only rows whose 8-bit
+// logit plus that bound reaches the largest 8-bit logit minus its bound can hold the row's maximum.
+// The 8-bit product runs tile by tile as the full one does, each tile's values folded at once into the
+// row's largest lower bound and a list of tiles that may still reach it (no [M, N] logits are written).
+// The tiles left are then multiplied again with the residuals, by the same tile kernel and in the same
+// order as the full product, which gives the same float values, and the pick is made among them. On
+// Gemma 3's 262,144-row head the bound leaves a handful of rows a request; a row whose bound leaves too
+// many tiles, or whose values are not all finite, is left undecided for the caller's full product.
 #pragma once
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -24,6 +26,7 @@
 
 #include "int8_activations.h"
 #include "int8_tiles.h"
+#include "tile_passes.h"
 
 namespace folio_int8_dot {
 
@@ -53,74 +56,97 @@ inline float bound_factor(const float* x, const QuantizedRows& q, int64_t m, int
   return static_cast<float>(1.001 * (std::sqrt(residual_square) + 1e-5 * std::sqrt(static_cast<double>(K)) * amax));
 }
 
-// The tiles (ascending) holding every weight row i with approx[i] + c norms[i] >= max_j(approx[j] - c
-// norms[j]); false if a value is not moderate or more than max_tiles tiles hold one.
-inline bool candidate_tiles(const float* approx, const float* norms, int64_t N, float c, int64_t max_tiles,
-                            std::vector<int64_t>& tiles) {
-  tiles.clear();
-  float floor = -std::numeric_limits<float>::infinity();
-  int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512i magnitude = _mm512_set1_epi32(0x7FFFFFFF), limit = _mm512_set1_epi32(static_cast<int>(kModerateBits));
-  const __m512 factor = _mm512_set1_ps(c);
-  __m512 floors = _mm512_set1_ps(floor);
-  __mmask16 wild = 0;
-  for (; i + 16 <= N; i += 16) {
-    const __m512 v = _mm512_loadu_ps(approx + i);
-    wild |= _mm512_cmpge_epi32_mask(_mm512_and_si512(_mm512_castps_si512(v), magnitude), limit);
-    floors = _mm512_max_ps(floors, _mm512_fnmadd_ps(factor, _mm512_loadu_ps(norms + i), v));
-  }
-  if (wild) return false;
-  floor = _mm512_reduce_max_ps(floors);
-#endif
-  for (; i < N; ++i) {
-    if (!moderate(approx[i])) return false;
-    floor = std::max(floor, approx[i] - c * norms[i]);
-  }
-  auto take = [&](int64_t row) {
-    const int64_t tile = row / TILE_ROWS;
-    if (tiles.empty() || tiles.back() != tile) tiles.push_back(tile);
-  };
-  i = 0;
-#if defined(__AVX512F__)
-  floors = _mm512_set1_ps(floor);
-  for (; i + 16 <= N; i += 16) {
-    const __m512 high = _mm512_fmadd_ps(factor, _mm512_loadu_ps(norms + i), _mm512_loadu_ps(approx + i));
-    for (__mmask16 hits = _mm512_cmp_ps_mask(high, floors, _CMP_GE_OQ); hits; hits &= hits - 1) {
-      take(i + __builtin_ctz(hits));
-      if (static_cast<int64_t>(tiles.size()) > max_tiles) return false;
-    }
-  }
-#endif
-  for (; i < N; ++i)
-    if (approx[i] + c * norms[i] >= floor) {
-      take(i);
-      if (static_cast<int64_t>(tiles.size()) > max_tiles) return false;
-    }
-  return true;
-}
+// A tile that may hold row m's maximum: `high`, the most any of its rows' 8 + 8-bit values can be.
+struct Candidate {
+  int32_t row;
+  int32_t tile;
+  float high;
+};
 
-// For each row m of x [M, K]: given `approx` [M, N], x's 8-bit product with the tiled weight, and `norms`
-// [N], each weight row's Euclidean norm, best[m] = (the maximum of the 8 + 8-bit product's row m, its
-// first index, 0) and decided[m] = true; or decided[m] = false where the row is left to the caller.
+// Candidates one thread found for its tiles, and each row's floor so far (max of value - bound): a tile
+// whose high is below a row's floor cannot hold its maximum. `wild` rows met a value that is not moderate.
+struct ThreadFinds {
+  std::vector<float> floors;
+  std::vector<Candidate> found;
+  std::vector<char> wild;
+};
+
+// For each row m of x [M, K]: best[m] = (the maximum of row m of x's 8 + 8-bit product with the tiled
+// weight, its first index, 0) and decided[m] = true; or decided[m] = false where the row is left to the
+// caller's full product. `norms` [N]: each weight row's Euclidean norm. The 8-bit product's values are
+// folded into each row's floor and candidates as the tiles are multiplied, never stored.
 template <bool SPLIT, typename S>
 void greedy_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
-                 int64_t group, const float* norms, const float* approx, double* best, bool* decided) {
+                 int64_t group, const float* norms, double* best, bool* decided) {
+  const QuantizedRows codes_only = quantize_rows(x, M, K, /*with_offsets=*/true, /*exact=*/false);
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true, /*exact=*/true);
   const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
+  const int64_t tile_bytes = B * INT8_TILE_BLOCK_BYTES;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
+  std::vector<float> factor(M);
+  for (int64_t m = 0; m < M; ++m) factor[m] = bound_factor(x, q, m, K);
+
+  constexpr size_t kCompactAt = 1 << 14;  // candidates a thread holds before it drops those under the floors
+  std::vector<ThreadFinds> finds(at::get_num_threads());
+  for (ThreadFinds& f : finds) {
+    f.floors.assign(M, -std::numeric_limits<float>::infinity());
+    f.wild.assign(M, 0);
+  }
+  auto tile_fn = [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
+    int8_tile<decltype(rows)::value, SPLIT, /*EXACT=*/false>(c, scales + tile * G * TILE_ROWS, codes_only,
+                                                             group_of_block.data(), m0, K, out);
+  };
+  auto take = [&](int64_t tile, int64_t m0, int64_t rows, const float* out) {
+    ThreadFinds& mine = finds[at::get_thread_num()];
+    const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
+    for (int64_t t = 0; t < rows; ++t) {
+      const int64_t m = m0 + t;
+      const float c = factor[m];
+      float low = -std::numeric_limits<float>::infinity(), high = low;
+      bool wild = false;
+      for (int64_t lane = 0; lane < valid; ++lane) {
+        const float v = out[t * TILE_ROWS + lane], margin = c * norms[n0 + lane];
+        wild = wild || !moderate(v);
+        low = std::max(low, v - margin);
+        high = std::max(high, v + margin);
+      }
+      mine.wild[m] |= wild;
+      mine.floors[m] = std::max(mine.floors[m], low);
+      if (high >= mine.floors[m]) mine.found.push_back({static_cast<int32_t>(m), static_cast<int32_t>(tile), high});
+    }
+    if (mine.found.size() >= kCompactAt && mine.found.size() % kCompactAt == 0) {
+      auto below = [&](const Candidate& f) { return f.high < mine.floors[f.row]; };
+      mine.found.erase(std::remove_if(mine.found.begin(), mine.found.end(), below), mine.found.end());
+    }
+  };
+  over_tile_passes(M, N, codes, tile_bytes, tile_fn, take);
+
+  // Each row's floor over all the tiles, and the tiles at or above it, ascending.
+  std::vector<float> floors(M, -std::numeric_limits<float>::infinity());
+  std::vector<char> undecidable(M, 0);
+  for (int64_t m = 0; m < M; ++m) undecidable[m] = factor[m] < 0.f;
+  for (const ThreadFinds& f : finds)
+    for (int64_t m = 0; m < M; ++m) {
+      floors[m] = std::max(floors[m], f.floors[m]);
+      undecidable[m] |= f.wild[m];
+    }
+  std::vector<std::vector<int64_t>> tiles(M);
+  for (const ThreadFinds& f : finds)
+    for (const Candidate& found : f.found)
+      if (found.high >= floors[found.row]) tiles[found.row].push_back(found.tile);
   const int64_t max_tiles = std::max<int64_t>(64, tile_count / 16);
+
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    std::vector<int64_t> tiles;
     float out[TILE_ROWS];
     for (int64_t m = begin; m < end; ++m) {
-      const float c = bound_factor(x, q, m, K);
-      decided[m] = c >= 0.f && candidate_tiles(approx + m * N, norms, N, c, max_tiles, tiles);
+      std::vector<int64_t>& mine = tiles[m];
+      std::sort(mine.begin(), mine.end());  // threads took contiguous ranges of tiles, in any order
+      decided[m] = !undecidable[m] && static_cast<int64_t>(mine.size()) <= max_tiles;
       if (!decided[m]) continue;
       float top = -std::numeric_limits<float>::infinity();
       int64_t index = -1;
-      for (const int64_t tile : tiles) {
-        int8_tile<1, SPLIT, /*EXACT=*/true>(codes + tile * B * INT8_TILE_BLOCK_BYTES, scales + tile * G * TILE_ROWS, q,
+      for (const int64_t tile : mine) {
+        int8_tile<1, SPLIT, /*EXACT=*/true>(codes + tile * tile_bytes, scales + tile * G * TILE_ROWS, q,
                                             group_of_block.data(), m, K, out);
         const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
         for (int64_t lane = 0; lane < valid; ++lane)

@@ -107,12 +107,12 @@ class LMHead(nn.Module):
     def greedy_best(self, hidden: torch.Tensor) -> torch.Tensor:
         """`local_best` of this rank's logits for `hidden` [N, dim]: [N, 3] float64 (each row's best value,
         its token id, 1.0 if the row was not all finite). An 8-bit head (a GGUF file's tied embedding)
-        picks from its 8-bit product and the few rows that can still win (PackedInt8.greedy): the same
-        tokens and values as the full product, for about half its integer work."""
+        picks from its 8-bit product and the few tiles that can still win (PackedInt8.greedy): the same
+        tokens and values as the full product, for about half its integer work and no logits written."""
         source = self.source
         packed = source.int8
         if isinstance(packed, PackedInt8) and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            picked = packed.greedy(hidden, self._buffer_rows(hidden.shape[0]))
+            picked = packed.greedy(hidden)
             if picked is not None:
                 best, decided = picked
                 if not bool(decided.all()):  # rows the bound left open: their full product decides

@@ -209,17 +209,16 @@ class PackedInt8:
         if kernel is not None:
             self.row_norms(kernel)
 
-    def greedy(self, x: torch.Tensor, approx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Each row's argmax of `linear(x)` with the activations' residuals, from the 8-bit product (written
-        into `approx`, float32 [M, N]) and the few rows the bound keeps near its top (int8_greedy.h):
-        (best float64 [M, 3]: maximum, first index, 0; decided [M] bool, false where only the full product
-        can tell). None where the kernel does not take x, below GREEDY_MIN_ROWS rows, or where the weight
-        multiplies 8-bit activations already."""
+    def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Each row's argmax of `linear(x)` with the activations' residuals, from the 8-bit product and the
+        few tiles the bound keeps near its top (int8_greedy.h): (best float64 [M, 3]: maximum, first index,
+        0; decided [M] bool, false where only the full product can tell). None where the kernel does not
+        take x, below GREEDY_MIN_ROWS rows, or where the weight multiplies 8-bit activations already."""
         kernel = ops.load("int8_dot") if x.device.type == "cpu" else None
         if kernel is None or x.dtype != torch.float32 or not self.exact_activations or x.shape[0] < GREEDY_MIN_ROWS:
             return None
         best, decided = kernel.int8_greedy(
-            x.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0], self.row_norms(kernel), approx
+            x.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0], self.row_norms(kernel)
         )
         return best, decided
 

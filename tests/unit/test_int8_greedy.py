@@ -45,7 +45,7 @@ def test_the_pick_equals_the_full_products_argmax(rows, cols, group, float16_sca
     number of tiles; 2 to 64 activation rows."""
     packed = _packed(rows, cols, group, seed=rows + batch, float16_scales=float16_scales)
     x = _activations(batch, cols, seed=batch)
-    best, decided = packed.greedy(x, torch.empty(batch, rows))
+    best, decided = packed.greedy(x)
     assert bool(decided.all())
     assert torch.equal(best, _full_best(packed, x))  # the value's float bits and the first index
 
@@ -75,8 +75,8 @@ def test_ties_and_rows_only_the_residuals_tell_apart():
                 row[moved[1]] -= 1
             codes[target], scales[target] = row, scales[source]
     nudged = PackedInt8(Int8Groups(codes, scales))
-    approx = torch.empty(4, 2000)
-    best, decided = nudged.greedy(x, approx)
+    best, decided = nudged.greedy(x)
+    approx = ops.load("int8_dot").int8_linear(x, nudged.tiles, nudged.scales, 32, 2000, False)  # the 8-bit product
     assert bool(decided.all())
     assert torch.equal(best, _full_best(nudged, x))
     for m, source in enumerate(best_rows):  # the premise: one 8-bit value for all five rows
@@ -92,7 +92,7 @@ def test_rows_it_cannot_bound_are_left_to_the_full_product():
     x = _activations(4, 128, seed=2)
     x[1, 7] = math.nan
     x[2, 9] = math.inf
-    best, decided = flat.greedy(x, torch.empty(4, 4096))
+    best, decided = flat.greedy(x)
     assert decided.tolist() == [False, False, False, False]  # rows 0 and 3: all 4,096 rows tie at the top
 
     head = LMHead(4096, 128)
@@ -102,11 +102,25 @@ def test_rows_it_cannot_bound_are_left_to_the_full_product():
     assert picked[[0, 3], 1].tolist() == [0.0, 0.0]  # the first of the tied rows
 
 
+def test_a_head_whose_values_climb_tile_after_tile():
+    """Rows whose logits rise with their index keep every tile a candidate as it is met (each raises the
+    floor, and is above it), so a thread's list passes the size at which it drops those under the floors;
+    what is left must still hold the maximum."""
+    rows, cols = 70000, 128
+    code = torch.randint(-100, 101, (1, cols), dtype=torch.int8, generator=torch.Generator().manual_seed(5))
+    scales = (1e-4 * (1 + torch.arange(rows, dtype=torch.float64) / rows)).float().unsqueeze(1).repeat(1, cols // 32)
+    climbing = PackedInt8(Int8Groups(code.repeat(rows, 1), scales))
+    x = code.float().repeat(8, 1) + torch.randn(8, cols, generator=torch.Generator().manual_seed(6))
+    best, decided = climbing.greedy(x)
+    assert bool(decided.all())
+    assert torch.equal(best, _full_best(climbing, x))
+
+
 def test_one_row_and_8_bit_activations_take_the_full_product():
     packed = _packed(300, 64, 32, seed=4)
-    assert packed.greedy(_activations(1, 64, seed=1), torch.empty(1, 300)) is None
+    assert packed.greedy(_activations(1, 64, seed=1)) is None
     packed.exact_activations = False  # --activation-bits 8: the 8-bit product is the full product
-    assert packed.greedy(_activations(3, 64, seed=1), torch.empty(3, 300)) is None
+    assert packed.greedy(_activations(3, 64, seed=1)) is None
 
 
 def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf):
@@ -133,6 +147,6 @@ def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf):
     assert isinstance(packed, PackedInt8) and packed.shape[0] == 262144
     assert len(seen) >= 6 and all(h.shape[0] == 6 for h in seen)
     for hidden in seen:
-        best, decided = packed.greedy(hidden, torch.empty(hidden.shape[0], packed.shape[0]))
+        best, decided = packed.greedy(hidden)
         assert bool(decided.all())
         assert torch.equal(best, local_best(head.transient_logits(hidden), 0))
