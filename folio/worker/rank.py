@@ -28,6 +28,7 @@ from folio.distributed import rendezvous
 from folio.distributed.pipeline_parallel import building_stage
 from folio.distributed.tensor_parallel import COMM, CommStats, building
 from folio.distributed.topology import join_context, join_groups
+from folio.heap import reuse_large_allocations
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import load_model
 from folio.spec_decode.factory import make_proposer
@@ -86,6 +87,8 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None)
         spec = shared[0]
         assert spec is not None
         runner, report = _build(spec, place, device, threads, control)
+        if device.type == "cpu":  # as the engine does once its model and pool are loaded (folio/heap.py)
+            reuse_large_allocations()
         parallel = spec.parallel
         stage_size = parallel.tensor_parallel_size * parallel.context_parallel_size
         relay = StepRelay(place.rank, stage_size, parallel.pipeline_parallel_size, conn)
