@@ -208,30 +208,32 @@ torch::Tensor int8_linear_into(torch::Tensor x, torch::Tensor tiles, torch::Tens
   return out;
 }
 
-// The greedy pick of x's rows (float32 [M, K]) over an 8-bit weight in two stages (int8_greedy.h): best
-// (float64 [M, 3]: each row's maximum of x @ W^T, its first index, 0) and decided ([M] bool: false
-// where the caller's full product decides). norms: float32 [N], each weight row's Euclidean norm.
+// The greedy pick of x's rows (float32 or bfloat16 [M, K]) over an 8-bit weight in two stages
+// (int8_greedy.h): best (float64 [M, 3]: each row's maximum of x @ W^T in x's dtype, its first index, 0)
+// and decided ([M] bool: false where the caller's full product decides). norms: float32 [N], each
+// weight row's Euclidean norm.
 std::vector<torch::Tensor> int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group,
                                        int64_t N, torch::Tensor norms) {
   check_int8_weight(x, tiles, scales, group, N);
-  TORCH_CHECK(x.scalar_type() == torch::kFloat32, "x: float32");
   TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == N,
               "norms: contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1);
   auto best = torch::zeros({M, 3}, x.options().dtype(torch::kFloat64));
   auto decided = torch::zeros({M}, x.options().dtype(torch::kBool));
-  const float* xs = x.data_ptr<float>();
   const uint8_t* c = tiles.data_ptr<uint8_t>();
-  auto run = [&](const auto* s) {
-    using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
-    auto pick = group == HALF ? greedy_rows<true, S> : greedy_rows<false, S>;
-    pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), best.data_ptr<double>(), decided.data_ptr<bool>());
-  };
-  if (scales.scalar_type() == torch::kHalf) {
-    run(scales.data_ptr<at::Half>());
-  } else {
-    run(scales.data_ptr<float>());
-  }
+  with_x(x, [&](const auto* xs) {
+    using T = std::remove_cv_t<std::remove_pointer_t<decltype(xs)>>;
+    auto run = [&](const auto* s) {
+      using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
+      auto pick = group == HALF ? greedy_rows<true, S, T> : greedy_rows<false, S, T>;
+      pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), best.data_ptr<double>(), decided.data_ptr<bool>());
+    };
+    if (scales.scalar_type() == torch::kHalf) {
+      run(scales.data_ptr<at::Half>());
+    } else {
+      run(scales.data_ptr<float>());
+    }
+  });
   return {best, decided};
 }
 

@@ -22,6 +22,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 
 #include "int8_activations.h"
@@ -44,16 +45,34 @@ inline bool moderate(float v) {
 // products (each under (B + 3) x 2^-24 of sum |terms| <= ||W_i||_1 amax <= sqrt(K) ||W_i|| amax) is
 // covered by 1e-5 sqrt(K) amax, ~3x over; and 0.1% more for the bound's own rounding. Negative: a
 // value of the row is not moderate.
-inline float bound_factor(const float* x, const QuantizedRows& q, int64_t m, int64_t K) {
+template <typename T>
+inline float bound_factor(const T* x, const QuantizedRows& q, int64_t m, int64_t K) {
   double residual_square = 0.0;
   float amax = 0.f;
   for (int64_t k = 0; k < K; ++k) {
-    if (!moderate(x[m * K + k])) return -1.f;
-    amax = std::max(amax, std::fabs(x[m * K + k]));
+    const float v = static_cast<float>(x[m * K + k]);
+    if (!moderate(v)) return -1.f;
+    amax = std::max(amax, std::fabs(v));
     const double r = static_cast<double>(q.residuals[m * K + k]) * q.scales[(m * K + k) / BLOCK] / RESIDUAL_STEPS;
     residual_square += r * r;
   }
   return static_cast<float>(1.001 * (std::sqrt(residual_square) + 1e-5 * std::sqrt(static_cast<double>(K)) * amax));
+}
+
+// With bfloat16 activations the full product's logits are rounded to bfloat16 (int8_dot.cpp gives y in
+// x's dtype), and the pick is the first of the rows whose rounded value is the largest. Values that
+// round alike lie within a bfloat16 step (at most 2^-7 of them) of each other, so the floor a tile must
+// reach is lowered by 2^-6 of its size: every row that may round to the maximum's value stays.
+constexpr float kBfloat16Reach = 1.f / 64.f;
+template <typename T>
+inline float reach(float floor) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) return floor - std::fabs(floor) * kBfloat16Reach;
+  return floor;
+}
+template <typename T>
+inline float as_output(float v) {
+  if constexpr (std::is_same_v<T, at::BFloat16>) return static_cast<float>(at::BFloat16(v));  // round to nearest even
+  return v;
 }
 
 // A tile that may hold row m's maximum: `high`, the most any of its rows' 8 + 8-bit values can be.
@@ -71,12 +90,12 @@ struct ThreadFinds {
   std::vector<char> wild;
 };
 
-// For each row m of x [M, K]: best[m] = (the maximum of row m of x's 8 + 8-bit product with the tiled
-// weight, its first index, 0) and decided[m] = true; or decided[m] = false where the row is left to the
+// For each row m of x [M, K] (float32 or bfloat16): best[m] = (the maximum of row m of x's 8 + 8-bit
+// product with the tiled weight, in x's dtype, its first index, 0) and decided[m] = true; or decided[m] = false where the row is left to the
 // caller's full product. `norms` [N]: each weight row's Euclidean norm. The 8-bit product's values are
 // folded into each row's floor and candidates as the tiles are multiplied, never stored.
-template <bool SPLIT, typename S>
-void greedy_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
+template <bool SPLIT, typename S, typename T>
+void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
                  int64_t group, const float* norms, double* best, bool* decided) {
   const QuantizedRows codes_only = quantize_rows(x, M, K, /*with_offsets=*/true, /*exact=*/false);
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true, /*exact=*/true);
@@ -112,10 +131,10 @@ void greedy_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, con
       }
       mine.wild[m] |= wild;
       mine.floors[m] = std::max(mine.floors[m], low);
-      if (high >= mine.floors[m]) mine.found.push_back({static_cast<int32_t>(m), static_cast<int32_t>(tile), high});
+      if (high >= reach<T>(mine.floors[m])) mine.found.push_back({static_cast<int32_t>(m), static_cast<int32_t>(tile), high});
     }
     if (mine.found.size() >= kCompactAt && mine.found.size() % kCompactAt == 0) {
-      auto below = [&](const Candidate& f) { return f.high < mine.floors[f.row]; };
+      auto below = [&](const Candidate& f) { return f.high < reach<T>(mine.floors[f.row]); };
       mine.found.erase(std::remove_if(mine.found.begin(), mine.found.end(), below), mine.found.end());
     }
   };
@@ -133,7 +152,7 @@ void greedy_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, con
   std::vector<std::vector<int64_t>> tiles(M);
   for (const ThreadFinds& f : finds)
     for (const Candidate& found : f.found)
-      if (found.high >= floors[found.row]) tiles[found.row].push_back(found.tile);
+      if (found.high >= reach<T>(floors[found.row])) tiles[found.row].push_back(found.tile);
   const int64_t max_tiles = std::max<int64_t>(64, tile_count / 16);
 
   at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
@@ -149,8 +168,10 @@ void greedy_rows(const float* x, int64_t M, int64_t K, const uint8_t* codes, con
         int8_tile<1, SPLIT, /*EXACT=*/true>(codes + tile * tile_bytes, scales + tile * G * TILE_ROWS, q,
                                             group_of_block.data(), m, K, out);
         const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
-        for (int64_t lane = 0; lane < valid; ++lane)
-          if (out[lane] > top) top = out[lane], index = n0 + lane;  // the first of equal values stays
+        for (int64_t lane = 0; lane < valid; ++lane) {
+          const float value = as_output<T>(out[lane]);
+          if (value > top) top = value, index = n0 + lane;  // the first of equal values stays
+        }
       }
       best[3 * m] = top;
       best[3 * m + 1] = static_cast<double>(index);

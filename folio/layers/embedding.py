@@ -111,16 +111,15 @@ class LMHead(nn.Module):
         tokens and values as the full product, for about half its integer work and no logits written."""
         source = self.source
         packed = source.int8
-        if isinstance(packed, PackedInt8) and hidden.dtype == torch.float32 and hidden.device.type == "cpu":
-            picked = packed.greedy(hidden)
-            if picked is not None:
-                best, decided = picked
-                if not bool(decided.all()):  # rows the bound left open: their full product decides
-                    undecided = (~decided).nonzero().flatten()
-                    best[undecided] = local_best(packed.linear(hidden[undecided]).float(), 0)
-                best[:, 1] += source.first_row
-                return best
-        return local_best(self.transient_logits(hidden), source.first_row)
+        picked = packed.greedy(hidden) if isinstance(packed, PackedInt8) else None
+        if picked is None:
+            return local_best(self.transient_logits(hidden), source.first_row)
+        best, decided = picked
+        if not bool(decided.all()):  # rows the bound left open: their full product decides
+            undecided = (~decided).nonzero().flatten()
+            best[undecided] = local_best(packed.linear(hidden[undecided]).float(), 0)
+        best[:, 1] += source.first_row
+        return best
 
     def prepare_greedy(self) -> None:
         """Make at start-up what `greedy_best` reads."""

@@ -210,12 +210,15 @@ class PackedInt8:
             self.row_norms(kernel)
 
     def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """Each row's argmax of `linear(x)` with the activations' residuals, from the 8-bit product and the
-        few tiles the bound keeps near its top (int8_greedy.h): (best float64 [M, 3]: maximum, first index,
-        0; decided [M] bool, false where only the full product can tell). None where the kernel does not
-        take x, below GREEDY_MIN_ROWS rows, or where the weight multiplies 8-bit activations already."""
+        """Each row's argmax of `linear(x)` (float32 or bfloat16 x, the values in x's dtype as `linear`
+        gives them), from the 8-bit product and the few tiles the bound keeps near its top (int8_greedy.h):
+        (best float64 [M, 3]: maximum, first index, 0; decided [M] bool, false where only the full product
+        can tell). None where `linear` would not take the kernel, below GREEDY_MIN_ROWS rows, or where the
+        weight multiplies 8-bit activations already."""
         kernel = ops.load("int8_dot") if x.device.type == "cpu" else None
-        if kernel is None or x.dtype != torch.float32 or not self.exact_activations or x.shape[0] < GREEDY_MIN_ROWS:
+        rows = x.shape[0]
+        takes = x.dtype in (torch.float32, torch.bfloat16) and GREEDY_MIN_ROWS <= rows <= dot_max_rows(x.dtype)
+        if kernel is None or not takes or not self.exact_activations:
             return None
         best, decided = kernel.int8_greedy(
             x.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0], self.row_norms(kernel)

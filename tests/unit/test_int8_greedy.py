@@ -50,6 +50,35 @@ def test_the_pick_equals_the_full_products_argmax(rows, cols, group, float16_sca
     assert torch.equal(best, _full_best(packed, x))  # the value's float bits and the first index
 
 
+@pytest.mark.parametrize("batch", [2, 64, 128])
+def test_bfloat16_activations_pick_among_the_rounded_logits(batch):
+    """With bfloat16 activations the full product's logits come rounded to bfloat16, so rows a little
+    apart tie once rounded, and the first of them is the pick: copies of the best row scaled 5% up, with
+    scales 0.01% apart (closer than a bfloat16 step), scattered through the head, must give the full
+    product's pick."""
+    packed = _packed(6000, 640, 32, seed=11)
+    # Whole numbers with 127 in every block: exact codes, no residuals, so the bound is far below a
+    # bfloat16 step and only the lowered floor keeps the copies that round alike.
+    x = torch.randint(-60, 61, (batch, 640), generator=torch.Generator().manual_seed(12)).float()
+    x[:, ::32] = 127.0
+    x = x.bfloat16()
+    codes, scales = packed.codes(), packed._row_scales().clone()
+    source = int(_full_best(packed, x)[0, 1])
+    for j, target in enumerate(torch.randperm(6000, generator=torch.Generator().manual_seed(13))[:24].tolist()):
+        codes[target], scales[target] = codes[source], scales[source] * 1.05 * (1 + 1e-4 * (j - 12))
+    near = PackedInt8(Int8Groups(codes, scales))
+    best, decided = near.greedy(x)
+    assert bool(decided.all())
+    assert torch.equal(best, _full_best(near, x))
+    rounded = near.linear(x[:1]).float()
+    assert int((rounded == rounded.max()).sum()) > 1  # the premise: rows tie at the top once rounded
+
+
+def test_bfloat16_rows_past_the_kernels_reach_take_the_full_product():
+    packed = _packed(300, 64, 32, seed=4)
+    assert packed.greedy(_activations(129, 64, seed=1).bfloat16()) is None  # linear widens for a GEMM there
+
+
 def test_ties_and_rows_only_the_residuals_tell_apart():
     """For each activation row, copies of its best weight row tie with it (the first index wins), and
     copies with one code moved up and another down, at two columns of one block whose activation codes
@@ -123,11 +152,12 @@ def test_one_row_and_8_bit_activations_take_the_full_product():
     assert packed.greedy(_activations(3, 64, seed=1)) is None
 
 
-def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf, dtype):
     """The real Gemma 3 file's 262,144-row Q8_0 head (tied to its embedding), on the final hidden states
     of a batch of greedy requests: every step's pick is the full product's, value and token, and the
     bound decides every row."""
-    llm = LLM(gemma3_gguf, kv_cache_memory="32MiB")
+    llm = LLM(gemma3_gguf, dtype=dtype, kv_cache_memory="32MiB")
     seen: list[torch.Tensor] = []
     pick = LMHead.greedy_best
 
