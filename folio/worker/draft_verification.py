@@ -23,6 +23,11 @@ class Verified:
     problem: str | None = None  # set: the rows cannot be trusted; the request fails
 
 
+def verify_greedy_choices(choices: list[int], draft_ids: list[int]) -> Verified:
+    """A plain-greedy request's drafts from the target's argmax at each row (`choices`, k + 1 of them)."""
+    return Verified(verify_greedy(choices, draft_ids), None, choices)
+
+
 def verify_drafts(
     logits: torch.Tensor, state: RequestState, draft_ids: list[int], allowed: torch.Tensor | None = None
 ) -> Verified:
@@ -31,8 +36,7 @@ def verify_drafts(
     params = state.sampling_params
     if params.plain_greedy and allowed is None and bool(torch.isfinite(logits.sum())):  # one pass: see row_problems
         # Nothing adjusts these rows (filters keep the argmax): the target's choices are the raw argmax.
-        choices = logits.argmax(dim=-1).tolist()
-        return Verified(verify_greedy(choices, draft_ids), None, choices)
+        return verify_greedy_choices(logits.argmax(dim=-1).tolist(), draft_ids)
     k = len(draft_ids)
     confirmed = state.output_token_ids[: len(state.output_token_ids) - k]  # before this step's drafts
     batch = SamplingBatch.from_params(

@@ -28,10 +28,10 @@ from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
 from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
-from folio.worker.draft_verification import verify_drafts
+from folio.worker.draft_verification import Verified, verify_drafts, verify_greedy_choices
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.pooling import pool_embeddings
-from folio.worker.request_states import RequestStates
+from folio.worker.request_states import RequestState, RequestStates
 from folio.worker.row_sampling import sample_rows
 
 logger = logging.getLogger("folio")
@@ -225,11 +225,14 @@ class ModelRunner:
         for request_id, (first, k) in inputs.draft_rows.items():
             state = self.requests[request_id]
             try:
-                logits = self.compute_logits(hidden[first : first + k + 1]).float().cpu()
-                if self.logits_observer is not None:
-                    self.logits_observer(request_id, inputs.positions[first : first + k + 1].tolist(), logits)
                 drafts = state.token_ids[len(state.token_ids) - k :]
-                verified = verify_drafts(logits, state, drafts, inputs.draft_masks.get(request_id))
+                rows = hidden[first : first + k + 1]
+                verified = self._verify_plain_greedy(rows, state, drafts, request_id in inputs.draft_masks)
+                if verified is None:
+                    logits = self.compute_logits(rows).float().cpu()
+                    if self.logits_observer is not None:
+                        self.logits_observer(request_id, inputs.positions[first : first + k + 1].tolist(), logits)
+                    verified = verify_drafts(logits, state, drafts, inputs.draft_masks.get(request_id))
             except Exception:
                 logger.exception("verifying the drafts of request %s failed; failing that request only", request_id)
                 failed[request_id] = "sampling failed"
@@ -245,6 +248,18 @@ class ModelRunner:
             if verified.logprobs is not None:
                 accepted_logprobs[request_id] = verified.logprobs
         return accepted, accepted_logprobs, choices, failed
+
+    def _verify_plain_greedy(
+        self, rows: torch.Tensor, state: RequestState, drafts: list[int], masked: bool
+    ) -> Verified | None:
+        """A plain-greedy request's drafts checked against the target's argmax at each of its k + 1 rows
+        (`greedy_tokens`: no logits gathered, and an 8-bit head's two-stage pick), as `verify_drafts` checks
+        them when the logits are all finite; None where the whole logits are needed (sampling, a grammar's
+        masks, an observer) or a row was not finite (verify_drafts then names the problem)."""
+        if not state.sampling_params.plain_greedy or masked or self.logits_observer is not None:
+            return None
+        chosen, finite = self.greedy_tokens(rows)
+        return verify_greedy_choices(chosen.tolist(), drafts) if bool(finite.all()) else None
 
     def _propose(
         self,
