@@ -84,16 +84,20 @@ struct Candidate {
 
 // Candidates one thread found for its tiles, and each row's floor so far (max of value - bound): a tile
 // whose high is below a row's floor cannot hold its maximum. `wild` rows met a value that is not moderate.
+// At `compact_at` candidates those under the floors so far are dropped (a row's floor rises as its
+// tiles pass, so early ones mostly fall under it).
 struct ThreadFinds {
   std::vector<float> floors;
   std::vector<Candidate> found;
   std::vector<char> wild;
+  size_t compact_at = size_t{1} << 14;
 };
 
 // For each row m of x [M, K] (float32 or bfloat16): best[m] = (the maximum of row m of x's 8 + 8-bit
-// product with the tiled weight, in x's dtype, its first index, 0) and decided[m] = true; or decided[m] = false where the row is left to the
-// caller's full product. `norms` [N]: each weight row's Euclidean norm. The 8-bit product's values are
-// folded into each row's floor and candidates as the tiles are multiplied, never stored.
+// product with the tiled weight, in x's dtype, its first index, 0) and decided[m] = true; or
+// decided[m] = false where the row is left to the caller's full product. `norms` [N]: each weight row's
+// Euclidean norm. The 8-bit product's values are folded into each row's floor and candidates as the
+// tiles are multiplied, never stored.
 template <bool SPLIT, typename S, typename T>
 void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
                  int64_t group, const float* norms, double* best, bool* decided) {
@@ -105,7 +109,6 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   std::vector<float> factor(M);
   for (int64_t m = 0; m < M; ++m) factor[m] = bound_factor(x, q, m, K);
 
-  constexpr size_t kCompactAt = 1 << 14;  // candidates a thread holds before it drops those under the floors
   std::vector<ThreadFinds> finds(at::get_num_threads());
   for (ThreadFinds& f : finds) {
     f.floors.assign(M, -std::numeric_limits<float>::infinity());
@@ -133,9 +136,10 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
       mine.floors[m] = std::max(mine.floors[m], low);
       if (high >= reach<T>(mine.floors[m])) mine.found.push_back({static_cast<int32_t>(m), static_cast<int32_t>(tile), high});
     }
-    if (mine.found.size() >= kCompactAt && mine.found.size() % kCompactAt == 0) {
+    if (mine.found.size() >= mine.compact_at) {
       auto below = [&](const Candidate& f) { return f.high < reach<T>(mine.floors[f.row]); };
       mine.found.erase(std::remove_if(mine.found.begin(), mine.found.end(), below), mine.found.end());
+      mine.compact_at = std::max(mine.compact_at, 2 * mine.found.size());
     }
   };
   over_tile_passes(M, N, codes, tile_bytes, tile_fn, take);
