@@ -1,6 +1,7 @@
 // Small fused CPU ops for the layers around the matmuls: RMSNorm (with the residual add before it),
-// rotary embedding in place, and gated activations; and the greedy pick's row argmax (row_argmax.h). Each replaces 5-15 PyTorch ops, and at decode,
-// where a token's whole layer is a few microseconds of arithmetic, the per-op dispatch is the cost.
+// rotary embedding in place, and gated activations; and the greedy pick's row argmax (row_argmax.h).
+// Each replaces 5-15 PyTorch ops, and at decode, where a token's whole layer is a few microseconds of
+// arithmetic, the per-op dispatch is the cost.
 //
 // Arithmetic is float32 and rounds to the tensor's dtype where the PyTorch path (the oracle, in
 // norm.py, rotary.py and activation.py) rounds: the residual sum, the normalized x before Llama's

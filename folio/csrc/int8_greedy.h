@@ -134,7 +134,8 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
       }
       mine.wild[m] |= wild;
       mine.floors[m] = std::max(mine.floors[m], low);
-      if (high >= reach<T>(mine.floors[m])) mine.found.push_back({static_cast<int32_t>(m), static_cast<int32_t>(tile), high});
+      if (high >= reach<T>(mine.floors[m]))
+        mine.found.push_back({static_cast<int32_t>(m), static_cast<int32_t>(tile), high});
     }
     if (mine.found.size() >= mine.compact_at) {
       auto below = [&](const Candidate& f) { return f.high < reach<T>(mine.floors[f.row]); };
