@@ -30,6 +30,16 @@ inline void add_mins(const at::Half* mins, const float* group_sums, int64_t m0, 
     for (int t = 0; t < TILE; ++t) acc[t] = _mm512_fmadd_ps(m, _mm512_set1_ps(group_sums[(m0 + t) * G + g]), acc[t]);
   }
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
+#elif defined(__AVX2__)
+  for (int half = 0; half < 2; ++half) {
+    __m256 acc[TILE];
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_loadu_ps(out + t * TILE_ROWS + 8 * half);
+    for (int64_t g = 0; g < G; ++g) {
+      const __m256 m = load_scales8(mins + g * TILE_ROWS + 8 * half);
+      for (int t = 0; t < TILE; ++t) acc[t] = _mm256_fmadd_ps(m, _mm256_set1_ps(group_sums[(m0 + t) * G + g]), acc[t]);
+    }
+    for (int t = 0; t < TILE; ++t) _mm256_storeu_ps(out + t * TILE_ROWS + 8 * half, acc[t]);
+  }
 #else
   for (int t = 0; t < TILE; ++t)
     for (int64_t i = 0; i < TILE_ROWS; ++i)
@@ -83,6 +93,39 @@ inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half
     }
   }
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
+#elif defined(__AVX2__)
+  // 16-bit pair products (kWordProducts, int8_tiles.h): the codes (0..31) widened to words, times the
+  // activations' words; low and high nibbles add into the same sums (integers: the order is free).
+  for (int half = 0; half < 2; ++half) {  // the tile's rows 8 * half to 8 * half + 7
+    __m256 acc[TILE];
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      __m256i sums[TILE][2];  // rows 0-3 and 4-7 of the half, two pair sums a row
+      for (int t = 0; t < TILE; ++t) sums[t][0] = sums[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 4
+      for (int j = 0; j < 4; ++j) {
+        __m256i low, high;
+        unpack_codes_half<FIVE>(codes + b * TILE_BLOCK_BYTES, fifth, b, j, half, low, high);
+        const __m256i low_0_3 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(low));
+        const __m256i low_4_7 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(low, 1));
+        const __m256i high_0_3 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(high));
+        const __m256i high_4_7 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(high, 1));
+#pragma GCC unroll 4
+        for (int t = 0; t < TILE; ++t) {
+          const int16_t* x = q.words.data() + (m0 + t) * K + b * BLOCK + 4 * j;
+          const __m256i x_low = four_words(x), x_high = four_words(x + 16);
+          sums[t][0] = _mm256_add_epi32(sums[t][0], _mm256_add_epi32(pair_sums(low_0_3, x_low), pair_sums(high_0_3, x_high)));
+          sums[t][1] = _mm256_add_epi32(sums[t][1], _mm256_add_epi32(pair_sums(low_4_7, x_low), pair_sums(high_4_7, x_high)));
+        }
+      }
+      const __m256 s = load_scales8(scales + group_of_block[b] * TILE_ROWS + 8 * half);
+      for (int t = 0; t < TILE; ++t) {
+        const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(q.steps[(m0 + t) * B + b]));
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows_of_pairs(sums[t][0], sums[t][1])), scale, acc[t]);
+      }
+    }
+    for (int t = 0; t < TILE; ++t) _mm256_storeu_ps(out + t * TILE_ROWS + 8 * half, acc[t]);
+  }
 #else
   for (int t = 0; t < TILE; ++t) {
     const int8_t* xq = q.codes.data() + (m0 + t) * K;

@@ -42,7 +42,22 @@ struct QuantizedRows {            // x [M, K] as int8 blocks
   // sum starts from to take it back out, in the same units.
   std::vector<int32_t> half_starts;
   std::vector<int32_t> block_starts;
+  // [M, K], filled only where the tiles multiply 16-bit pairs (kWordProducts): each value as one 16-bit
+  // integer, 256 * code + residual with the residuals, else the code (|value| <= 32,639).
+  std::vector<int16_t> words;
 };
+
+// Whether the dot-product tiles multiply 16-bit pairs (vpmaddwd) for want of AVX-512 VNNI's vpdpbusd:
+// AVX2 machines (Zen 3, most laptops). vpmaddubsw, AVX2's byte product, would saturate its 16-bit pair
+// sums on the 8-bit tiles' code + 128 bytes; 16-bit words are exact and take the residual in the same
+// product, so that path does one multiply where vpdpbusd does two.
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
+constexpr bool kWordProducts = false;
+#elif defined(__AVX2__)
+constexpr bool kWordProducts = true;
+#else
+constexpr bool kWordProducts = false;
+#endif
 
 // Rows of x split between the threads once there are enough values to pay for it.
 constexpr int64_t kQuantizeGrain = 16384;
@@ -127,7 +142,8 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets,
   const int64_t per_row = K / BLOCK, blocks = M * per_row;
   QuantizedRows q{std::vector<int8_t>(M * K), std::vector<int8_t>(exact ? M * K : 0), std::vector<float>(blocks),
                   std::vector<float>(blocks), std::vector<float>(blocks),
-                  std::vector<int32_t>(with_offsets ? 2 * blocks : 0), std::vector<int32_t>(with_offsets ? blocks : 0)};
+                  std::vector<int32_t>(with_offsets ? 2 * blocks : 0), std::vector<int32_t>(with_offsets ? blocks : 0),
+                  std::vector<int16_t>(kWordProducts ? M * K : 0)};
   const float units = exact ? RESIDUAL_STEPS : 1.f;
   at::parallel_for(0, M, std::max<int64_t>(1, kQuantizeGrain / K), [&](int64_t begin, int64_t end) {
     for (int64_t i = begin * per_row; i < end * per_row; ++i) {
@@ -139,6 +155,11 @@ QuantizedRows quantize_rows(const T* x, int64_t M, int64_t K, bool with_offsets,
       q.scales[i] = block.scale;
       q.steps[i] = block.scale / units;
       q.sums[i] = block.sum;
+      if (kWordProducts) {
+        int16_t* words = q.words.data() + i * BLOCK;
+        for (int64_t j = 0; j < BLOCK; ++j)
+          words[j] = static_cast<int16_t>(exact ? 256 * codes[j] + residuals[j] : codes[j]);
+      }
       if (with_offsets) {
         q.half_starts[2 * i] = -128 * block.half_totals[0];
         q.half_starts[2 * i + 1] = -128 * block.half_totals[1];

@@ -56,6 +56,48 @@ inline void unpack_codes(const uint8_t* block, const uint8_t* fifth, int64_t b, 
     high = _mm512_mask_add_epi8(high, fifth_mask(fifth, b, 2 * j + 1), high, sixteen);
   }
 }
+#elif defined(__AVX2__)
+// 16 in each byte of half `half` (32 bytes) of an unpacked register whose bit in fifth-bit mask `mask` is set.
+inline __m256i fifth_sixteens(const uint8_t* fifth, int64_t b, int mask, int half) {
+  const uint32_t bits = static_cast<uint32_t>(fifth_bits(fifth, b, mask) >> (32 * half));
+  // byte k of the result takes byte k / 8 of `bits`, then its own bit k % 8 of that
+  const __m256i spread = _mm256_shuffle_epi8(
+      _mm256_set1_epi32(static_cast<int32_t>(bits)),
+      _mm256_setr_epi8(0, 0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1, 1, 2, 2, 2, 2, 2, 2, 2, 2, 3, 3, 3, 3, 3, 3, 3, 3));
+  const __m256i bit = _mm256_set1_epi64x(static_cast<int64_t>(0x8040201008040201ULL));
+  return _mm256_and_si256(_mm256_cmpeq_epi8(_mm256_and_si256(spread, bit), bit), _mm256_set1_epi8(16));
+}
+
+// unpack_codes for half `half` of register j: the tile's rows 8 * half to 8 * half + 7.
+template <bool FIVE>
+inline void unpack_codes_half(const uint8_t* block, const uint8_t* fifth, int64_t b, int j, int half, __m256i& low,
+                              __m256i& high) {
+  const __m256i nibble = _mm256_set1_epi8(0x0F);
+  const __m256i packed = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j + 32 * half));
+  low = _mm256_and_si256(packed, nibble);
+  high = _mm256_and_si256(_mm256_srli_epi16(packed, 4), nibble);
+  if constexpr (FIVE) {
+    low = _mm256_add_epi8(low, fifth_sixteens(fifth, b, 2 * j, half));
+    high = _mm256_add_epi8(high, fifth_sixteens(fifth, b, 2 * j + 1, half));
+  }
+}
+
+inline __m256 load_scales8(const at::Half* s) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))); }
+inline __m256 load_scales8(const float* s) { return _mm256_loadu_ps(s); }
+
+// Four 16-bit activation words broadcast to every 64-bit lane: the values a tile register's rows hold.
+inline __m256i four_words(const int16_t* p) {
+  int64_t v;
+  std::memcpy(&v, p, sizeof(v));
+  return _mm256_set1_epi64x(v);
+}
+
+// 16-bit products of 16 bytes (4 rows x 4 values, widened) with four_words, summed in pairs: each row's
+// two pair sums in adjacent 32-bit lanes. rows_of_pairs then adds those pairs: rows 0-7 in order.
+inline __m256i pair_sums(__m256i wide_bytes, __m256i words) { return _mm256_madd_epi16(wide_bytes, words); }
+inline __m256i rows_of_pairs(__m256i rows_0_3, __m256i rows_4_7) {
+  return _mm256_permute4x64_epi64(_mm256_hadd_epi32(rows_0_3, rows_4_7), 0xD8);
+}
 #endif
 
 inline float scale_at(const at::Half* s, int64_t i) { return to_float(s[i]); }
@@ -135,6 +177,49 @@ inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows
     }
   }
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * 16, acc[t]);
+}
+#elif defined(__AVX2__)
+// The same sums with 16-bit pair products (kWordProducts): each 32-byte half of a 64-byte tile register
+// (8 rows x 4 values) is widened to two registers of 16-bit words, code + 128 - 128, and multiplied by
+// the activations' words, whose residual rides in the same product. The float steps are the AVX-512
+// path's, in its order.
+template <int TILE, bool SPLIT, bool EXACT, typename S>
+inline void int8_tile(const uint8_t* codes, const S* scales, const QuantizedRows& q, const int32_t* group_of_block,
+                      int64_t m0, int64_t K, float* out) {
+  const int64_t B = K / BLOCK;
+  constexpr int SUMS = SPLIT ? 2 : 1;  // integer sums per block: one per scale
+  const __m256i flip = _mm256_set1_epi8(static_cast<char>(0x80));
+  for (int half = 0; half < 2; ++half) {  // the tile's rows 8 * half to 8 * half + 7
+    __m256 acc[TILE];
+    for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
+    for (int64_t b = 0; b < B; ++b) {
+      const uint8_t* block = codes + b * INT8_TILE_BLOCK_BYTES + 32 * half;
+      const S* group_scales = scales + group_of_block[b] * 16 + 8 * half;
+      for (int h = 0; h < SUMS; ++h) {
+        __m256i sums[TILE][2];  // rows 0-3 and 4-7 of the half, two pair sums a row
+        for (int t = 0; t < TILE; ++t) sums[t][0] = sums[t][1] = _mm256_setzero_si256();
+#pragma GCC unroll 8
+        for (int j = h * (8 / SUMS); j < (h + 1) * (8 / SUMS); ++j) {
+          const __m256i w = _mm256_xor_si256(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(block + 64 * j)), flip);
+          const __m256i w_low = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(w));
+          const __m256i w_high = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(w, 1));
+#pragma GCC unroll 4
+          for (int t = 0; t < TILE; ++t) {
+            const __m256i x = four_words(q.words.data() + (m0 + t) * K + b * BLOCK + 4 * j);
+            sums[t][0] = _mm256_add_epi32(sums[t][0], pair_sums(w_low, x));
+            sums[t][1] = _mm256_add_epi32(sums[t][1], pair_sums(w_high, x));
+          }
+        }
+        const __m256 w_scales = load_scales8(group_scales + 16 * h);
+        for (int t = 0; t < TILE; ++t) {
+          const __m256 step = _mm256_set1_ps(q.steps[(m0 + t) * B + b]);
+          const __m256i total = rows_of_pairs(sums[t][0], sums[t][1]);
+          acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(w_scales, step), acc[t]);
+        }
+      }
+    }
+    for (int t = 0; t < TILE; ++t) _mm256_storeu_ps(out + t * 16 + 8 * half, acc[t]);
+  }
 }
 #else
 template <int TILE, bool SPLIT, bool EXACT, typename S>

@@ -64,6 +64,15 @@ inline void widen_tile_to_int8(const uint8_t* codes, const uint8_t* fifth, int64
       _mm512_storeu_si512(wide + 64 * j, _mm512_add_epi8(low, shift));
       _mm512_storeu_si512(wide + 64 * (4 + j), _mm512_add_epi8(high, shift));
     }
+#elif defined(__AVX2__)
+    const __m256i shift = _mm256_set1_epi8(static_cast<char>(offset));
+    for (int j = 0; j < 4; ++j)
+      for (int half = 0; half < 2; ++half) {
+        __m256i low, high;
+        unpack_codes_half<FIVE>(block, fifth, b, j, half, low, high);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 64 * j + 32 * half), _mm256_add_epi8(low, shift));
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(wide + 64 * (4 + j) + 32 * half), _mm256_add_epi8(high, shift));
+      }
 #else
     for (int j = 0; j < 4; ++j)
       for (int64_t byte = 0; byte < 64; ++byte) {
