@@ -1,6 +1,7 @@
 // The vector pieces of the unquantized decode attention (paged_decode_dense.h): 16 keys at a time,
 // transposed once so each query's scores need no per-key reduction, a vectorised exp, and the
-// per-thread scratch of one task. Plain loops where AVX-512 or a compile-time head size is missing.
+// per-thread scratch of one task. The same tiles in two 8-key halves with AVX2 alone; plain loops where
+// neither or a compile-time head size is missing.
 #pragma once
 
 #include <torch/extension.h>
@@ -11,7 +12,7 @@
 #include <utility>
 #include <vector>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -107,12 +108,91 @@ static inline void with_count(int64_t nq, F&& f) {
   }
   f(std::integral_constant<int, MAX>{});
 }
+#elif defined(__AVX2__)
+template <typename T>
+static inline __m256 load8(const T* p) {
+  if constexpr (std::is_same_v<T, float>) {
+    return _mm256_loadu_ps(p);
+  } else {  // bfloat16: the high half of a float32
+    const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+  }
+}
+
+// In-register transpose: r[j][d] -> r[d][j], 8 x 8 float32.
+static inline void transpose8(__m256 r[8]) {
+  __m256 t[8], u[8];
+  for (int i = 0; i < 8; i += 2) {
+    t[i] = _mm256_unpacklo_ps(r[i], r[i + 1]);
+    t[i + 1] = _mm256_unpackhi_ps(r[i], r[i + 1]);
+  }
+  for (int k = 0; k < 2; ++k) {  // rows 4k .. 4k + 3, per 128-bit lane: columns c of the four rows
+    u[4 * k] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0x44);
+    u[4 * k + 1] = _mm256_shuffle_ps(t[4 * k], t[4 * k + 2], 0xEE);
+    u[4 * k + 2] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0x44);
+    u[4 * k + 3] = _mm256_shuffle_ps(t[4 * k + 1], t[4 * k + 3], 0xEE);
+  }
+  for (int c = 0; c < 4; ++c) {
+    r[c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x20);
+    r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
+  }
+}
+
+using folio_vec::exp8;  // scores minus their max: x <= 0
+
+// score_block on 8-lane halves of the tile: keys 0-7 and 8-15, even and odd dims apart.
+template <int64_t D, int NQ>
+static inline void score_block(const float* kt, const float* q, int64_t qs, float* s, int64_t ss) {
+  __m256 acc[NQ][2][2];
+  for (int i = 0; i < NQ; ++i) acc[i][0][0] = acc[i][0][1] = acc[i][1][0] = acc[i][1][1] = _mm256_setzero_ps();
+  for (int64_t d = 0; d < D; d += 2) {
+    const __m256 k00 = _mm256_loadu_ps(kt + d * kTile), k01 = _mm256_loadu_ps(kt + d * kTile + 8);
+    const __m256 k10 = _mm256_loadu_ps(kt + (d + 1) * kTile), k11 = _mm256_loadu_ps(kt + (d + 1) * kTile + 8);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 even = _mm256_set1_ps(q[i * qs + d]), odd = _mm256_set1_ps(q[i * qs + d + 1]);
+      acc[i][0][0] = _mm256_fmadd_ps(even, k00, acc[i][0][0]);
+      acc[i][1][0] = _mm256_fmadd_ps(even, k01, acc[i][1][0]);
+      acc[i][0][1] = _mm256_fmadd_ps(odd, k10, acc[i][0][1]);
+      acc[i][1][1] = _mm256_fmadd_ps(odd, k11, acc[i][1][1]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int h = 0; h < 2; ++h) _mm256_storeu_ps(s + i * ss + 8 * h, _mm256_add_ps(acc[i][h][0], acc[i][h][1]));
+}
+
+// accumulate_block for dims [from, from + CHUNK) of acc: CHUNK / 8 registers a query.
+template <int64_t CHUNK, int NQ>
+static inline void accumulate_block(const float* const* vrows, int64_t n, const float* p, int64_t ps, float* acc,
+                                    int64_t as, int64_t from) {
+  constexpr int64_t VD = CHUNK / 8;
+  __m256 a[NQ][VD];
+  for (int i = 0; i < NQ; ++i)
+    for (int64_t v = 0; v < VD; ++v) a[i][v] = _mm256_loadu_ps(acc + i * as + from + v * 8);
+  for (int64_t j = 0; j < n; ++j) {
+    __m256 row[VD];
+    for (int64_t v = 0; v < VD; ++v) row[v] = _mm256_loadu_ps(vrows[j] + from + v * 8);
+    for (int i = 0; i < NQ; ++i) {
+      const __m256 w = _mm256_set1_ps(p[i * ps + j]);
+      for (int64_t v = 0; v < VD; ++v) a[i][v] = _mm256_fmadd_ps(w, row[v], a[i][v]);
+    }
+  }
+  for (int i = 0; i < NQ; ++i)
+    for (int64_t v = 0; v < VD; ++v) _mm256_storeu_ps(acc + i * as + from + v * 8, a[i][v]);
+}
+
+template <int MAX, typename F>
+static inline void with_count(int64_t nq, F&& f) {
+  if constexpr (MAX > 1) {
+    if (nq < MAX) return with_count<MAX - 1>(nq, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, MAX>{});
+}
 #endif
 
-// The vector tiles need AVX-512 and a head size that is a whole number of 16-float vectors.
+// The vector tiles need AVX-512 (or AVX2) and a head size that is a whole number of 16-float vectors.
 template <int64_t HEAD_DIM>
 constexpr bool kVectorTiles =
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
     HEAD_DIM > 0 && HEAD_DIM % 16 == 0;
 #else
     false;
@@ -138,6 +218,25 @@ static inline void score_tile(const T* k, const int64_t* slots, int64_t n, int64
       for (int d = 0; d < 16; ++d) _mm512_storeu_ps(w.kt.data() + (c * 16 + d) * kTile, r[d]);
     }
     constexpr int BLOCK = 6;  // 12 accumulators
+    int64_t i = 0;
+    for (; i + BLOCK <= nq; i += BLOCK) score_block<HEAD_DIM, BLOCK>(w.kt.data(), q + i * D, D, s + i * ss, ss);
+    if (i < nq) {
+      with_count<BLOCK - 1>(nq - i, [&](auto count) {
+        score_block<HEAD_DIM, decltype(count)::value>(w.kt.data(), q + i * D, D, s + i * ss, ss);
+      });
+    }
+    return;
+  }
+#elif defined(__AVX2__)
+  if constexpr (kVectorTiles<HEAD_DIM>) {
+    for (int64_t c = 0; c < HEAD_DIM / 8; ++c)
+      for (int half = 0; half < 2; ++half) {
+        __m256 r[8];
+        for (int j = 0; j < 8; ++j) r[j] = load8(k + slots[8 * half + j] * row_stride + c * 8);
+        transpose8(r);
+        for (int d = 0; d < 8; ++d) _mm256_storeu_ps(w.kt.data() + (c * 8 + d) * kTile + 8 * half, r[d]);
+      }
+    constexpr int BLOCK = 3;  // 12 accumulators
     int64_t i = 0;
     for (; i + BLOCK <= nq; i += BLOCK) score_block<HEAD_DIM, BLOCK>(w.kt.data(), q + i * D, D, s + i * ss, ss);
     if (i < nq) {
@@ -187,6 +286,33 @@ static inline void accumulate_tile(const T* v, const int64_t* slots, int64_t n, 
     }
     return;
   }
+#elif defined(__AVX2__)
+  if constexpr (kVectorTiles<HEAD_DIM>) {
+    const float* rows[kTile];
+    for (int64_t j = 0; j < n; ++j) {
+      if constexpr (std::is_same_v<T, float>) {
+        rows[j] = v + slots[j] * row_stride;
+      } else {  // widened once per tile, not once per block of queries
+        float* wide = w.vt.data() + j * HEAD_DIM;
+        const T* vrow = v + slots[j] * row_stride;
+        for (int64_t c = 0; c < HEAD_DIM / 8; ++c) _mm256_storeu_ps(wide + c * 8, load8(vrow + c * 8));
+        rows[j] = wide;
+      }
+    }
+    // dims in chunks of up to 64 (8 registers a query), two queries at a time: <= 16 accumulators' worth
+    constexpr int64_t CHUNK = HEAD_DIM < 64 ? HEAD_DIM : 64;
+    constexpr int BLOCK = CHUNK == 64 ? 1 : 2;
+    for (int64_t from = 0; from < HEAD_DIM; from += CHUNK) {
+      int64_t i = 0;
+      for (; i + BLOCK <= nq; i += BLOCK) accumulate_block<CHUNK, BLOCK>(rows, n, p + i * ps, ps, acc + i * D, D, from);
+      if (i < nq) {
+        with_count<BLOCK>(nq - i, [&](auto count) {
+          accumulate_block<CHUNK, decltype(count)::value>(rows, n, p + i * ps, ps, acc + i * D, D, from);
+        });
+      }
+    }
+    return;
+  }
 #endif
   for (int64_t j = 0; j < n; ++j) {
     const T* vrow = v + slots[j] * row_stride;
@@ -211,6 +337,24 @@ static inline float exp_sum(float* s, int64_t n, float peak) {
     total = _mm512_mask_add_ps(total, live, total, e);
   }
   return _mm512_reduce_add_ps(total);
+#elif defined(__AVX2__)
+  const __m256 m = _mm256_set1_ps(peak);
+  __m256 total = _mm256_setzero_ps();
+  int64_t j = 0;
+  for (; j + 8 <= n; j += 8) {
+    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
+    _mm256_storeu_ps(s + j, e);
+    total = _mm256_add_ps(total, e);
+  }
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, total);
+  float sum = 0.0f;
+  for (float lane : lanes) sum += lane;
+  for (; j < n; ++j) {
+    s[j] = std::exp(s[j] - peak);
+    sum += s[j];
+  }
+  return sum;
 #else
   float total = 0.0f;
   for (int64_t j = 0; j < n; ++j) {

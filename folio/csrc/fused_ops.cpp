@@ -12,7 +12,7 @@
 #include <cmath>
 #include <type_traits>
 
-#if defined(__AVX512F__)
+#if defined(__AVX512F__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -153,16 +153,55 @@ static inline __m512 round16(__m512 v, const float*) { return v; }
 static inline __m512 round16(__m512 v, const at::BFloat16*) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(to_bf16_bits(v)), 16));
 }
+#elif defined(__AVX2__)
+using folio_vec::exp8;
+
+// activate16 on 8 lanes (AVX2 alone).
+static inline __m256 activate8(__m256 g, bool gelu) {
+  __m256 z = g;
+  if (gelu) {
+    const __m256 cube = _mm256_mul_ps(_mm256_mul_ps(g, g), g);
+    z = _mm256_mul_ps(_mm256_set1_ps(2.0f * 0.7978845608028654f), _mm256_fmadd_ps(_mm256_set1_ps(0.044715f), cube, g));
+  }
+  return _mm256_div_ps(g, _mm256_add_ps(_mm256_set1_ps(1.0f), exp8(_mm256_sub_ps(_mm256_setzero_ps(), z))));
+}
+
+static inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+static inline __m256 load8(const at::BFloat16* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+static inline void store8(float* p, __m256 v) { _mm256_storeu_ps(p, v); }
+// 8 floats to bfloat16 bits (to nearest even), in the low 128 bits.
+static inline __m128i to_bf16_bits(__m256 v) {
+  const __m256i bits = _mm256_castps_si256(v);
+  const __m256i odd = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
+  const __m256i high = _mm256_srli_epi32(_mm256_add_epi32(bits, _mm256_add_epi32(_mm256_set1_epi32(0x7FFF), odd)), 16);
+  return _mm256_castsi256_si128(_mm256_permute4x64_epi64(_mm256_packus_epi32(high, high), 0x08));
+}
+static inline void store8(at::BFloat16* p, __m256 v) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), to_bf16_bits(v)); }
+static inline __m256 round8(__m256 v, const float*) { return v; }
+static inline __m256 round8(__m256 v, const at::BFloat16*) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(to_bf16_bits(v)), 16));
+}
 #endif
 
 // out[0, 16) = act(gate[0, 16)) * gate[width, width + 16), rounded as the scalar loop rounds; false where
-// there is no vector path (no AVX-512, or float16).
+// there is no vector path (neither AVX-512 nor AVX2, or float16).
 template <typename T>
 static inline bool gated16(const T* gate, int64_t width, T* out, bool gelu) {
 #if defined(__AVX512F__)
   if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
     const __m512 activated = round16(activate16(load16(gate), gelu), gate);
     store16(out, _mm512_mul_ps(activated, load16(gate + width)));
+    return true;
+  }
+#elif defined(__AVX2__)
+  if constexpr (std::is_same_v<T, float> || std::is_same_v<T, at::BFloat16>) {
+    for (int h = 0; h < 16; h += 8) {
+      const __m256 activated = round8(activate8(load8(gate + h), gelu), gate);
+      store8(out + h, _mm256_mul_ps(activated, load8(gate + width + h)));
+    }
     return true;
   }
 #endif
