@@ -100,6 +100,57 @@ inline bool quantize_block_fast(const T* src, bool exact, int8_t* codes, int8_t*
   }
   return true;
 }
+#elif defined(__AVX2__)
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m128i raw = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(raw), 16));
+}
+inline float lanes_max(__m256 v) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+inline float lanes_sum(__m256 v) {
+  __m128 m = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  m = _mm_add_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_add_ss(m, _mm_movehdup_ps(m)));
+}
+// The AVX-512 version's steps 8 lanes at a time; the codes (|code| <= 127) narrow by a plain loop.
+template <typename T>
+inline bool quantize_block_fast(const T* src, bool exact, int8_t* codes, int8_t* residuals, BlockCodes& out) {
+  const __m256 v[4] = {load8(src), load8(src + 8), load8(src + 16), load8(src + 24)};
+  const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7FFFFFFF));
+  const float amax = lanes_max(_mm256_max_ps(_mm256_max_ps(_mm256_and_ps(v[0], magnitude), _mm256_and_ps(v[1], magnitude)),
+                                             _mm256_max_ps(_mm256_and_ps(v[2], magnitude), _mm256_and_ps(v[3], magnitude))));
+  if (amax < 1e-30f) return false;
+  out.scale = amax / 127.f;
+  out.sum = lanes_sum(_mm256_add_ps(_mm256_add_ps(v[0], v[1]), _mm256_add_ps(v[2], v[3])));
+  const __m256 inverse = _mm256_set1_ps(1.f / out.scale);
+  alignas(32) int32_t code_lanes[BLOCK], residual_lanes[BLOCK];
+  for (int r = 0; r < 4; ++r) {
+    const __m256 scaled = _mm256_mul_ps(v[r], inverse);
+    const __m256i code = _mm256_cvtps_epi32(scaled);  // to nearest even, as std::nearbyint
+    _mm256_store_si256(reinterpret_cast<__m256i*>(code_lanes + 8 * r), code);
+    if (exact) {
+      const __m256 error = _mm256_mul_ps(_mm256_sub_ps(scaled, _mm256_cvtepi32_ps(code)), _mm256_set1_ps(RESIDUAL_STEPS));
+      const __m256i residual = _mm256_min_epi32(_mm256_max_epi32(_mm256_cvtps_epi32(error), _mm256_set1_epi32(-127)),
+                                                _mm256_set1_epi32(127));
+      _mm256_store_si256(reinterpret_cast<__m256i*>(residual_lanes + 8 * r), residual);
+    }
+  }
+  out.half_totals[0] = out.half_totals[1] = 0;
+  for (int64_t j = 0; j < BLOCK; ++j) {
+    codes[j] = static_cast<int8_t>(code_lanes[j]);
+    int32_t total = code_lanes[j];
+    if (exact) {
+      residuals[j] = static_cast<int8_t>(residual_lanes[j]);
+      total = 256 * total + residual_lanes[j];
+    }
+    out.half_totals[j / HALF] += total;
+  }
+  return true;
+}
 #else
 template <typename T>
 inline bool quantize_block_fast(const T*, bool, int8_t*, int8_t*, BlockCodes&) {
