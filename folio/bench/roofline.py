@@ -1,8 +1,9 @@
 """MFU and MBU: how close a measured rate comes to this machine's own limits.
 
 - Peaks are measured when a run starts (`measure_peaks`): the matmul rate of a square GEMM in the
-  activation dtype (what the model's large products run at), and the read bandwidth of summing a
-  buffer far larger than the caches (what a decode step's weight and KV reads run at).
+  activation dtype (what the model's large products run at; float32's where that is faster), and the
+  read bandwidth of summing a buffer far larger than the caches (what a decode step's weight and KV
+  reads run at).
 - A token's cost comes from the model's shapes and formats (`TokenCost`):
   FLOPs = 2 x the parameters every token multiplies (all projections and the LM head, not the
   embedding lookup) + 4 x layers x query heads x head dim x the context it attends to (a prompt's
@@ -51,14 +52,22 @@ class MachinePeaks:
         return asdict(self)
 
 
-def measure_peaks(dtype: torch.dtype, repeats: int = 5) -> MachinePeaks:
+def gemm_gflops(dtype: torch.dtype, repeats: int) -> float:
     a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
     b = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
-    gemm_s = _best_seconds(lambda: torch.mm(a, b), repeats)
+    return 2 * MATMUL_SIZE**3 / _best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+
+
+def measure_peaks(dtype: torch.dtype, repeats: int = 5) -> MachinePeaks:
+    """The matmul peak is `dtype`'s GEMM rate, or float32's where that is higher: without bfloat16
+    arithmetic (AVX2 machines, no AVX-512 BF16) a bfloat16 GEMM is emulated at a fraction of float32's
+    rate, while the model's kernels widen bfloat16 to float32 and reach past it."""
+    gflops = gemm_gflops(dtype, repeats)
+    if dtype != torch.float32:
+        gflops = max(gflops, gemm_gflops(torch.float32, repeats))
     buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
     read_s = _best_seconds(lambda: buffer.sum(), repeats)
-    return MachinePeaks(str(dtype).removeprefix("torch."), 2 * MATMUL_SIZE**3 / gemm_s / 1e9,
-                        BANDWIDTH_BYTES / read_s / 1e9)  # fmt: skip
+    return MachinePeaks(str(dtype).removeprefix("torch."), gflops, BANDWIDTH_BYTES / read_s / 1e9)
 
 
 def measure_machine_peaks(repeats: int = 3) -> MachinePeaks:

@@ -92,14 +92,15 @@ def test_embeddings_run_beside_a_generation(client, base_url):
 
 
 def test_a_client_that_hangs_up_gives_back_its_slots_and_blocks(served):
-    """32 inputs of 1,500 tokens are seconds of prefill: hanging up after 1 s aborts what is left."""
+    """32 inputs of 1,500 tokens are tens of seconds of prefill: hanging up after 1 s aborts what is left.
+    The step in flight still ends, which on an AVX2 machine (no VNNI) under load has taken over 5 s."""
     url, server = served
     body = {"model": MODEL, "input": [[(7 * i + j) % 4000 + 100 for j in range(1500)] for i in range(32)]}
     aborted = aborted_requests(url)
     with pytest.raises(httpx.ReadTimeout):
         httpx.post(f"{url}/v1/embeddings", json=body, timeout=1.0)
     engine = server.engine.engine
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 15
     while engine.has_unfinished() or engine.kv.pool.num_free_blocks != engine.kv.pool.num_blocks:
         assert time.monotonic() < deadline, "the abandoned embeddings kept running"
         time.sleep(0.02)

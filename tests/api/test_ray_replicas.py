@@ -226,10 +226,15 @@ def test_autoscaling_adds_a_replica_under_load():
     try:
         server.wait_ready(timeout=240, replicas=1)
         client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+        scaled = threading.Event()
 
         def busy() -> None:
-            client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=300, temperature=0,
-                                      extra_body={"ignore_eos": True})  # fmt: skip
+            # Streamed, so that the load hangs up (and the server aborts it) once the replica is there.
+            with client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=300, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+                for _ in stream:
+                    if scaled.is_set():
+                        return
 
         load = [threading.Thread(target=busy) for _ in range(6)]
         for thread in load:
@@ -238,6 +243,7 @@ def test_autoscaling_adds_a_replica_under_load():
         while len(server.replicas()) < 2:
             assert time.monotonic() < deadline, f"no second replica: {server.replicas()}"
             time.sleep(1)
+        scaled.set()
         for thread in load:
             thread.join(timeout=300)
         server.process.send_signal(signal.SIGTERM)

@@ -7,6 +7,7 @@ import dataclasses
 import pytest
 import torch
 
+from folio.bench import roofline
 from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks, multiplied_parameters
 from folio.config import ModelConfig
 
@@ -65,3 +66,15 @@ def test_the_embedding_lookup_is_not_multiplied_unless_the_head_shares_it() -> N
 def test_peaks_are_measured_positive() -> None:
     peaks = measure_peaks(torch.float32, repeats=1)
     assert peaks.matmul_gflops > 0 and peaks.read_gbps > 0 and peaks.dtype == "float32"
+
+
+def test_a_dtype_slower_than_float32_takes_float32s_peak(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without bfloat16 arithmetic (AVX2) a bfloat16 GEMM is emulated far below float32's rate, which
+    the model's widened products then pass: MFU is against the higher of the two."""
+    rates = {torch.float32: 150.0, torch.bfloat16: 9.0}
+    monkeypatch.setattr(roofline, "gemm_gflops", lambda dtype, repeats: rates[dtype])
+    assert measure_peaks(torch.bfloat16, repeats=1).matmul_gflops == 150.0
+    rates[torch.bfloat16] = 420.0  # AVX-512 BF16: bfloat16's own rate
+    peaks = measure_peaks(torch.bfloat16, repeats=1)
+    assert peaks.matmul_gflops == 420.0 and peaks.dtype == "bfloat16"
+    assert measure_peaks(torch.float32, repeats=1).matmul_gflops == 150.0
