@@ -23,6 +23,15 @@ namespace dense {
 
 constexpr int64_t kTile = 16;        // keys per tile: one AVX-512 vector of float32 scores
 
+// Calls f(std::integral_constant<int, nq>) for nq in 1..MAX (a runtime count to a template argument).
+template <int MAX, typename F>
+static inline void with_count(int64_t nq, F&& f) {
+  if constexpr (MAX > 1) {
+    if (nq < MAX) return with_count<MAX - 1>(nq, std::forward<F>(f));
+  }
+  f(std::integral_constant<int, MAX>{});
+}
+
 #if defined(__AVX512F__)
 template <typename T>
 static inline __m512 load16(const T* p) {
@@ -100,14 +109,6 @@ static inline void accumulate_block(const float* const* vrows, int64_t n, const 
     for (int64_t v = 0; v < VD; ++v) _mm512_storeu_ps(acc + i * as + v * 16, a[i][v]);
 }
 
-// Calls f(std::integral_constant<int, nq>) for nq in 1..MAX (a runtime count to a template argument).
-template <int MAX, typename F>
-static inline void with_count(int64_t nq, F&& f) {
-  if constexpr (MAX > 1) {
-    if (nq < MAX) return with_count<MAX - 1>(nq, std::forward<F>(f));
-  }
-  f(std::integral_constant<int, MAX>{});
-}
 #elif defined(__AVX2__)
 template <typename T>
 static inline __m256 load8(const T* p) {
@@ -178,14 +179,6 @@ static inline void accumulate_block(const float* const* vrows, int64_t n, const 
   }
   for (int i = 0; i < NQ; ++i)
     for (int64_t v = 0; v < VD; ++v) _mm256_storeu_ps(acc + i * as + from + v * 8, a[i][v]);
-}
-
-template <int MAX, typename F>
-static inline void with_count(int64_t nq, F&& f) {
-  if constexpr (MAX > 1) {
-    if (nq < MAX) return with_count<MAX - 1>(nq, std::forward<F>(f));
-  }
-  f(std::integral_constant<int, MAX>{});
 }
 #endif
 
