@@ -60,6 +60,7 @@ class EngineArgs:
     pooling: str = "last"  # embeddings: "last" token or "mean" over the prompt (why last: SchedulerConfig.pooling)
     compile: bool = False  # torch.compile each decoder layer (the Python path; whole in-process models)
     activation_bits: int = 16  # into the int8 dot products: 16 (8 + 8, the default) or 8 (llama.cpp's Q8)
+    enforce_eager: bool = False  # on a GPU, no CUDA graphs for decode steps
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -124,6 +125,10 @@ class EngineArgs:
             help="torch.compile each decoder layer: the Python path that prefills and runs the steps the C++ "
             "decode step does not take (whole models in this process; on CPU it is slower, docs/benchmarks.md)",
         )  # fmt: skip
+        engine.add_argument(
+            "--enforce-eager", action="store_true",
+            help="on a GPU, run every step eagerly instead of replaying captured CUDA graphs for decode steps",
+        )  # fmt: skip
         add_parallel_args(parser.add_argument_group("parallelism (see docs/parallelism.md)"))
         spec, defaults = parser.add_argument_group("speculative decoding"), SpeculativeConfig()
         spec.add_argument(
@@ -178,8 +183,8 @@ class EngineArgs:
                 words += [] if value else ["--no-prefix-caching"]
             elif key == "hybrid_kv_cache":
                 words += [] if value else ["--no-hybrid-kv-cache"]
-            elif key == "compile":
-                words += ["--compile"] if value else []
+            elif key in ("compile", "enforce_eager"):
+                words += [f"--{key.replace('_', '-')}"] if value else []
             elif key == "speculative_config":
                 words += [] if value is None else _speculative_flags(value)
             elif value is not None:

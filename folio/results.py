@@ -27,7 +27,10 @@ def machine_info() -> dict[str, Any]:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    return {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    info = {"cpu": cpu, "cores": os.cpu_count(), "torch": torch.__version__, "python": platform.python_version()}
+    if torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name()
+    return info
 
 
 def result_paths(output_dir: Path, kind: str, model: str, date_utc: str, *tags: str) -> tuple[Path, Path]:

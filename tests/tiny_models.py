@@ -108,3 +108,41 @@ def make_tiny_chat_model(folder: Path) -> Path:
 TINY_KINDS = ["llama", "llama3-rope", "mqa", "mistral-window", "qwen2", "qwen2-yarn", "gemma3"]
 # Architectures added as one model file each (folio/models/): checked by the same oracle test.
 NEW_ARCHITECTURE_KINDS = ["qwen3", "phi3", "gpt2", "bloom"]
+
+
+# The catalog models' shapes (read from their GGUF files), for timing folio where their files cannot go:
+# random weights multiply and attend exactly as much as trained ones.
+FULL_SIZE_SHAPES = {
+    "smollm2-135m": dict(
+        model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+        num_attention_heads=9, num_key_value_heads=3, max_position_embeddings=8192, rms_norm_eps=1e-5,
+        rope_theta=100000.0, tie_word_embeddings=True,
+    ),
+    "gemma3-270m": dict(
+        model_type="gemma3_text", vocab_size=262144, hidden_size=640, intermediate_size=2048, num_hidden_layers=18,
+        num_attention_heads=4, num_key_value_heads=1, head_dim=256, max_position_embeddings=32768,
+        rms_norm_eps=1e-6, rope_theta=1000000.0, rope_local_base_freq=10000.0, sliding_window=512,
+        query_pre_attn_scalar=256, tie_word_embeddings=True,
+        layer_types=(["sliding_attention"] * 5 + ["full_attention"]) * 3,
+    ),
+}  # fmt: skip
+
+
+def make_full_size_model(name: str, folder: Path, dtype: torch.dtype = torch.bfloat16) -> Path:
+    """A random-init checkpoint with catalog model `name`'s shapes, in `dtype`, and a word-level
+    tokenizer over its whole vocabulary (ids "t0".."tN")."""
+    import transformers
+
+    torch.manual_seed(0)
+    shape = dict(FULL_SIZE_SHAPES[name])
+    config = transformers.AutoConfig.for_model(shape.pop("model_type"), **shape, eos_token_id=None,
+                                               bos_token_id=None, pad_token_id=None)  # fmt: skip
+    cls = transformers.Gemma3ForCausalLM if name.startswith("gemma3") else transformers.AutoModelForCausalLM
+    model = cls(config) if cls is transformers.Gemma3ForCausalLM else cls.from_config(config)
+    folder.mkdir(parents=True, exist_ok=True)
+    model.to(dtype).save_pretrained(folder, safe_serialization=True)
+    vocab = {f"t{i}": i for i in range(config.vocab_size)}
+    tokenizer = Tokenizer(models.WordLevel(vocab, unk_token="t0"))
+    tokenizer.pre_tokenizer = pre_tokenizers.Whitespace()
+    tokenizer.save(str(folder / "tokenizer.json"))
+    return folder

@@ -32,9 +32,10 @@ import torch
 
 from folio import LLM, SamplingParams
 from folio.bench.flags import add_output_dir, command_line
+from folio.bench.hf_decode_peer import hf_decode_rates
 from folio.bench.llama_cpp_build import build_llama_cpp
 from folio.bench.plots import engine_bars, engine_colors, figure
-from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill
+from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill, random_prompt
 from folio.bench.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
 from folio.bench.table import percent, row
 from folio.engine_args import EngineArgs
@@ -44,6 +45,7 @@ from folio.platform import default_device, resolve_dtype
 from folio.results import machine_info, result_paths, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
+PEERS = (None, "llama.cpp", "hf")
 PROMPT = "Write a long story about a lighthouse keeper."
 
 
@@ -162,18 +164,22 @@ def _llama_batched_bench(path: Path, gen_tokens: int, batch: int, threads: int) 
 
 
 def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
-    if config.peer not in (None, "llama.cpp"):
-        raise ValueError(f"unknown peer {config.peer!r}; choose llama.cpp")
+    if config.peer not in PEERS:
+        raise ValueError(f"unknown peer {config.peer!r}; choose llama.cpp or hf")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     path = resolve_model(config.model)
-    if path.suffix != ".gguf":
-        raise ValueError(f"folio bench decode compares a GGUF file's formats, and {config.model} is {path}")
+    if path.suffix != ".gguf" and config.peer == "llama.cpp":
+        raise ValueError(f"llama.cpp reads GGUF files, and {config.model} is {path}")
+    variants = VARIANTS if path.suffix == ".gguf" else {"checkpoint": None}  # a folder: its weights as stored
     threads = os.cpu_count() or 1
     torch.set_num_threads(threads)
-    peaks = measure_peaks(resolve_dtype(config.engine_args.get("dtype") or "float32", default_device())[0])
+    device = torch.device(config.engine_args.get("device") or default_device())
+    peaks = measure_peaks(resolve_dtype(config.engine_args.get("dtype") or "float32", device)[0], device=device)
     results = []
     dtype = "float32"
-    for name, quantization in VARIANTS.items():
+    peer_prompts: tuple[list[int], dict[int, list[int]]] = ([], {})
+    cost: TokenCost | None = None
+    for name, quantization in variants.items():
         llm = LLM(path, quantization=quantization, **config.engine_args)
         torch.set_num_threads(threads)
         dtype = str(llm.dtype).removeprefix("torch.")
@@ -186,8 +192,17 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
         result.add_utilisation(cost, peaks, prompt_tokens, config.gen_tokens, config.batch)
         results.append(result)
+        peer_prompts = (llm.tokenizer.encode(PROMPT), {n: random_prompt(llm, n, seed=7) for n in config.prompt_tokens})
         del llm
         gc.collect()
+    if config.peer == "hf":  # the same weights, dtype and device through transformers
+        dtype_of_run = resolve_dtype(config.engine_args.get("dtype") or "float32", device)[0]
+        one, many, prefill = hf_decode_rates(path, dtype_of_run, device, peer_prompts[0], config.gen_tokens,
+                                             config.batch, peer_prompts[1], config.repeats)  # fmt: skip
+        peer = VariantResult("transformers", None, one, many, prefill_tok_s=prefill)
+        assert cost is not None
+        peer.add_utilisation(cost, peaks, len(peer_prompts[0]), config.gen_tokens, config.batch)
+        results.append(peer)
     peer_info: dict[str, Any] = {}
     if config.peer == "llama.cpp":
         tok_s, pp, peer_info = _llama_bench(path, config.gen_tokens, config.prompt_tokens, config.repeats, threads)
@@ -225,6 +240,14 @@ def format_table(report: DecodeReport) -> str:
         lines.append(f"peaks measured at the start: {peaks['matmul_gflops']:.0f} GFLOP/s ({peaks['dtype']} GEMM), "
                      f"{peaks['read_gbps']:.1f} GB/s read")  # fmt: skip
     first, peer = report.results[0], report.results[-1]
+    if peer.engine == "transformers":
+        lines.append(f"batch-1: {first.engine} / transformers = {first.batch1_tok_s / peer.batch1_tok_s:.2f}x")
+        if first.batch_tok_s and peer.batch_tok_s:
+            lines.append(f"batch-{batch}: {first.engine} / transformers = {first.batch_tok_s / peer.batch_tok_s:.2f}x")
+        for n in lengths:
+            if peer.prefill_tok_s.get(n) and first.prefill_tok_s.get(n):
+                lines.append(f"prefill: {first.engine} / transformers pp{n} = "
+                             f"{first.prefill_tok_s[n] / peer.prefill_tok_s[n]:.2f}x")  # fmt: skip
     if peer.engine == "llama.cpp":
         lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = "
                      f"{first.batch1_tok_s / peer.batch1_tok_s:.2f}x")  # fmt: skip
@@ -281,13 +304,15 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "--prompt-tokens length and resident weight memory; with --peer llama.cpp also llama-bench's tg and pp on "
         "the same file with the same threads.",
     )
-    parser.add_argument("model", help="catalog name or .gguf file")
+    parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder (its weights as stored)")
     parser.add_argument("--gen-tokens", type=int, default=128, help="tokens each request decodes (default 128)")
     parser.add_argument("--batch", type=int, default=64, help="requests of the batched run (default 64)")
     parser.add_argument("--repeats", type=int, default=3, help="batch-1 and prefill runs, best kept (default 3)")
     parser.add_argument("--prompt-tokens", type=int, nargs="*", default=list(DEFAULT_LENGTHS),
                         help="prompt lengths whose prefill is measured (default 128 512 2048)")  # fmt: skip
-    parser.add_argument("--peer", default=None, help="also run llama-bench on the same file: llama.cpp")
+    parser.add_argument("--peer", default=None, choices=["llama.cpp", "hf"],
+                        help="also run llama-bench on the same file (llama.cpp), or transformers on the same weights, "
+                        "device and dtype (hf)")  # fmt: skip
     add_output_dir(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=run_decode_command)

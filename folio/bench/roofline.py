@@ -29,15 +29,25 @@ from folio.config import ModelConfig
 from folio.kv_calc import load_shape
 
 MATMUL_SIZE = 1024  # a 1024^3 GEMM: large enough to reach the kernel's rate, small enough to be quick
+GPU_MATMUL_SIZE = 8192  # a GPU's tensor cores reach their rate only on far larger products
 BANDWIDTH_BYTES = 512 * 2**20  # far beyond the last-level cache
+GPU_BANDWIDTH_BYTES = 4 * 2**30  # a GPU reads 512 MiB in ~0.1 ms: too short to time well
 
 
-def _best_seconds(work: Any, repeats: int) -> float:
-    work()  # warm-up: threads started, pages touched
+def _best_seconds(work: Any, repeats: int, device: torch.device | None = None) -> float:
+    """Best wall time of `work` (waiting for a GPU's queue to drain, where `device` is one)."""
+    on_gpu = device is not None and device.type == "cuda"
+
+    def timed() -> None:
+        work()
+        if on_gpu:
+            torch.cuda.synchronize(device)
+
+    timed()  # warm-up: threads started, pages touched, GPU kernels picked
     best = float("inf")
     for _ in range(repeats):
         start = time.perf_counter()
-        work()
+        timed()
         best = min(best, time.perf_counter() - start)
     return best
 
@@ -52,22 +62,27 @@ class MachinePeaks:
         return asdict(self)
 
 
-def gemm_gflops(dtype: torch.dtype, repeats: int) -> float:
-    a = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
-    b = torch.randn(MATMUL_SIZE, MATMUL_SIZE).to(dtype)
-    return 2 * MATMUL_SIZE**3 / _best_seconds(lambda: torch.mm(a, b), repeats) / 1e9
+def gemm_gflops(dtype: torch.dtype, repeats: int, device: torch.device | None = None) -> float:
+    device = device or torch.device("cpu")
+    size = GPU_MATMUL_SIZE if device.type == "cuda" else MATMUL_SIZE
+    a = torch.randn(size, size, device=device).to(dtype)
+    b = torch.randn(size, size, device=device).to(dtype)
+    return 2 * size**3 / _best_seconds(lambda: torch.mm(a, b), repeats, device) / 1e9
 
 
-def measure_peaks(dtype: torch.dtype, repeats: int = 5) -> MachinePeaks:
+def measure_peaks(dtype: torch.dtype, repeats: int = 5, device: torch.device | None = None) -> MachinePeaks:
     """The matmul peak is `dtype`'s GEMM rate, or float32's where that is higher: without bfloat16
     arithmetic (AVX2 machines, no AVX-512 BF16) a bfloat16 GEMM is emulated at a fraction of float32's
-    rate, while the model's kernels widen bfloat16 to float32 and reach past it."""
-    gflops = gemm_gflops(dtype, repeats)
+    rate, while the model's kernels widen bfloat16 to float32 and reach past it. `device`: where the
+    model runs (default the CPU); a GPU's peaks are its own."""
+    device = device or torch.device("cpu")
+    gflops = gemm_gflops(dtype, repeats, device)
     if dtype != torch.float32:
-        gflops = max(gflops, gemm_gflops(torch.float32, repeats))
-    buffer = torch.ones(BANDWIDTH_BYTES // 4, dtype=torch.float32)
-    read_s = _best_seconds(lambda: buffer.sum(), repeats)
-    return MachinePeaks(str(dtype).removeprefix("torch."), gflops, BANDWIDTH_BYTES / read_s / 1e9)
+        gflops = max(gflops, gemm_gflops(torch.float32, repeats, device))
+    size = GPU_BANDWIDTH_BYTES if device.type == "cuda" else BANDWIDTH_BYTES
+    buffer = torch.ones(size // 4, dtype=torch.float32, device=device)
+    read_s = _best_seconds(lambda: buffer.sum(), repeats, device)
+    return MachinePeaks(str(dtype).removeprefix("torch."), gflops, size / read_s / 1e9)
 
 
 def measure_machine_peaks(repeats: int = 3) -> MachinePeaks:

@@ -63,8 +63,10 @@ class EngineCore:
         speculative_config: SpeculativeConfig | None = None,
         draft_model: CausalLM | None = None,
         workers: WorkerLaunch | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
-        """`model`: the model, in this process; or None with `workers`: its ranks, started here, load it."""
+        """`model`: the model, in this process; or None with `workers`: its ranks, started here, load it.
+        `cuda_graphs`: on a GPU, replay captured CUDA graphs for pure decode steps."""
         parallel = workers.parallel if workers is not None else ParallelConfig()
         tp = parallel.tensor_parallel_size
         # Refuse a split the model cannot take before any rank starts.
@@ -119,7 +121,7 @@ class EngineCore:
         else:
             assert model is not None, "an engine without workers runs its model in process"
             self.runner = ModelRunner(model, model_config, cache_config, num_blocks, dtype, device, speculative_config,
-                                      kv_groups=kv_groups)  # fmt: skip
+                                      kv_groups=kv_groups, cuda_graphs=cuda_graphs)  # fmt: skip
         # After the runner: a draft of the same model reads its KV cache. Ranks build their own proposer.
         if speculative_config is not None and isinstance(self.runner, ModelRunner):
             shared = self.runner.kv_caches if draft_model is not None and draft_model.config == model_config else None

@@ -26,6 +26,7 @@ from folio.quant.activation_bits import set_activation_bits
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.structured.grammar import GrammarCompiler
 from folio.worker.executor import SplitModelExecutor, WorkerLaunch
+from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
 
@@ -66,6 +67,7 @@ class LLM:
         pooling: str = "last",
         compile: bool = False,
         activation_bits: int = 16,
+        enforce_eager: bool = False,
     ) -> None:
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
@@ -82,7 +84,7 @@ class LLM:
             pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
             else ",".join(map(str, pipeline_layers)),
             nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
-            pooling=pooling, compile=compile, activation_bits=activation_bits,
+            pooling=pooling, compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager,
         )  # fmt: skip
         parallel = args.parallel_config()
         if compile and parallel.is_parallel:
@@ -126,6 +128,7 @@ class LLM:
             args.speculative_config,
             self.draft.model if self.draft is not None else None,
             WorkerLaunch(args.model, quantization, parallel) if parallel.is_parallel else None,
+            cuda_graphs=not enforce_eager,
         )
         if isinstance(self.engine.runner, SplitModelExecutor):
             ready = self.engine.runner.ready
@@ -136,6 +139,8 @@ class LLM:
         if compile and whole is not None:
             whole.compile_layers()
         decode = "the C++ decode step" if whole is not None and whole.has_compiled_decode_step else "Python layers"
+        if isinstance(self.engine.runner, ModelRunner) and self.engine.runner.graphs is not None:
+            decode = "CUDA graphs of the layers (--enforce-eager: none)"
         dtype_name = str(self.dtype).removeprefix("torch.")
         logger.info("compute: %s activations (%s), %d threads, decodes through %s%s%s", dtype_name, dtype_reason,
                     torch.get_num_threads(), decode, ", layers torch.compile'd" if compile else "",

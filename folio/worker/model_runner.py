@@ -28,6 +28,7 @@ from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
 from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
+from folio.worker.cuda_graphs import DecodeGraphs
 from folio.worker.draft_verification import Verified, verify_drafts, verify_greedy_choices
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.pooling import pool_embeddings
@@ -65,11 +66,13 @@ class ModelRunner:
         micro_batches: int = 1,
         context: ContextParallel | None = None,
         kv_groups: KVGroups | None = None,
+        cuda_graphs: bool = False,
     ) -> None:
         """`micro_batches`: how many pieces a pipeline stage splits a step into (unused whole);
         `context`: the ranks the context is split over (each holds every block's positions p with
         p % ranks == its rank: block_size / ranks slots of each block); `kv_groups`: the layers' KV cache
-        groups (None: one, every layer in one block table)."""
+        groups (None: one, every layer in one block table); `cuda_graphs`: replay captured graphs for
+        pure decode steps of a whole model on a GPU (cuda_graphs.py)."""
         self.model = model
         self.micro_batches = micro_batches
         self.config = config
@@ -88,8 +91,14 @@ class ModelRunner:
         fmt = kv_format(cache.kv_cache_dtype)
         slots = self.slots_per_block
         self.kv_groups = kv_groups
+        self.graphs: DecodeGraphs | None = None
+        graphs = cuda_graphs and device.type == "cuda" and model.stage.size == 1 and self.context is None
+        if graphs:  # one block past the pool's: the scratch block that a graph's padded rows write to
+            num_groups = kv_groups.num_groups if kv_groups is not None else 1
+            self.graphs = DecodeGraphs(model, self.block_size, num_blocks, num_groups, device)
+        bound_slots = (num_blocks + int(graphs)) * slots
         # Per layer; with several KV cache groups, the layers of one slot share their tensors.
-        self.kv_caches: list[LayerKV] = model.bind_kv_cache(num_blocks * slots, slots, dtype, fmt, device, kv_groups)
+        self.kv_caches: list[LayerKV] = model.bind_kv_cache(bound_slots, slots, dtype, fmt, device, kv_groups)
 
     def prepare(self, out: SchedulerOutput) -> BatchInputs:
         """Flatten the step's chunks into one batch; `self.requests` must already hold this step's update."""
@@ -116,6 +125,8 @@ class ModelRunner:
             scored.update(row for span in inputs.pooled.values() for row in span.rows)
             return run_split_context(self.model, self.context, inputs.input_ids, inputs.positions, inputs.meta, tables,
                                      self.block_size, list(scored))  # fmt: skip
+        if self.graphs is not None and self.graphs.takes(out):
+            return self.graphs.run(out, self.requests)
         if stage.size == 1:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
         spans = [Span(c.start_position, c.num_tokens, self.requests[c.request_id].block_ids, c.num_draft_tokens > 0)

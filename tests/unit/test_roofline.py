@@ -72,7 +72,7 @@ def test_a_dtype_slower_than_float32_takes_float32s_peak(monkeypatch: pytest.Mon
     """Without bfloat16 arithmetic (AVX2) a bfloat16 GEMM is emulated far below float32's rate, which
     the model's widened products then pass: MFU is against the higher of the two."""
     rates = {torch.float32: 150.0, torch.bfloat16: 9.0}
-    monkeypatch.setattr(roofline, "gemm_gflops", lambda dtype, repeats: rates[dtype])
+    monkeypatch.setattr(roofline, "gemm_gflops", lambda dtype, repeats, device: rates[dtype])
     assert measure_peaks(torch.bfloat16, repeats=1).matmul_gflops == 150.0
     rates[torch.bfloat16] = 420.0  # AVX-512 BF16: bfloat16's own rate
     peaks = measure_peaks(torch.bfloat16, repeats=1)
