@@ -1,18 +1,21 @@
-"""`folio bench decode`: decode speed of a model's weight formats, and llama.cpp's on the same file.
+"""`folio bench decode`: decode speed of a model's weight formats, and a peer's on the same weights.
 
-For each folio variant (the GGUF file's weights kept quantized, and dequantized to --dtype) it loads
-the model and measures
+For each folio variant (a GGUF file's weights kept quantized, and dequantized to --dtype; a model
+folder's weights as stored) it loads the model and measures
 - batch-1 decode: one request decoding `--gen-tokens` tokens after a short prompt, timed from its
   first token to its last (prefill excluded), as llama-bench's tg measures; best of `--repeats`;
 - batch-64 output throughput: 64 requests decoding `--gen-tokens` each, all submitted at once, best of
   `--repeats` after a short warm-up at that batch;
 - prefill: prompt tok/s for prompts of each `--prompt-tokens` length (prefill.py), as llama-bench's pp;
 - the weights' resident bytes;
-- MBU and MFU of these rates against the machine's peaks, measured as the run starts (roofline.py).
+- MBU and MFU of these rates against the peaks of the device it runs on, measured as the run starts
+  (roofline.py).
 With `--peer llama.cpp`, llama-bench runs `-p <prompt-tokens> -n <gen-tokens>` (pp and tg), and
 llama-batched-bench decodes `--gen-tokens` after 16-token prompts at 1 to `--batch` parallel sequences
 (its aggregate rate at each, the best reported as its batched rate), with the same thread count on the
-same file, after folio has released its memory.
+same file, after folio has released its memory. With `--peer hf`, transformers measures the same three
+rates on the same weights, device and dtype (hf_decode_peer.py): the peer where llama.cpp cannot run,
+as on a GPU here.
 """
 
 from __future__ import annotations
