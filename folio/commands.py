@@ -94,11 +94,12 @@ def cmd_models(args: argparse.Namespace) -> int:
 
 
 def cmd_run(args: argparse.Namespace) -> int:
+    params = _sampling(args)  # bad sampling flags fail before the model loads
     llm = _llm(args)
     prompt: str | list[int] = args.prompt
     if not args.raw and llm.tokenizer.chat_template:
         prompt = llm.tokenizer.encode_chat([{"role": "user", "content": args.prompt}])
-    for text in llm.stream(prompt, _sampling(args)):
+    for text in llm.stream(prompt, params):
         sys.stdout.write(text)
         sys.stdout.flush()
     sys.stdout.write("\n")

@@ -82,24 +82,37 @@ def test_chat_reads_turns_from_stdin(smollm2_gguf):
     assert result.returncode == 0 and result.stdout.strip()
 
 
-@pytest.mark.parametrize(
-    "args, message",
-    [
-        (["run", "no-such-model", "hi"], "unknown model"),
-        (["run", "/nonexistent/model.gguf", "hi"], "no such file"),
-        (["generate", "smollm2-135m", "--input", "/nonexistent.jsonl", "--output", "/tmp/x.jsonl"], "does not exist"),
-        (["run", "smollm2-135m", "hi", "--temperature", "-1", *KV], "temperature"),
-        (["chat", "gemma3-270m", *KV], "no chat template"),
-        (["run", "smollm2-135m", "hi", "--format", "{not json", *KV], "json schema"),
-        (["run", "smollm2-135m", "hi", "--format", "yaml", *KV], "--format takes"),
-    ],
-)
-def test_errors_are_one_line_without_traceback(args, message, smollm2_gguf, gemma3_gguf):
+ERROR_CASES = [
+    (["run", "no-such-model", "hi"], "unknown model"),
+    (["run", "/nonexistent/model.gguf", "hi"], "no such file"),
+    (["generate", "smollm2-135m", "--input", "/nonexistent.jsonl", "--output", "/tmp/x.jsonl"], "does not exist"),
+    (["run", "smollm2-135m", "hi", "--temperature", "-1", *KV], "temperature"),
+    (["chat", "gemma3-270m", *KV], "no chat template"),
+    (["run", "smollm2-135m", "hi", "--format", "{not json", *KV], "json schema"),
+    (["run", "smollm2-135m", "hi", "--format", "yaml", *KV], "--format takes"),
+]
+
+
+def _one_error_line(stderr: str, message: str) -> None:
+    errors = [line for line in stderr.splitlines() if line.startswith("folio: error:")]
+    assert len(errors) == 1 and message in errors[0], stderr
+    assert "Traceback" not in stderr
+
+
+def test_an_error_exits_non_zero_with_one_line_and_no_traceback(smollm2_gguf):
+    """As a real process: its exit status and everything it writes to stderr."""
+    args, message = ERROR_CASES[3]
     result = subprocess.run([sys.executable, "-m", "folio.cli", *args], capture_output=True, text=True, timeout=120)
     assert result.returncode != 0
-    errors = [line for line in result.stderr.splitlines() if line.startswith("folio: error:")]
-    assert len(errors) == 1 and message in errors[0], result.stderr
-    assert "Traceback" not in result.stderr
+    _one_error_line(result.stderr, message)
+
+
+@pytest.mark.parametrize(("args", "message"), ERROR_CASES)
+def test_errors_are_one_line_without_traceback(args, message, smollm2_gguf, gemma3_gguf, capsys):
+    """Each error through the CLI's entry point in this process (an interpreter per case would cost
+    seconds of start-up each; the test above runs one as a process)."""
+    assert main(args) != 0
+    _one_error_line(capsys.readouterr().err, message)
 
 
 def test_bad_jsonl_line_is_reported_by_number(smollm2_gguf, tmp_path, capsys):
