@@ -22,7 +22,7 @@ def run_greedy_capturing_logits(
 
     def observe(request_id: str, positions: list[int], logits: torch.Tensor) -> None:
         for position, row in zip(positions, logits, strict=True):
-            rows[request_id][position] = row.float().cpu()
+            rows[request_id][position] = row.to("cpu", copy=True)  # a GPU step's rows too
 
     engine.runner.logits_observer = observe
     try:
