@@ -18,6 +18,7 @@ import threading
 
 import ray
 from ray import serve
+from ray.serve import context as serve_context
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
 from ray.serve.deployment import Application, Deployment
 from ray.serve.schema import LoggingConfig
@@ -31,6 +32,11 @@ from folio.scale.request_router import FolioRequestRouter
 from folio.server.serve import ServerOptions, warn_if_open
 
 logger = logging.getLogger("folio")
+
+
+class ServeAddressTaken(RuntimeError):
+    """Serve runs on the joined cluster with its proxy on another address than the one asked for."""
+
 
 QUIET = LoggingConfig(enable_access_log=False)  # a log line per request and per call is Serve's default
 
@@ -136,13 +142,30 @@ def start_ray(options: ReplicaOptions) -> None:
         ray.init(address=options.ray_address, log_to_driver=True)
 
 
+def start_http_proxy(host: str, port: int) -> None:
+    """Start Serve's HTTP proxy on host:port. Where Serve already runs on the cluster (left by an earlier
+    server, or another application's), Serve keeps the address it was first given and ignores this one with
+    a log line: refuse rather than say we serve where nothing listens."""
+    serve.start(http_options={"host": host, "port": port})
+    running = serve_context._get_global_client().http_config  # no public API reads the proxy's address
+    if (running.host, running.port) != (host, port):
+        raise ServeAddressTaken(
+            f"Ray Serve already runs on this cluster with its HTTP proxy on {running.host}:{running.port}: serve "
+            f"there (--host {running.host} --port {running.port}) or stop it first (`serve shutdown`)"
+        )
+
+
 def run_application(
     args: EngineArgs, model_name: str, host: str, port: int, server: ServerOptions, options: ReplicaOptions
 ) -> None:
     """Start (or join) Ray, start Serve's HTTP proxy on host:port and run the application; returns once
     every replica is ready."""
     start_ray(options)
-    serve.start(http_options={"host": host, "port": port})
+    start_http_proxy(host, port)
+    deploy(args, model_name, server, options)
+
+
+def deploy(args: EngineArgs, model_name: str, server: ServerOptions, options: ReplicaOptions) -> None:
     serve.run(build_application(args, model_name, server, options), name=options.app_name, route_prefix="/")
 
 
@@ -157,12 +180,15 @@ def serve_on_ray(args: EngineArgs, host: str, port: int, server: ServerOptions, 
     warn_if_open(host, port, server.api_key)
     model_name = args.model
     stop = threading.Event()
+    deployed = False
     try:
         start_ray(options)
         # After ray.init, which installs its own SIGTERM handler (one that aborts the process).
         previous = {sig: signal.signal(sig, lambda *_: stop.set()) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
-            run_application(args, model_name, host, port, server, options)
+            start_http_proxy(host, port)  # before anything of ours is on the cluster: a refusal deletes nothing
+            deployed = True
+            deploy(args, model_name, server, options)
             count = f"{options.min_replicas}-{options.max_replicas}" if options.autoscaling else str(options.replicas)
             keyed = " (API key required)" if server.api_key else ""
             if options.disaggregate:
@@ -178,7 +204,8 @@ def serve_on_ray(args: EngineArgs, host: str, port: int, server: ServerOptions, 
     finally:
         if ray.is_initialized():
             with contextlib.suppress(Exception):  # whatever failed, Ray's processes must still go
-                stop_application(options)
+                if deployed:
+                    stop_application(options)
                 if options.ray_address is None:  # ours alone; on a joined cluster other apps may use Serve
                     serve.shutdown()
             ray.shutdown()  # stops a local instance; leaves a joined cluster running
