@@ -1,7 +1,10 @@
 """`folio serve --replicas 2` on Ray Serve, met as a user meets it: the CLI starts a local Ray instance,
 two engine replicas and the ingress; the official openai client talks to it.
 
-One Ray instance for the module (starting one costs ~15 s here); the last test stops it with SIGTERM.
+One Ray instance for the shared server's tests (starting one costs ~15 s here); the last of them stops
+it with SIGTERM. The tests after it start their own `folio serve`s (split replicas; one disaggregated and
+autoscaled server for the disaggregation and autoscaling tests), all joined with `--ray-address` to one
+Ray test cluster, which spares each its own Ray instance.
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ import re
 import signal
 import threading
 import time
+import warnings
 from collections import Counter
 
 import anthropic
@@ -19,14 +23,17 @@ import ollama
 import openai
 import psutil
 import pytest
+import ray
 from ray.cluster_utils import Cluster
 
 from folio import LLM, SamplingParams
 from tests.api.ray_server import KEY, RayServer, stop_ray_server
-from tests.api.server_runner import MODEL
+from tests.api.server_runner import MODEL, free_port
 from tests.api.tool_examples import HISTORY as TOOL_HISTORY
 from tests.api.tool_examples import TOOLS
+from tests.tiny_models import make_tiny_model
 
+TINY_PROMPT = "t5 t17 t42 t8 t99 t3"
 TENANT_A = "You are the support assistant of a bakery. Answer in one short sentence about bread. " * 4
 TENANT_B = "You are a travel agent who only talks about trains across the Alps and their timetables. " * 4
 
@@ -44,6 +51,68 @@ def ray_server():
 @pytest.fixture(scope="module")
 def ray_client(ray_server):
     return openai.OpenAI(base_url=f"{ray_server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    """Ray's own test cluster (raylets on this machine), for the tests after the shared server stopped
+    (its SIGTERM test finds no raylet left). Its head node has 3 CPUs: a 2-rank replica packs there, and a
+    prefill replica beside two decode ones fits. This process joins it too, to stop Serve between servers."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)  # which sets its own SIGTERM handler
+        yield cluster
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
+        cluster.shutdown()
+
+
+def _shutdown_serve() -> None:
+    """A server leaves a joined cluster's Serve running (other applications may use it), and with it the
+    HTTP port it was given: stopped after each server, so that the next one starts Serve on its own port."""
+    with warnings.catch_warnings():  # Serve's own pydantic deprecations, on import
+        warnings.simplefilter("ignore")
+        from ray import serve
+    serve.shutdown()
+
+
+@pytest.fixture
+def joined(ray_cluster):
+    """The cluster's address, for one test's `folio serve --ray-address`."""
+    yield ray_cluster.address
+    _shutdown_serve()
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> str:
+    """A tiny random gemma3 (4 query heads over 2 KV heads: it splits over 2 ranks) for the split-replica
+    tests, which compare a split replica with the whole model, not with the catalog model: it loads in a
+    blink, where a catalog GGUF takes each rank seconds to unpack."""
+    return str(make_tiny_model("gemma3", tmp_path_factory.mktemp("ray-tiny") / "gemma3"))
+
+
+@pytest.fixture(scope="module")
+def tiny_expected(tiny_model) -> str:
+    """The whole tiny model's greedy answer, in this process: what a split replica must answer."""
+    params = SamplingParams(max_tokens=12, temperature=0)
+    return LLM(tiny_model, num_kv_blocks=64).generate([TINY_PROMPT], params, use_tqdm=False)[0].outputs[0].text
+
+
+@pytest.fixture(scope="module")
+def disaggregated(ray_cluster):
+    """`--disaggregate` with autoscaled decode replicas (1 to 2, one request in flight each): the server of
+    the last two tests, which the last one stops."""
+    server = RayServer("--disaggregate", "--prefill-replicas", "1", "--min-replicas", "1", "--max-replicas", "2",
+                       "--autoscale-target", "1", "--ray-address", ray_cluster.address)  # fmt: skip
+    try:
+        server.wait_ready(timeout=240, replicas=1, role="decode")
+        server.wait_ready(timeout=60, replicas=1, role="prefill")
+        yield server
+    finally:
+        stop_ray_server(server)
+        _shutdown_serve()
 
 
 def _per_replica(before: Counter, after: Counter) -> dict[str, int]:
@@ -219,106 +288,16 @@ def test_sigterm_stops_ray_and_every_replica(ray_server):
     raise AssertionError(f"left running: replicas {left}, raylets {raylets}")
 
 
-def test_autoscaling_adds_a_replica_under_load():
-    """Ray Serve's autoscaler, bounded by --min/--max-replicas, adds the second replica when the requests
-    in flight exceed the target. Runs after the shared server stopped: one Ray instance at a time."""
-    server = RayServer("--min-replicas", "1", "--max-replicas", "2", "--autoscale-target", "1")
-    try:
-        server.wait_ready(timeout=240, replicas=1)
-        client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-        scaled = threading.Event()
-
-        def busy() -> None:
-            # Streamed, so that the load hangs up (and the server aborts it) once the replica is there.
-            with client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=300, temperature=0,
-                                           stream=True, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
-                for _ in stream:
-                    if scaled.is_set():
-                        return
-
-        load = [threading.Thread(target=busy) for _ in range(6)]
-        for thread in load:
-            thread.start()
-        deadline = time.monotonic() + 120
-        while len(server.replicas()) < 2:
-            assert time.monotonic() < deadline, f"no second replica: {server.replicas()}"
-            time.sleep(1)
-        scaled.set()
-        for thread in load:
-            thread.join(timeout=300)
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=90) == 0
-    finally:
-        stop_ray_server(server)
-
-
-def test_disaggregated_prefill_and_decode(client):
-    """--disaggregate: a prefill replica computes each prompt and hands its KV blocks to the decode
-    replica. The answers are folio serve's (greedy and seeded), the blocks crossed, both pools end empty,
-    and a prefill replica killed mid-prompt costs only time: the decode replica computes it itself."""
-    server = RayServer("--disaggregate", "--prefill-replicas", "1", "--replicas", "1")
-    try:
-        server.wait_ready(timeout=240, replicas=1, role="decode")
-        server.wait_ready(timeout=60, replicas=1, role="prefill")
-        ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-        for prompt in (TENANT_A + "What is rye bread?", TENANT_B + "Which pass is the highest?"):
-            ours = ray_client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-            theirs = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-            assert ours.choices[0].text == theirs.choices[0].text
-        seeded = dict(model=MODEL, prompt=TENANT_A + "Tell a story.", max_tokens=16, temperature=0.9, seed=3, n=2)
-        assert [c.text for c in ray_client.completions.create(**seeded).choices] == [
-            c.text for c in client.completions.create(**seeded).choices
-        ]
-        _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_blocks_total").values()) >= 8)
-
-        prefill_pid = next(iter(server.replicas("prefill").values()))
-        long_prompt = "Inventory: " + ", ".join(f"crate {i} of apples" for i in range(250)) + ". Total?"
-        answers: list = []
-        asking = threading.Thread(target=lambda: answers.append(ray_client.completions.create(
-            model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)))  # fmt: skip
-        asking.start()
-        time.sleep(1.5)  # the prefill replica (one CPU) is computing the ~2,200-token prompt: seconds
-        os.kill(prefill_pid, signal.SIGKILL)
-        asking.join(timeout=240)
-        expected = client.completions.create(model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)
-        assert answers and answers[0].choices[0].text == expected.choices[0].text
-        _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_fallbacks_total").values()) >= 1)
-        # Nothing left allocated: every replica's pool is free once the requests are done.
-        _wait_for_metric(server, lambda: all(v == 0 for v in server.per_replica("folio:kv_cache_usage_ratio").values()))
-        deadline = time.monotonic() + 180
-        while prefill_pid in server.replicas("prefill").values() or not server.replicas("prefill"):
-            assert time.monotonic() < deadline, "Ray did not replace the prefill replica"
-            time.sleep(1)
-        server.process.send_signal(signal.SIGTERM)
-        assert server.process.wait(timeout=90) == 0
-    finally:
-        stop_ray_server(server)
-
-
-def _wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
-    """Replicas post their metrics every second: poll until `condition` holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, server.metrics()[-3000:]
-        time.sleep(0.5)
-
-
-def test_a_tensor_parallel_replica(gemma3_gguf):
+def test_a_tensor_parallel_replica(joined, tiny_model, tiny_expected):
     """A replica split over 2 tensor-parallel ranks (its CPUs reserved by a placement group, its ranks its
-    own processes) answers as the whole model does, and its ranks go with it on SIGTERM."""
-    expected = (
-        LLM(gemma3_gguf, num_kv_blocks=64)
-        .generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
-        .outputs[0]
-        .text
-    )
-    server = RayServer("--replicas", "1", "-tp", "2", model="gemma3-270m", cpus=2)
+    own processes) answers as the whole model does, and its ranks go with it on SIGTERM (while Ray, a
+    joined cluster, runs on)."""
+    server = RayServer("--replicas", "1", "-tp", "2", "--ray-address", joined, model=tiny_model, cpus=2)
     try:
         server.wait_ready(timeout=240, replicas=1)
         ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        answer = ray_client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
-                                               temperature=0)  # fmt: skip
-        assert answer.choices[0].text == expected
+        answer = ray_client.completions.create(model=tiny_model, prompt=TINY_PROMPT, max_tokens=12, temperature=0)
+        assert answer.choices[0].text == tiny_expected
         [replica_pid] = server.replicas().values()
         ranks = [child.pid for child in psutil.Process(replica_pid).children(recursive=True)]
         assert len(ranks) >= 2  # the two ranks (and the spawn tracker)
@@ -327,26 +306,19 @@ def test_a_tensor_parallel_replica(gemma3_gguf):
         stop_ray_server(server)
 
 
-def test_a_replica_split_over_two_nodes(gemma3_gguf):
+def test_a_replica_split_over_two_nodes(ray_cluster, joined, tiny_model, tiny_expected):
     """`--nnodes 2` on a two-node Ray cluster (Ray's own test cluster: two raylets on this machine): the
     replica's placement group spreads its bundles over both nodes, the other node's rank runs in a
     RankHost actor there, the answer is the whole model's, and the ranks go when the server stops."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "include_dashboard": False})
-    cluster.add_node(num_cpus=1)
-    server = RayServer("--replicas", "1", "-tp", "2", "--nnodes", "2", "--ray-address", cluster.address,
-                       model="gemma3-270m", cpus=2)  # fmt: skip
+    server = RayServer("--replicas", "1", "-tp", "2", "--nnodes", "2", "--ray-address", joined, model=tiny_model,
+                       cpus=2)  # fmt: skip
+    nodes = []
     try:
+        nodes.append(ray_cluster.add_node(num_cpus=1))  # while the server starts: a 1-CPU bundle on each node
         server.wait_ready(timeout=240, replicas=1)
         ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        answer = ray_client.completions.create(model="gemma3-270m", prompt="The capital of France is", max_tokens=12,
-                                               temperature=0)  # fmt: skip
-        expected = (
-            LLM(gemma3_gguf, num_kv_blocks=64)
-            .generate(["The capital of France is"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False)[0]
-            .outputs[0]
-            .text
-        )
-        assert answer.choices[0].text == expected
+        answer = ray_client.completions.create(model=tiny_model, prompt=TINY_PROMPT, max_tokens=12, temperature=0)
+        assert answer.choices[0].text == tiny_expected
         hosts = [p for p in psutil.process_iter(["cmdline"]) if "ray::RankHost" in " ".join(p.info["cmdline"] or [])]
         assert len(hosts) == 1  # node 1's share of the model
         ranks = [child.pid for child in hosts[0].children(recursive=True)]
@@ -354,7 +326,28 @@ def test_a_replica_split_over_two_nodes(gemma3_gguf):
         _sigterm_and_check_gone(server, ranks)
     finally:
         stop_ray_server(server)
-        cluster.shutdown()
+        for node in nodes:
+            ray_cluster.remove_node(node)
+
+
+def test_a_server_asking_for_another_port_than_serves_proxy_refuses(joined, tiny_model):
+    """Serve on a joined cluster keeps its HTTP proxy's first address (Serve itself would only log that it
+    ignores the new one): `folio serve --ray-address` asking for another port exits 1 with one line that
+    names the proxy's address, and deploys nothing."""
+    with warnings.catch_warnings():  # Serve's own pydantic deprecations, on import
+        warnings.simplefilter("ignore")
+        from ray import serve
+    taken = free_port()
+    serve.start(http_options={"host": "127.0.0.1", "port": taken})  # as an earlier server left it
+    server = RayServer("--replicas", "1", "--ray-address", joined, model=tiny_model)
+    try:
+        assert server.process.wait(timeout=120) == 1
+        output = server.output()
+    finally:
+        stop_ray_server(server)
+    assert f"folio: error: Ray Serve already runs on this cluster with its HTTP proxy on 127.0.0.1:{taken}" in output
+    assert "Traceback" not in output
+    assert serve.status().applications == {}
 
 
 def _sigterm_and_check_gone(server: RayServer, pids: list[int]) -> None:
@@ -364,4 +357,81 @@ def _sigterm_and_check_gone(server: RayServer, pids: list[int]) -> None:
     deadline = time.monotonic() + 30
     while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids):
         assert time.monotonic() < deadline, "a rank outlived its replica"
+        time.sleep(0.5)
+
+
+def test_disaggregated_prefill_and_decode(disaggregated, client):
+    """--disaggregate: a prefill replica computes each prompt and hands its KV blocks to the decode
+    replica. The answers are folio serve's (greedy and seeded), the blocks crossed, both pools end empty,
+    and a prefill replica killed mid-prompt costs only time: the decode replica computes it itself."""
+    server = disaggregated
+    ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    for prompt in (TENANT_A + "What is rye bread?", TENANT_B + "Which pass is the highest?"):
+        greedy = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
+        assert _texts(ray_client, greedy) == _texts(client, greedy)
+    seeded = dict(model=MODEL, prompt=TENANT_A + "Tell a story.", max_tokens=16, temperature=0.9, seed=3, n=2)
+    assert _texts(ray_client, seeded) == _texts(client, seeded)
+    _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_blocks_total").values()) >= 8)
+
+    prefill_pid = next(iter(server.replicas("prefill").values()))
+    long_prompt = "Inventory: " + ", ".join(f"crate {i} of apples" for i in range(120)) + ". Total?"
+    killed = dict(model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)
+    ours: list = []
+    asking = threading.Thread(target=lambda: ours.append(_texts(ray_client, killed)))
+    asking.start()
+    time.sleep(1.5)  # the prefill replica (one CPU) is computing the ~1,100-token prompt: ~5 s here at best
+    os.kill(prefill_pid, signal.SIGKILL)
+    theirs = _texts(client, killed)  # folio serve's answer, while the decode replica computes the prompt
+    asking.join(timeout=240)
+    assert ours == [theirs]
+    _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_fallbacks_total").values()) >= 1)
+    # Nothing left allocated: every replica's pool is free once the requests are done.
+    _wait_for_metric(server, lambda: all(v == 0 for v in server.per_replica("folio:kv_cache_usage_ratio").values()))
+    deadline = time.monotonic() + 180
+    while prefill_pid in server.replicas("prefill").values() or not server.replicas("prefill"):
+        assert time.monotonic() < deadline, "Ray did not replace the prefill replica"
+        time.sleep(0.5)
+
+
+def test_autoscaling_adds_a_replica_under_load(disaggregated):
+    """Ray Serve's autoscaler, bounded by --min/--max-replicas, adds the second (decode) replica when the
+    requests in flight exceed the target; then SIGTERM stops the server."""
+    server = disaggregated
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
+    assert len(server.replicas("decode")) == 1  # before the load
+    scaled = threading.Event()
+
+    def busy() -> None:
+        # Streamed, so that the load hangs up (and the server aborts it) once the replica is there; asked
+        # again should it end before (Serve's autoscaler reads the load every 10 s).
+        while not scaled.is_set():
+            with client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=300, temperature=0,
+                                           stream=True, extra_body={"ignore_eos": True}) as stream:  # fmt: skip
+                for _ in stream:
+                    if scaled.is_set():
+                        return
+
+    load = [threading.Thread(target=busy) for _ in range(6)]
+    for thread in load:
+        thread.start()
+    deadline = time.monotonic() + 120
+    while len(server.replicas("decode")) < 2:
+        assert time.monotonic() < deadline, f"no second replica: {server.replicas('decode')}"
+        time.sleep(0.5)
+    scaled.set()
+    for thread in load:
+        thread.join(timeout=300)
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=90) == 0
+
+
+def _texts(client: openai.OpenAI, ask: dict) -> list[str]:
+    return [choice.text for choice in client.completions.create(**ask).choices]
+
+
+def _wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
+    """Replicas post their metrics every second: poll until `condition` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, server.metrics()[-3000:]
         time.sleep(0.5)

@@ -27,6 +27,7 @@ from tests.tiny_models import make_tiny_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
+pytestmark = pytest.mark.usefixtures("peaks_measured_once")
 
 MODEL = "tiny-llama"
 BLOCK = 16  # folio's default KV block size: the prefix cache hits whole blocks

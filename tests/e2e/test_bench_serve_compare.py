@@ -32,6 +32,7 @@ from tests.tiny_models import make_tiny_chat_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
+pytestmark = pytest.mark.usefixtures("peaks_measured_once")
 
 
 @pytest.fixture(scope="module")

@@ -12,6 +12,7 @@ from folio.cli import main
 
 pytest.importorskip("matplotlib")
 pytest.importorskip("jsonschema")
+pytestmark = pytest.mark.usefixtures("peaks_measured_once")
 
 
 def test_structured_bench_end_to_end(smollm2_gguf, tmp_path, capsys):

@@ -21,6 +21,7 @@ from tests.tiny_models import make_tiny_model
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
+pytestmark = pytest.mark.usefixtures("peaks_measured_once")
 
 
 @pytest.fixture(scope="module")
