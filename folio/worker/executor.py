@@ -11,8 +11,10 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing as mp
+import os
 from dataclasses import dataclass
 from multiprocessing.connection import wait
+from multiprocessing.context import BaseContext
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -40,18 +42,32 @@ class WorkerDiedError(RuntimeError):
     """A rank died or failed: the model cannot run another step (the engine must stop)."""
 
 
+def rank_context() -> BaseContext:
+    """Ranks fork from multiprocessing's fork server, which imported torch and folio once: spawning a
+    fresh interpreter per rank re-imported them, ~4 s of every split model's start. The server itself
+    never runs a step, so a rank still starts with no threads and no OpenMP state; it exits with the
+    engine's process, and the ranks with it (rendezvous.die_with_parent). Spawn where there is no fork
+    (Windows)."""
+    if "forkserver" not in mp.get_all_start_methods():
+        return mp.get_context("spawn")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload([run_rank.__module__])  # takes effect when the server starts
+    return context
+
+
 def start_ranks(
     spec: WorkerSpec | None, first_rank: int, count: int, world_size: int, addr: str, port: int, device: str
 ) -> tuple[list[BaseProcess], Any]:
     """Spawn ranks [first_rank, first_rank + count) of this host; rank 0 (if among them) gets `spec`
     and the returned end of its pipe."""
-    context = mp.get_context("spawn")  # a fresh interpreter: no inherited threads or OpenMP state
+    context = rank_context()
     ours, theirs = context.Pipe() if first_rank == 0 else (None, None)
+    environment = dict(os.environ)  # the fork server's is the one it started with; a rank gets today's
     processes = []
     for local in range(count):
         rank = first_rank + local
         place = RankPlace(rank, local, world_size, count, addr, port, device)
-        args = (place, spec, theirs) if rank == 0 else (place, None, None)
+        args = (place, spec, theirs, environment) if rank == 0 else (place, None, None, environment)
         process = context.Process(target=run_rank, args=args, name=f"folio-rank-{rank}", daemon=True)
         process.start()
         processes.append(process)

@@ -72,8 +72,11 @@ class ReadyReport:
     threads: int
 
 
-def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None) -> None:
-    """A rank's process: rank 0 gets `spec` and the engine's pipe; the others get both as None."""
+def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None, environment: dict[str, str]) -> None:
+    """A rank's process: rank 0 gets `spec` and the engine's pipe; the others get both as None. It runs
+    with the engine's `environment` as it was when the ranks started (folio's switches, OMP_NUM_THREADS)."""
+    os.environ.clear()
+    os.environ.update(environment)
     rendezvous.die_with_parent()
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s rank {place.rank} %(levelname)s %(message)s")
     try:

@@ -79,3 +79,13 @@ def test_a_served_split_model_answers_503_and_exits_non_zero_when_a_rank_dies(ch
             process.kill()
         stderr = process.communicate()[1]
     assert "a rank of the split model failed" in stderr, stderr
+
+
+def test_ranks_read_the_environment_as_it_is_when_they_start(chat_model, monkeypatch):
+    """Ranks fork from multiprocessing's fork server, which keeps the environment of the first split model's
+    start; each rank still runs with the engine's environment of its own start (here a bad kernel switch,
+    which only a rank reads: it fails there, and the engine says so)."""
+    LLM(chat_model, num_kv_blocks=64, tensor_parallel_size=2).close()  # the fork server runs from here on
+    monkeypatch.setenv("FOLIO_KERNELS", "bogus")
+    with pytest.raises(WorkerDiedError, match="rank 0: ValueError: FOLIO_KERNELS='bogus'"):
+        LLM(chat_model, num_kv_blocks=64, tensor_parallel_size=2)
