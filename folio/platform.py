@@ -84,10 +84,14 @@ def default_kv_cache_memory(device: torch.device) -> int:
     return min(int(available_memory(device) * DEFAULT_KV_SHARE), DEFAULT_KV_CAP)
 
 
+def default_threads() -> int:
+    """Intra-op threads: OMP_NUM_THREADS where the user set it, else every core."""
+    chosen = os.environ.get("OMP_NUM_THREADS", "")
+    return int(chosen) if chosen.isdigit() and int(chosen) > 0 else os.cpu_count() or 1
+
+
 def configure_threads() -> None:
-    """Use every core for intra-op parallelism unless the user set OMP_NUM_THREADS."""
-    if "OMP_NUM_THREADS" not in os.environ:
-        torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
 
 
 def release_openmp_workers() -> bool:

@@ -23,7 +23,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import subprocess
 import time
 from dataclasses import asdict, dataclass, field
@@ -44,7 +43,7 @@ from folio.bench.table import percent, row
 from folio.engine_args import EngineArgs
 from folio.kv_calc import load_shape
 from folio.loaders.catalog import resolve_model
-from folio.platform import default_device, resolve_dtype
+from folio.platform import default_device, default_threads, resolve_dtype
 from folio.results import machine_info, result_paths, write_json
 
 VARIANTS = {"gguf": None, "dequantized": "none"}  # name -> LLM(quantization=...)
@@ -174,7 +173,7 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
     if path.suffix != ".gguf" and config.peer == "llama.cpp":
         raise ValueError(f"llama.cpp reads GGUF files, and {config.model} is {path}")
     variants = VARIANTS if path.suffix == ".gguf" else {"checkpoint": None}  # a folder: its weights as stored
-    threads = os.cpu_count() or 1
+    threads = default_threads()
     torch.set_num_threads(threads)
     device = torch.device(config.engine_args.get("device") or default_device())
     peaks = measure_peaks(resolve_dtype(config.engine_args.get("dtype") or "float32", device)[0], device=device)

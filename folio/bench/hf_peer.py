@@ -7,7 +7,6 @@ time, left-padded; every sequence of a batch decodes as many tokens as the batch
 
 from __future__ import annotations
 
-import os
 import time
 from pathlib import Path
 from typing import Any
@@ -17,6 +16,7 @@ from tqdm import tqdm
 
 from folio.bench.datasets import BenchRequest
 from folio.bench.report import EngineResult
+from folio.platform import default_threads
 
 
 def require_transformers() -> None:
@@ -66,7 +66,7 @@ def run_hf(
     """Time `generate` over all requests in batches of `batch_size`: greedy, or as `generate_kwargs`
     (do_sample, temperature, top_p, top_k) say."""
     choice = generate_kwargs or {"do_sample": False}
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
     pad_id = 0  # any id works: padded positions are masked out of attention
     generated = 0
     bar = tqdm(total=len(requests), desc="hf generate", unit="req", disable=not use_tqdm)

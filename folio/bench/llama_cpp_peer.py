@@ -8,7 +8,6 @@ llama_cpp_build) and run llama-server in the foreground (see llama_cpp_server).
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import sys
 from collections.abc import Sequence
@@ -16,6 +15,7 @@ from collections.abc import Sequence
 from folio.bench.llama_cpp_build import PACKAGE, LlamaCppBuildError, build_llama_cpp
 from folio.bench.llama_cpp_server import start_llama_server, stop_process
 from folio.loaders.catalog import resolve_model
+from folio.platform import default_threads
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     serve.add_argument("--port", type=int, default=8080)
     serve.add_argument("--parallel", type=int, default=4, help="slots, i.e. requests decoded together (default 4)")
     serve.add_argument("--ctx-size", type=int, default=None, help="total KV tokens over all slots (default 2048 each)")
-    serve.add_argument("--threads", type=int, default=os.cpu_count() or 2)
+    serve.add_argument("--threads", type=int, default=default_threads())
     # Everything after `--` goes to llama-server untouched (argparse's REMAINDER would also eat our own flags).
     argv = list(sys.argv[1:] if argv is None else argv)
     split = argv.index("--") if "--" in argv else len(argv)

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -39,7 +38,7 @@ from folio.eval.agreement import eval_prompts, greedy_token_ids, prefix_share
 from folio.eval.corpus import held_out_windows
 from folio.eval.perplexity import score_windows
 from folio.loaders.catalog import resolve_model
-from folio.platform import default_device, resolve_dtype
+from folio.platform import default_device, default_threads, resolve_dtype
 from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
 from folio.results import machine_info, result_paths, write_json
 
@@ -114,7 +113,7 @@ def run_table(config: TableConfig, command: str) -> TableReport:
         raise ValueError(f"unknown formats {unknown}; choose from {', '.join(FORMATS)}")
     source = resolve_model(config.model)
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    threads = os.cpu_count() or 1
+    threads = default_threads()
     torch.set_num_threads(threads)
     peaks = measure_peaks(resolve_dtype(config.dtype, default_device())[0])  # before any model takes memory or cores
     chats = eval_prompts(config.num_prompts)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
@@ -33,7 +32,7 @@ from folio.bench.structured_schemas import SCHEMAS
 from folio.bench.table import percent, row
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
-from folio.platform import default_device, resolve_dtype
+from folio.platform import default_device, default_threads, resolve_dtype
 from folio.results import machine_info, result_paths, write_json
 from folio.structured.params import StructuredOutputParams
 
@@ -156,12 +155,12 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     path = resolve_model(config.model)
     if config.peer == "llama.cpp" and path.suffix != ".gguf":
         raise ValueError(f"--peer llama.cpp needs a GGUF model, and {config.model} is {path}")
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
     peaks = measure_peaks(
         resolve_dtype(config.engine_args.get("dtype") or "float32", default_device())[0]
     )  # before the model loads
     llm = LLM(path, **config.engine_args)
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
     cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
     chats = conversations(config.num_prompts)
     prompts = [llm.tokenizer.encode_chat(chat) for _, chat in chats]
@@ -174,7 +173,7 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     if config.peer == "llama.cpp":
         longest = max(len(p) for p in prompts)
         bound, free, peer_info = run_llama_structured(path, chats, longest, config.max_tokens, config.temperature,
-                                                      config.seed, threads=os.cpu_count() or 1)  # fmt: skip
+                                                      config.seed, threads=default_threads())  # fmt: skip
         bound_mfu = cost.requests_mfu(zip(prompt_lens, bound.completion_tokens, strict=True), bound.elapsed_s, peaks)
         free_mfu = cost.requests_mfu(zip(prompt_lens, free.completion_tokens, strict=True), free.elapsed_s, peaks)
         results.append(EngineStructured(

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -31,7 +30,7 @@ from folio.bench.roofline import TokenCost, measure_peaks
 from folio.bench.sampling import BenchSampling, add_sampling_args, sampling_from_args
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
-from folio.platform import default_device, resolve_dtype
+from folio.platform import default_device, default_threads, resolve_dtype
 
 PEERS = ("hf",)
 
@@ -91,7 +90,7 @@ def run_folio(
 ) -> EngineResult:
     """Time one `generate` call over all requests: greedy (or sampled, request i seeded seed + i),
     ignoring EOS, each to its own length."""
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
     sampling = sampling or BenchSampling()
     params = [sampling.folio_params(r.output_len, seed + i) for i, r in enumerate(requests)]
     prompts = [r.prompt_token_ids for r in requests]
@@ -125,7 +124,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
         humaneval_path()
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     path = resolve_model(config.model)  # pulls a catalog model now, so the download is not load time
-    torch.set_num_threads(os.cpu_count() or 1)
+    torch.set_num_threads(default_threads())
     peaks = measure_peaks(resolve_dtype(config.engine_args.get("dtype") or "float32", default_device())[0])
 
     start = time.perf_counter()
