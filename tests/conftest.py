@@ -25,15 +25,15 @@ gguf_reader_cache.install()
 # machine; the rest keep pytest's order.
 SLOWEST_FILES = (
     "tests/api/test_ray_replicas.py",
-    "tests/oracle/test_speculative_decoding.py",
     "tests/oracle/test_real_models_vs_transformers.py",
+    "tests/oracle/test_speculative_decoding.py",
     "tests/distributed/test_pipeline_parallel.py",
     "tests/e2e/test_cli.py",
-    "tests/distributed/test_context_parallel.py",
     "tests/distributed/test_tensor_parallel.py",
-    "tests/e2e/test_bench_decode.py",
+    "tests/unit/test_decode_stack.py",
+    "tests/e2e/test_bench_serve_compare.py",
+    "tests/distributed/test_context_parallel.py",
     "tests/api/test_engine_process.py",
-    "tests/e2e/test_bench_robustness.py",
 )
 
 
