@@ -1,17 +1,25 @@
-"""A `folio serve --replicas ...` process on a local Ray instance, and what its /metrics say, for the
-Ray tests (tests/api/test_ray_replicas.py)."""
+"""A `folio serve --replicas ...` process on a local Ray instance, what its /metrics say, and Ray's own
+test cluster for the servers that join one, for the Ray tests (tests/api/test_ray_replicas.py)."""
 
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 import tempfile
 import time
+import warnings
 from collections import Counter
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import httpx
+import openai
+import psutil
+import ray
 from prometheus_client.parser import text_string_to_metric_families
+from ray.cluster_utils import Cluster
 
 from tests.api.server_runner import MODEL, free_port
 
@@ -79,3 +87,57 @@ def stop_ray_server(server: RayServer) -> None:
             server.process.kill()
             server.process.wait(timeout=30)
     server.log.close()
+
+
+def shutdown_serve() -> None:
+    """A server leaves a joined cluster's Serve running (other applications may use it), and with it the
+    HTTP port it was given: stopped after each server, so that the next one starts Serve on its own port."""
+    with warnings.catch_warnings():  # Serve's own pydantic deprecations, on import
+        warnings.simplefilter("ignore")
+        from ray import serve
+    serve.shutdown()
+
+
+def routed_delta(before: Counter, after: Counter) -> dict[str, int]:
+    delta: Counter = Counter()
+    for (replica, _), value in after.items():
+        delta[replica] += value - before.get((replica, _), 0)
+    return {replica: count for replica, count in delta.items() if count}
+
+
+def sigterm_and_check_gone(server: RayServer, pids: list[int]) -> None:
+    """SIGTERM the server: it exits 0 and none of `pids` (a split replica's ranks) outlives it."""
+    server.process.send_signal(signal.SIGTERM)
+    assert server.process.wait(timeout=90) == 0
+    deadline = time.monotonic() + 30
+    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids):
+        assert time.monotonic() < deadline, "a rank outlived its replica"
+        time.sleep(0.5)
+
+
+def completion_texts(client: openai.OpenAI, ask: dict) -> list[str]:
+    return [choice.text for choice in client.completions.create(**ask).choices]
+
+
+def wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
+    """Replicas post their metrics every second: poll until `condition` holds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, server.metrics()[-3000:]
+        time.sleep(0.5)
+
+
+@contextmanager
+def ray_test_cluster() -> Iterator[Cluster]:
+    """Ray's own test cluster (raylets on this machine). Its head node has 3 CPUs: a 2-rank replica packs
+    there, and a prefill replica beside two decode ones fits. This process joins it too, to stop Serve
+    between servers."""
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
+    sigterm = signal.getsignal(signal.SIGTERM)
+    try:
+        ray.init(address=cluster.address, log_to_driver=False)  # which sets its own SIGTERM handler
+        yield cluster
+    finally:
+        ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
+        cluster.shutdown()

@@ -15,7 +15,6 @@ import signal
 import threading
 import time
 import warnings
-from collections import Counter
 
 import anthropic
 import httpx
@@ -23,11 +22,19 @@ import ollama
 import openai
 import psutil
 import pytest
-import ray
-from ray.cluster_utils import Cluster
 
 from folio import LLM, SamplingParams
-from tests.api.ray_server import KEY, RayServer, stop_ray_server
+from tests.api.ray_server import (
+    KEY,
+    RayServer,
+    completion_texts,
+    ray_test_cluster,
+    routed_delta,
+    shutdown_serve,
+    sigterm_and_check_gone,
+    stop_ray_server,
+    wait_for_metric,
+)
 from tests.api.server_runner import MODEL, free_port
 from tests.api.tool_examples import HISTORY as TOOL_HISTORY
 from tests.api.tool_examples import TOOLS
@@ -55,34 +62,17 @@ def ray_client(ray_server):
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    """Ray's own test cluster (raylets on this machine), for the tests after the shared server stopped
-    (its SIGTERM test finds no raylet left). Its head node has 3 CPUs: a 2-rank replica packs there, and a
-    prefill replica beside two decode ones fits. This process joins it too, to stop Serve between servers."""
-    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 3, "include_dashboard": False})
-    sigterm = signal.getsignal(signal.SIGTERM)
-    try:
-        ray.init(address=cluster.address, log_to_driver=False)  # which sets its own SIGTERM handler
+    """Ray's own test cluster, for the tests after the shared server stopped (its SIGTERM test finds no
+    raylet left)."""
+    with ray_test_cluster() as cluster:
         yield cluster
-    finally:
-        ray.shutdown()
-        signal.signal(signal.SIGTERM, sigterm)
-        cluster.shutdown()
-
-
-def _shutdown_serve() -> None:
-    """A server leaves a joined cluster's Serve running (other applications may use it), and with it the
-    HTTP port it was given: stopped after each server, so that the next one starts Serve on its own port."""
-    with warnings.catch_warnings():  # Serve's own pydantic deprecations, on import
-        warnings.simplefilter("ignore")
-        from ray import serve
-    serve.shutdown()
 
 
 @pytest.fixture
 def joined(ray_cluster):
     """The cluster's address, for one test's `folio serve --ray-address`."""
     yield ray_cluster.address
-    _shutdown_serve()
+    shutdown_serve()
 
 
 @pytest.fixture(scope="module")
@@ -112,14 +102,7 @@ def disaggregated(ray_cluster):
         yield server
     finally:
         stop_ray_server(server)
-        _shutdown_serve()
-
-
-def _per_replica(before: Counter, after: Counter) -> dict[str, int]:
-    delta: Counter = Counter()
-    for (replica, _), value in after.items():
-        delta[replica] += value - before.get((replica, _), 0)
-    return {replica: count for replica, count in delta.items() if count}
+        shutdown_serve()
 
 
 def test_outputs_equal_folio_serve(ray_client, client):
@@ -161,7 +144,7 @@ def test_shared_prefixes_stay_on_one_replica(ray_server, ray_client):
             messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
             ray_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=4, temperature=0)
         after = ray_server.routed()
-        per_replica = _per_replica(before, after)
+        per_replica = routed_delta(before, after)
         assert list(per_replica.values()) == [3], per_replica
         homes.append(next(iter(per_replica)))
         home = homes[-1]
@@ -249,7 +232,7 @@ def test_a_killed_replica_is_survived(ray_server, ray_client):
         stream = Stream(prompt)
         stream.start()
         assert stream.started.wait(60) and not stream.failure
-        placed.append((stream, next(iter(_per_replica(before, ray_server.routed())))))
+        placed.append((stream, next(iter(routed_delta(before, ray_server.routed())))))
     (doomed, victim), (spared, survivor) = placed
     assert victim != survivor  # the second went to the idle replica
     os.kill(replicas[victim], signal.SIGKILL)
@@ -301,7 +284,7 @@ def test_a_tensor_parallel_replica(joined, tiny_model, tiny_expected):
         [replica_pid] = server.replicas().values()
         ranks = [child.pid for child in psutil.Process(replica_pid).children(recursive=True)]
         assert len(ranks) >= 2  # the two ranks (and the spawn tracker)
-        _sigterm_and_check_gone(server, ranks)
+        sigterm_and_check_gone(server, ranks)
     finally:
         stop_ray_server(server)
 
@@ -323,7 +306,7 @@ def test_a_replica_split_over_two_nodes(ray_cluster, joined, tiny_model, tiny_ex
         assert len(hosts) == 1  # node 1's share of the model
         ranks = [child.pid for child in hosts[0].children(recursive=True)]
         assert ranks
-        _sigterm_and_check_gone(server, ranks)
+        sigterm_and_check_gone(server, ranks)
     finally:
         stop_ray_server(server)
         for node in nodes:
@@ -350,16 +333,6 @@ def test_a_server_asking_for_another_port_than_serves_proxy_refuses(joined, tiny
     assert serve.status().applications == {}
 
 
-def _sigterm_and_check_gone(server: RayServer, pids: list[int]) -> None:
-    """SIGTERM the server: it exits 0 and none of `pids` (a split replica's ranks) outlives it."""
-    server.process.send_signal(signal.SIGTERM)
-    assert server.process.wait(timeout=90) == 0
-    deadline = time.monotonic() + 30
-    while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids):
-        assert time.monotonic() < deadline, "a rank outlived its replica"
-        time.sleep(0.5)
-
-
 def test_disaggregated_prefill_and_decode(disaggregated, client):
     """--disaggregate: a prefill replica computes each prompt and hands its KV blocks to the decode
     replica. The answers are folio serve's (greedy and seeded), the blocks crossed, both pools end empty,
@@ -368,25 +341,25 @@ def test_disaggregated_prefill_and_decode(disaggregated, client):
     ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
     for prompt in (TENANT_A + "What is rye bread?", TENANT_B + "Which pass is the highest?"):
         greedy = dict(model=MODEL, prompt=prompt, max_tokens=24, temperature=0)
-        assert _texts(ray_client, greedy) == _texts(client, greedy)
+        assert completion_texts(ray_client, greedy) == completion_texts(client, greedy)
     seeded = dict(model=MODEL, prompt=TENANT_A + "Tell a story.", max_tokens=16, temperature=0.9, seed=3, n=2)
-    assert _texts(ray_client, seeded) == _texts(client, seeded)
-    _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_blocks_total").values()) >= 8)
+    assert completion_texts(ray_client, seeded) == completion_texts(client, seeded)
+    wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_blocks_total").values()) >= 8)
 
     prefill_pid = next(iter(server.replicas("prefill").values()))
     long_prompt = "Inventory: " + ", ".join(f"crate {i} of apples" for i in range(120)) + ". Total?"
     killed = dict(model=MODEL, prompt=long_prompt, max_tokens=8, temperature=0)
     ours: list = []
-    asking = threading.Thread(target=lambda: ours.append(_texts(ray_client, killed)))
+    asking = threading.Thread(target=lambda: ours.append(completion_texts(ray_client, killed)))
     asking.start()
     time.sleep(1.5)  # the prefill replica (one CPU) is computing the ~1,100-token prompt: ~5 s here at best
     os.kill(prefill_pid, signal.SIGKILL)
-    theirs = _texts(client, killed)  # folio serve's answer, while the decode replica computes the prompt
+    theirs = completion_texts(client, killed)  # folio serve's answer, while the decode replica computes the prompt
     asking.join(timeout=240)
     assert ours == [theirs]
-    _wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_fallbacks_total").values()) >= 1)
+    wait_for_metric(server, lambda: sum(server.per_replica("folio:kv_transfer_fallbacks_total").values()) >= 1)
     # Nothing left allocated: every replica's pool is free once the requests are done.
-    _wait_for_metric(server, lambda: all(v == 0 for v in server.per_replica("folio:kv_cache_usage_ratio").values()))
+    wait_for_metric(server, lambda: all(v == 0 for v in server.per_replica("folio:kv_cache_usage_ratio").values()))
     deadline = time.monotonic() + 180
     while prefill_pid in server.replicas("prefill").values() or not server.replicas("prefill"):
         assert time.monotonic() < deadline, "Ray did not replace the prefill replica"
@@ -423,15 +396,3 @@ def test_autoscaling_adds_a_replica_under_load(disaggregated):
         thread.join(timeout=300)
     server.process.send_signal(signal.SIGTERM)
     assert server.process.wait(timeout=90) == 0
-
-
-def _texts(client: openai.OpenAI, ask: dict) -> list[str]:
-    return [choice.text for choice in client.completions.create(**ask).choices]
-
-
-def _wait_for_metric(server: RayServer, condition, timeout: float = 15) -> None:
-    """Replicas post their metrics every second: poll until `condition` holds."""
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, server.metrics()[-3000:]
-        time.sleep(0.5)
