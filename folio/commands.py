@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import socket
 import sys
 from pathlib import Path
 from typing import Any
@@ -28,7 +27,14 @@ from folio.scale.routing import RoutingConfig
 from folio.server.batch_file import run_batch
 from folio.server.chat_options import ChatOptions
 from folio.server.limits import RequestLimits
-from folio.server.serve import ServerOptions, StartupInterrupted, build_server, serve, sigterm_stops_startup
+from folio.server.serve import (
+    ServerOptions,
+    StartupInterrupted,
+    bind_address,
+    build_server,
+    serve,
+    sigterm_stops_startup,
+)
 from folio.structured.params import StructuredOutputParams
 from folio.worker.worker_host import run_worker_host
 
@@ -235,7 +241,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
     options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args))
-    _check_port_free(args.host, args.port)  # fail before spending seconds on loading the model
     if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None or args.disaggregate:
         return _serve_replicas(args, options)
     try:
@@ -247,6 +252,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
+    bind_address(args.host, args.port).close()  # fail before starting Ray and loading replicas
     routing = RoutingConfig(policy=args.routing, imbalance_bound=args.routing_imbalance)
     replicas = ReplicaOptions(
         replicas=args.replicas if args.replicas is not None else 1,
@@ -290,14 +296,6 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
         max_grammar_bytes=args.max_grammar_bytes,
         max_logprobs=args.max_logprobs_per_request,
     )
-
-
-def _check_port_free(host: str, port: int) -> None:
-    try:
-        with socket.create_server((host, port), reuse_port=False) as probe:
-            probe.close()
-    except OSError as exc:
-        raise ValueError(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from None
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:

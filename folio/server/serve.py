@@ -158,6 +158,23 @@ def warn_if_open(host: str, port: int, api_key: str | None) -> None:
         )
 
 
+class PortUnavailable(OSError):
+    """The address to serve on cannot be bound (taken, or not this host's)."""
+
+
+def bind_address(host: str, port: int) -> socket.socket:
+    """A socket bound to host:port, not yet listening: a taken port fails before the model loads, and
+    connections are refused (not left hanging) until the server listens."""
+    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn does: restarts reuse TIME_WAIT
+    try:
+        sock.bind((host, port))
+    except OSError as exc:
+        sock.close()
+        raise PortUnavailable(f"cannot listen on {host}:{port}: {exc.strerror or exc}") from exc
+    return sock
+
+
 def serve(
     args: EngineArgs, host: str, port: int, options: ServerOptions | None = None, engine_process: bool = False
 ) -> None:
@@ -165,6 +182,12 @@ def serve(
     `engine_process`, the engine loads and runs in a process of its own."""
     options = options or ServerOptions()
     warn_if_open(host, port, options.api_key)
+    with contextlib.closing(bind_address(host, port)) as sock:
+        _serve_on(sock, args, host, options, engine_process)
+
+
+def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerOptions, engine_process: bool) -> None:
+    port = sock.getsockname()[1]
     model_name = args.model
     http: list[uvicorn.Server] = []  # filled below; the engine may die before uvicorn exists
 
@@ -182,6 +205,7 @@ def serve(
         server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
     )  # type: ignore[arg-type]  # uvicorn hints an int; it passes the value to asyncio.wait_for
     info = server.info
+    sock.listen(config.backlog)  # before "serving" is logged: a client that reads the line may connect at once
     logger.info(
         "serving %s (%s, KV cache %d tokens, context %d%s) at http://%s:%d/v1%s",
         model_name,
@@ -196,7 +220,7 @@ def serve(
     http.append(_GracefulServer(config))
     try:
         if server.engine.is_alive:
-            http[0].run()
+            http[0].run(sockets=[sock])
     finally:
         server.engine.shutdown()
         del llm

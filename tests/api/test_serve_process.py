@@ -136,3 +136,23 @@ def test_an_empty_api_key_is_an_error(how):
     stderr = _stop(process)
     assert stderr.strip().splitlines() == [stderr.strip().splitlines()[-1]]
     assert "API key" in stderr and "empty" in stderr
+
+
+def test_the_serving_line_comes_once_connections_are_accepted_and_names_the_bound_port(smollm2_gguf):
+    # A client that starts `folio serve` and waits for its "serving" line may connect at once; with
+    # --port 0 the line is the only place the port the system chose can be read from.
+    process = _serve(MODEL, "--port", "0", "--kv-cache-memory", "64MiB")
+    lines: list[str] = []
+    try:
+        for line in process.stderr:
+            lines.append(line)
+            if "serving" in line:
+                break
+        url = lines[-1].split(" at ")[1].split()[0].removesuffix("/v1")
+        assert not url.endswith(":0")
+        assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # no retry: refused would fail here
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        stderr = "".join(lines) + _stop(process)
+    assert "Traceback" not in stderr, stderr
