@@ -94,34 +94,49 @@ inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half
   }
   for (int t = 0; t < TILE; ++t) _mm512_storeu_ps(out + t * TILE_ROWS, acc[t]);
 #elif defined(__AVX2__)
-  // 16-bit pair products (kWordProducts, int8_tiles.h): the codes (0..31) widened to words, times the
-  // activations' words; low and high nibbles add into the same sums (integers: the order is free).
+  // Byte products (vpmaddubsw: the codes, 0..31, unsigned, times the activations' int8 codes and, EXACT,
+  // residuals, both within +-127), added in 16-bit lanes over a block. Each product is at most 31 x 127,
+  // so a lane's two products per vpmaddubsw, over the block's 4 registers, stay below 2^15 for one
+  // nibble (8 x 3,937); the low and high nibbles' sums are widened apart (vpmaddwd by ones) before
+  // they add. Integers, as on VNNI: the same sums, twice the products per instruction of 16-bit words.
+  const __m256i ones = _mm256_set1_epi16(1);
   for (int half = 0; half < 2; ++half) {  // the tile's rows 8 * half to 8 * half + 7
     __m256 acc[TILE];
     for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; ++b) {
-      __m256i sums[TILE][2];  // rows 0-3 and 4-7 of the half, two pair sums a row
-      for (int t = 0; t < TILE; ++t) sums[t][0] = sums[t][1] = _mm256_setzero_si256();
+      // [t][nibble]: 16-bit sums, rows 0-7 of the half, two lanes a row
+      __m256i sums[TILE][2], residual_sums[TILE][2];
+      for (int t = 0; t < TILE; ++t)
+        sums[t][0] = sums[t][1] = residual_sums[t][0] = residual_sums[t][1] = _mm256_setzero_si256();
 #pragma GCC unroll 4
       for (int j = 0; j < 4; ++j) {
         __m256i low, high;
         unpack_codes_half<FIVE>(codes + b * TILE_BLOCK_BYTES, fifth, b, j, half, low, high);
-        const __m256i low_0_3 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(low));
-        const __m256i low_4_7 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(low, 1));
-        const __m256i high_0_3 = _mm256_cvtepu8_epi16(_mm256_castsi256_si128(high));
-        const __m256i high_4_7 = _mm256_cvtepu8_epi16(_mm256_extracti128_si256(high, 1));
 #pragma GCC unroll 4
         for (int t = 0; t < TILE; ++t) {
-          const int16_t* x = q.words.data() + (m0 + t) * K + b * BLOCK + 4 * j;
-          const __m256i x_low = four_words(x), x_high = four_words(x + 16);
-          sums[t][0] = _mm256_add_epi32(sums[t][0], _mm256_add_epi32(pair_sums(low_0_3, x_low), pair_sums(high_0_3, x_high)));
-          sums[t][1] = _mm256_add_epi32(sums[t][1], _mm256_add_epi32(pair_sums(low_4_7, x_low), pair_sums(high_4_7, x_high)));
+          const int64_t at = (m0 + t) * K + b * BLOCK + 4 * j;
+          const int8_t* x = q.codes.data() + at;
+          sums[t][0] = _mm256_add_epi16(sums[t][0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(x))));
+          sums[t][1] = _mm256_add_epi16(sums[t][1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(x + 16))));
+          if constexpr (EXACT) {
+            const int8_t* r = q.residuals.data() + at;
+            residual_sums[t][0] = _mm256_add_epi16(residual_sums[t][0], _mm256_maddubs_epi16(low, _mm256_set1_epi32(four_bytes(r))));
+            residual_sums[t][1] = _mm256_add_epi16(residual_sums[t][1], _mm256_maddubs_epi16(high, _mm256_set1_epi32(four_bytes(r + 16))));
+          }
         }
       }
       const __m256 s = load_scales8(scales + group_of_block[b] * TILE_ROWS + 8 * half);
       for (int t = 0; t < TILE; ++t) {
+        // a row's lanes added: rows 0-7 in order
+        const __m256i code_sum = _mm256_add_epi32(_mm256_madd_epi16(sums[t][0], ones), _mm256_madd_epi16(sums[t][1], ones));
+        __m256i total = code_sum;
+        if constexpr (EXACT) {
+          const __m256i residual_sum =
+              _mm256_add_epi32(_mm256_madd_epi16(residual_sums[t][0], ones), _mm256_madd_epi16(residual_sums[t][1], ones));
+          total = _mm256_add_epi32(_mm256_slli_epi32(code_sum, 8), residual_sum);
+        }
         const __m256 scale = _mm256_mul_ps(s, _mm256_set1_ps(q.steps[(m0 + t) * B + b]));
-        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(rows_of_pairs(sums[t][0], sums[t][1])), scale, acc[t]);
+        acc[t] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), scale, acc[t]);
       }
     }
     for (int t = 0; t < TILE; ++t) _mm256_storeu_ps(out + t * TILE_ROWS + 8 * half, acc[t]);

@@ -47,10 +47,11 @@ struct QuantizedRows {            // x [M, K] as int8 blocks
   std::vector<int16_t> words;
 };
 
-// Whether the dot-product tiles multiply 16-bit pairs (vpmaddwd) for want of AVX-512 VNNI's vpdpbusd:
-// AVX2 machines (Zen 3, most laptops). vpmaddubsw, AVX2's byte product, would saturate its 16-bit pair
-// sums on the 8-bit tiles' code + 128 bytes; 16-bit words are exact and take the residual in the same
-// product, so that path does one multiply where vpdpbusd does two.
+// Whether the 8-bit tiles multiply 16-bit pairs (vpmaddwd) for want of AVX-512 VNNI's vpdpbusd: AVX2
+// machines (Zen 3, most laptops). vpmaddubsw, AVX2's byte product, would saturate its 16-bit pair sums
+// on their code + 128 bytes; 16-bit words are exact and take the residual in the same product, so that
+// path does one multiply where vpdpbusd does two. The 4- and 5-bit tiles' codes (0..31) are small
+// enough for vpmaddubsw (int4_tiles.h).
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 constexpr bool kWordProducts = false;
 #elif defined(__AVX2__)

@@ -203,6 +203,31 @@ def test_int8_negative_codes_and_scale_dtypes(kernel: ModuleType, m: int, scale_
     assert torch.allclose(got.double(), torch.full((m, N), -128.0 * 608, dtype=torch.float64), rtol=1e-6, atol=0)
 
 
+@pytest.mark.parametrize("sign", [1, -1])
+@pytest.mark.parametrize("m", [1, 4, 5])
+def test_the_largest_codes_against_the_largest_activations_do_not_overflow(kernel: ModuleType, m: int, sign: int) -> None:
+    """Without VNNI the 4- and 5-bit products add in 16-bit lanes over a block: codes of 31 against activation
+    codes of 127 (every value of a block at its maximum) and residuals of 127 (126.5 steps, half way, rounds
+    to 126 and a residual of 128, kept at 127) are those sums' largest."""
+    k, group = 256, 32
+    x = torch.full((m, k), float(sign))
+    x[:, 1::2] = sign * 126.5 / 127  # odd values: code 126 and residual 127; even ones: 127, residual 0
+    x[m - 1, 64:] *= -1  # a row whose later blocks change sign
+    for bits, exact in [(4, True), (5, True), (5, False)]:
+        codes = torch.full((N, k), (1 << bits) - 1)
+        scales = torch.ones(N, k // group).half()
+        mins = torch.zeros(N, k // group).half()
+        high = tile_fifth_bits(codes) if bits == 5 else _NO_FIFTH_BITS
+        xq = _dequantized_activations(x) if exact else _quantized_codes_only(x)
+        got = kernel.int4_linear(x, tile_codes(codes & 15), high, tile_groups(scales), tile_groups(mins), group, N, exact)
+        _assert_close(got, xq @ codes.double().T, 1e-6)
+
+
+def _quantized_codes_only(x: torch.Tensor) -> torch.Tensor:
+    codes, scales, _ = quantize_activations(x)
+    return codes.double() * _per_column(scales, 32)
+
+
 @pytest.mark.parametrize("m", [1, 4, 5])
 @pytest.mark.parametrize(("k", "group"), SHAPES)
 def test_error_against_the_unquantized_product_is_small(kernel: ModuleType, k: int, group: int, m: int) -> None:
