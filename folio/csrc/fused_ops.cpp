@@ -245,6 +245,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gated_activation", &gated_activation, py::call_guard<py::gil_scoped_release>(), "act(gate) * up");
   m.def("row_argmax", &folio_row_argmax::row_argmax, py::call_guard<py::gil_scoped_release>(),
         "each row's maximum and its first index, as torch.max(x, dim=-1)");
+  m.def("row_best", &folio_row_argmax::row_best, py::call_guard<py::gil_scoped_release>(), py::arg("values"),
+        py::arg("first_row"), "[N, 3] float64: each row's maximum, first_row + its first index, 1 if not all finite");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::RmsNorm>(entries, &rms_norm);

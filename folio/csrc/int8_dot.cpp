@@ -260,6 +260,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_greedy", &int8_greedy, py::call_guard<py::gil_scoped_release>(), "each row's argmax of x @ W^T, W 8-bit, from its 8-bit product and the tiles near the top",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("norms"));
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
+  m.def("int8_embedding", &int8_embedding, py::call_guard<py::gil_scoped_release>(),
+        "rows `ids` of the tiled 8-bit weight widened, [len(ids), K]: an embedding lookup");
   m.def("int4_dequantize", &int4_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 4- or 5-bit weight widened, [N, K]");
   m.def("quantize_activations", &quantize_activations, py::call_guard<py::gil_scoped_release>(), "x as int8 blocks of 32 and their scales");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.

@@ -6,6 +6,7 @@
 #include <immintrin.h>
 
 #include <cstdint>
+#include <optional>
 #include <type_traits>
 
 #include "int8_activations.h"
@@ -85,19 +86,28 @@ inline void widen_tile_to_int8(const uint8_t* codes, const uint8_t* fifth, int64
   }
 }
 
-// The tiled 8-bit weight widened to `dtype` [N, K], for many rows: one GEMM then beats the dot products.
-inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
-                                     at::ScalarType dtype) {
+// Rows of the tiled 8-bit weight widened to `dtype`: all N of them ([N, K]: for many activation rows one
+// GEMM then beats the dot products), or those `ids` names ([len(ids), K]: an embedding lookup).
+inline torch::Tensor int8_widen_rows(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
+                                     const std::optional<torch::Tensor>& ids, at::ScalarType dtype) {
   const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
   TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
               tiles.numel() == tile_count * B * INT8_TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
               scales.is_contiguous(), "int8 tiles and scales");
-  auto out = torch::empty({N, K}, tiles.options().dtype(widened_dtype(dtype)));
+  torch::Tensor rows;
+  if (ids) {
+    rows = ids->to(torch::kLong).contiguous().view(-1);
+    TORCH_CHECK(rows.numel() == 0 || (rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < N),
+                "ids: row indices below ", N);
+  }
+  const int64_t count = ids ? rows.numel() : N;
+  const int64_t* row_of = ids ? rows.data_ptr<int64_t>() : nullptr;
+  auto out = torch::empty({count, K}, tiles.options().dtype(widened_dtype(dtype)));
   const uint8_t* c = tiles.data_ptr<uint8_t>();
   auto widen = [&](const auto* s, auto* o) {
-    at::parallel_for(0, N, 16, [&](int64_t begin, int64_t end) {
-      for (int64_t n = begin; n < end; ++n) {
-        const int64_t tile = n / TILE_ROWS, i = n % TILE_ROWS;
+    at::parallel_for(0, count, 16, [&](int64_t begin, int64_t end) {
+      for (int64_t r = begin; r < end; ++r) {
+        const int64_t n = row_of ? row_of[r] : r, tile = n / TILE_ROWS, i = n % TILE_ROWS;
         for (int64_t b = 0; b < B; ++b) {
           const uint8_t* block = c + (tile * B + b) * INT8_TILE_BLOCK_BYTES + i * 4;
           float values[BLOCK];
@@ -107,7 +117,7 @@ inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, 
               for (int64_t t = 0; t < 4; ++t)
                 values[4 * j + t] = static_cast<float>(static_cast<int32_t>(block[j * 64 + t]) - 128) * scale;
           }
-          store_block(o + n * K + b * BLOCK, values);
+          store_block(o + r * K + b * BLOCK, values);
         }
       }
     });
@@ -121,6 +131,16 @@ inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, 
     }
   });
   return out.to(dtype);
+}
+
+inline torch::Tensor int8_dequantize(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
+                                     at::ScalarType dtype) {
+  return int8_widen_rows(tiles, scales, group, N, K, std::nullopt, dtype);
+}
+
+inline torch::Tensor int8_embedding(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N, int64_t K,
+                                    torch::Tensor ids, at::ScalarType dtype) {
+  return int8_widen_rows(tiles, scales, group, N, K, ids, dtype);
 }
 
 // The tiled 4-bit weight (5-bit with its fifth bits, else high_bits empty) widened to `dtype` [N, K], for

@@ -95,6 +95,25 @@ def test_embedding_and_tied_head_keep_the_weight_quantized(q8):
     assert (head(hidden) - expected).abs().max() <= 1e-4 * expected.abs().max()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("group", [16, 32])
+def test_the_embedding_kernel_widens_the_rows_as_the_tensor_ops_do(dtype, group):
+    """The C++ lookup (one call a decode step) against the indexing it replaces, with float16 scales (Q8_0) and
+    float32 ones in groups of 16 (Q6_K), in float32 and bfloat16; a row past the weight is refused."""
+    gen = torch.Generator().manual_seed(group)
+    codes = torch.randint(-128, 128, (50, 96), generator=gen, dtype=torch.int8)
+    scales = torch.rand(50, 96 // group, generator=gen) * 0.02
+    packed = PackedInt8(Int8Groups(codes, scales.half().float() if group == 32 else scales))
+    ids = torch.tensor([[0, 49, 17], [17, 3, 32]])
+    flat = ids.flatten()
+    by_tensor_ops = packed._widen(int8.untile_int8_codes(packed.tiles, flat, 96), packed._row_scales(flat), dtype)
+    got = packed.embedding(ids, dtype)
+    assert got.dtype == dtype and torch.equal(got, by_tensor_ops.view(2, 3, 96))
+    assert torch.equal(packed.embedding(torch.tensor([7]), dtype)[0], packed.dequantize(dtype)[7])
+    with pytest.raises(RuntimeError, match="row indices below 50"):
+        packed.embedding(torch.tensor([50]), dtype)
+
+
 @pytest.mark.parametrize("quantized", [True, False])
 def test_transient_logits_equal_the_heads_and_reuse_one_buffer(q8, quantized):
     groups, weight = q8

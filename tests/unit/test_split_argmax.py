@@ -59,3 +59,24 @@ def test_the_fused_row_max_equals_torch_max(width):
         want_best, want_index = values.max(dim=-1)
         assert torch.equal(index, want_index)
         torch.testing.assert_close(best, want_best, rtol=0, atol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("width", [1, 17, 1000, 2 * CHUNK + 5])
+def test_the_fused_row_best_equals_its_tensor_ops(width):
+    """local_best's triple from one kernel pass (row_best) against torch's max and isfinite: infinities and NaNs
+    in any chunk, before or after the row's maximum."""
+    kernel = ops.load("fused_ops")
+    assert kernel is not None, "the fused ops must build: a C++ compiler is part of the setup"
+    rows = torch.randn(8, width, generator=torch.Generator().manual_seed(width + 1))
+    last = width - 1
+    rows[0, last] = math.inf  # the maximum, and not finite
+    rows[1, 0] = -math.inf  # not finite, not the maximum
+    rows[2, last // 2] = math.nan
+    rows[3, [0, last]] = -math.inf
+    rows[4, min(CHUNK + 1, last)] = 50.0  # a finite maximum in the second chunk
+    rows[5] = -math.inf
+    for values in (rows, rows[:, : max(1, width // 2)]):
+        got = kernel.row_best(values.contiguous(), 100)
+        best, index = values.max(dim=-1)
+        want = torch.stack([best.double(), (index + 100).double(), (~torch.isfinite(values).all(dim=-1)).double()], -1)
+        torch.testing.assert_close(got, want, rtol=0, atol=0, equal_nan=True)
