@@ -205,7 +205,7 @@ def test_int8_negative_codes_and_scale_dtypes(kernel: ModuleType, m: int, scale_
 
 @pytest.mark.parametrize("sign", [1, -1])
 @pytest.mark.parametrize("m", [1, 4, 5])
-def test_the_largest_codes_against_the_largest_activations_do_not_overflow(kernel: ModuleType, m: int, sign: int) -> None:
+def test_the_largest_codes_against_the_largest_activations_do_not_overflow(kernel: ModuleType, m: int, sign: int):
     """Without VNNI the 4- and 5-bit products add in 16-bit lanes over a block: codes of 31 against activation
     codes of 127 (every value of a block at its maximum) and residuals of 127 (126.5 steps, half way, rounds
     to 126 and a residual of 128, kept at 127) are those sums' largest."""
@@ -219,7 +219,8 @@ def test_the_largest_codes_against_the_largest_activations_do_not_overflow(kerne
         mins = torch.zeros(N, k // group).half()
         high = tile_fifth_bits(codes) if bits == 5 else _NO_FIFTH_BITS
         xq = _dequantized_activations(x) if exact else _quantized_codes_only(x)
-        got = kernel.int4_linear(x, tile_codes(codes & 15), high, tile_groups(scales), tile_groups(mins), group, N, exact)
+        tiles, tiled_scales, tiled_mins = tile_codes(codes & 15), tile_groups(scales), tile_groups(mins)
+        got = kernel.int4_linear(x, tiles, high, tiled_scales, tiled_mins, group, N, exact)
         _assert_close(got, xq @ codes.double().T, 1e-6)
 
 
