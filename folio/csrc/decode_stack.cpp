@@ -11,6 +11,7 @@
 // everything this does not take (prefill, 8-bit KV caches, other weight formats).
 #include <torch/extension.h>
 
+#include <cstring>
 #include <optional>
 #include <string>
 #include <vector>
@@ -63,6 +64,28 @@ struct Norms {
   torch::Tensor input, post_attention;
   std::optional<torch::Tensor> pre_feedforward, post_feedforward, q, k;
 };
+
+// rows [T, kv_heads, head_dim] (a view into the fused qkv output: each token's heads side by side) into
+// the cache's slots, one copy a token. index_copy_ builds a TensorIterator per call, twice a layer; at one
+// token that set-up is most of its cost. A cache this cannot address (not contiguous) takes index_copy_.
+void write_slots(const torch::Tensor& cache, const torch::Tensor& slots, const torch::Tensor& rows) {
+  const int64_t tokens = rows.size(0), width = rows.size(1) * rows.size(2);
+  const bool direct = cache.is_contiguous() && cache.scalar_type() == rows.scalar_type() && cache.dim() == 3 &&
+                      cache.size(1) * cache.size(2) == width && rows.stride(2) == 1 && rows.stride(1) == rows.size(2) &&
+                      slots.scalar_type() == torch::kInt64 && slots.is_contiguous() && slots.numel() == tokens;
+  if (!direct) {
+    cache.index_copy_(0, slots, rows);
+    return;
+  }
+  const int64_t bytes = width * rows.element_size(), capacity = cache.size(0);
+  const int64_t* slot = slots.data_ptr<int64_t>();
+  char* to = static_cast<char*>(cache.data_ptr());
+  const char* from = static_cast<const char*>(rows.data_ptr());
+  for (int64_t t = 0; t < tokens; ++t)
+    TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " outside the KV cache's ", capacity);
+  for (int64_t t = 0; t < tokens; ++t)
+    std::memcpy(to + slot[t] * bytes, from + t * rows.stride(0) * rows.element_size(), bytes);
+}
 
 struct Layer {
   Norms norms;
@@ -125,8 +148,8 @@ class DecodeStack {
       const size_t table = rope.size() == 4 ? 2 * static_cast<size_t>(layer.rope) : 0;
       k.rotary(q, key, rope[table], rope[table + 1]);
       const size_t group = static_cast<size_t>(layer.kv_group);
-      layer.k_cache.index_copy_(0, slots[group], key);
-      layer.v_cache.index_copy_(0, slots[group], value);
+      write_slots(layer.k_cache, slots[group], key);
+      write_slots(layer.v_cache, slots[group], value);
       const torch::Tensor attended = k.attention(q.contiguous(), layer.k_cache, layer.v_cache, block_tables[group], seq_lens,
                                                  block_size_, scale_, layer.window, std::nullopt, std::nullopt);
       const torch::Tensor projected = layer.o(k, attended.view({tokens, q_size}));
