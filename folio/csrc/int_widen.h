@@ -95,13 +95,11 @@ inline torch::Tensor int8_widen_rows(torch::Tensor tiles, torch::Tensor scales, 
               tiles.numel() == tile_count * B * INT8_TILE_BLOCK_BYTES && scales.numel() == tile_count * G * TILE_ROWS &&
               scales.is_contiguous(), "int8 tiles and scales");
   torch::Tensor rows;
-  if (ids) {
-    rows = ids->to(torch::kLong).contiguous().view(-1);
-    TORCH_CHECK(rows.numel() == 0 || (rows.min().item<int64_t>() >= 0 && rows.max().item<int64_t>() < N),
-                "ids: row indices below ", N);
-  }
+  if (ids) rows = ids->to(torch::kLong).contiguous().view(-1);
   const int64_t count = ids ? rows.numel() : N;
   const int64_t* row_of = ids ? rows.data_ptr<int64_t>() : nullptr;
+  for (int64_t r = 0; row_of && r < count; ++r)  // a plain loop: a lookup is a few ids, every step
+    TORCH_CHECK(row_of[r] >= 0 && row_of[r] < N, "ids: row indices below ", N, ", got ", row_of[r]);
   auto out = torch::empty({count, K}, tiles.options().dtype(widened_dtype(dtype)));
   const uint8_t* c = tiles.data_ptr<uint8_t>();
   auto widen = [&](const auto* s, auto* o) {

@@ -5,6 +5,8 @@ every rank decide. Gathering 64 rows of Gemma 3's 262,144 logits moves 67 MB a s
 
 from __future__ import annotations
 
+from types import ModuleType
+
 import torch
 
 from folio.layers import fused_ops
@@ -14,18 +16,25 @@ from folio.layers.finite_rows import nonfinite_rows
 def row_max(values: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """`values.max(dim=-1)` (each row's maximum and its first index): by the fused CPU kernel for float32
     rows (ATen's walks a row one value at a time: ~0.4 ms for Gemma 3's 262,144 logits, ~28 us fused)."""
-    kernel = fused_ops.fused_ops_for(values)
-    if kernel is not None and values.dtype == torch.float32 and values.dim() == 2 and values.shape[1] > 0:
+    kernel = _row_kernel(values)
+    if kernel is not None:
         best, index = kernel.row_argmax(values if values.stride(1) == 1 else values.contiguous())
         return best, index
     return values.max(dim=-1)
 
 
+def _row_kernel(values: torch.Tensor) -> ModuleType | None:
+    """The fused ops, where they take these rows: float32 [N, V], V > 0."""
+    kernel = fused_ops.fused_ops_for(values)
+    takes = values.dtype == torch.float32 and values.dim() == 2 and values.shape[1] > 0
+    return kernel if takes else None
+
+
 def local_best(local: torch.Tensor, first_row: int) -> torch.Tensor:
     """[N, 3] float64 for each row of one rank's logits [N, rows]: its best value, that token's id
     (`first_row` + the first maximal column, as argmax takes) and 1.0 if the row is not all finite."""
-    kernel = fused_ops.fused_ops_for(local)
-    if kernel is not None and local.dtype == torch.float32 and local.dim() == 2 and local.shape[1] > 0:
+    kernel = _row_kernel(local)
+    if kernel is not None:
         # one pass and one call: the ops below are ~10 small ones, ~0.3 ms of a batch-1 decode step here
         return kernel.row_best(local if local.stride(1) == 1 else local.contiguous(), first_row)
     best, index = row_max(local)

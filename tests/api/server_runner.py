@@ -5,7 +5,7 @@ from __future__ import annotations
 import socket
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from contextlib import contextmanager
 
 import httpx
@@ -22,6 +22,16 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+def read_until(stream: Iterable[str], word: str, lines: list[str]) -> str:
+    """Read a server process's output into `lines` up to the first line holding `word`; that line ("" if the
+    output ended first). `lines` keeps what was read for the test's failure message."""
+    for line in stream:
+        lines.append(line)
+        if word in line:
+            return line
+    return ""
 
 
 @contextmanager

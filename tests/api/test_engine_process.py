@@ -28,7 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from folio.engine_args import EngineArgs
 from folio.server.process_client import ProcessEngine
 from folio.server.serve import build_process_server
-from tests.api.server_runner import MODEL, aborted_requests, free_port, serving
+from tests.api.server_runner import MODEL, aborted_requests, free_port, read_until, serving
 from tests.tiny_models import make_tiny_model
 
 
@@ -192,11 +192,8 @@ def test_folio_serve_engine_process_stops_cleanly_on_sigterm(smollm2_gguf):
     url = f"http://127.0.0.1:{port}"
     lines: list[str] = []
     try:
-        for line in process.stderr:
-            lines.append(line)
-            if "serving" in line:
-                break
-        engine_pid = int(lines[-1].split("engine in process ")[1].split(")")[0])
+        serving_line = read_until(process.stderr, "serving", lines)
+        engine_pid = int(serving_line.split("engine in process ")[1].split(")")[0])
         body = {"model": MODEL, "prompt": "Hi", "max_tokens": 4, "ignore_eos": True}
         assert httpx.post(f"{url}/v1/completions", json=body, timeout=60).json()["usage"]["completion_tokens"] == 4
         process.send_signal(signal.SIGTERM)

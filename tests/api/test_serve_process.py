@@ -14,7 +14,7 @@ import time
 import httpx
 import pytest
 
-from tests.api.server_runner import MODEL, free_port
+from tests.api.server_runner import MODEL, free_port, read_until
 
 # Runs `folio serve` with an engine whose fourth step raises a BaseException, as a native panic would.
 PANICKING_SERVE = """
@@ -86,10 +86,7 @@ def test_sigterm_during_start_up_exits_0_without_a_traceback(smollm2_gguf):
     process = _serve(MODEL, "--port", str(free_port()), "--quantization", "nf4", "--kv-cache-memory", "64MiB")
     try:
         lines: list[str] = []
-        for line in process.stderr:
-            lines.append(line)
-            if "loading" in line:
-                break
+        read_until(process.stderr, "loading", lines)
         process.send_signal(signal.SIGTERM)
         assert process.wait(30) == 0
     finally:
@@ -144,11 +141,7 @@ def test_the_serving_line_comes_once_connections_are_accepted_and_names_the_boun
     process = _serve(MODEL, "--port", "0", "--kv-cache-memory", "64MiB")
     lines: list[str] = []
     try:
-        for line in process.stderr:
-            lines.append(line)
-            if "serving" in line:
-                break
-        url = lines[-1].split(" at ")[1].split()[0].removesuffix("/v1")
+        url = read_until(process.stderr, "serving", lines).split(" at ")[1].split()[0].removesuffix("/v1")
         assert not url.endswith(":0")
         assert httpx.get(f"{url}/health", timeout=10).status_code == 200  # no retry: refused would fail here
         process.send_signal(signal.SIGTERM)
