@@ -367,11 +367,16 @@ def test_disaggregated_prefill_and_decode(disaggregated, client):
 
 
 def test_autoscaling_adds_a_replica_under_load(disaggregated):
-    """Ray Serve's autoscaler, bounded by --min/--max-replicas, adds the second (decode) replica when the
-    requests in flight exceed the target; then SIGTERM stops the server."""
+    """Ray Serve's autoscaler, bounded by --min/--max-replicas, keeps one decode replica while idle and adds
+    the second when the requests in flight exceed the target; then SIGTERM stops the server."""
     server = disaggregated
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-    assert len(server.replicas("decode")) == 1  # before the load
+    # The test before may have loaded the server enough to scale it up: idle, it comes back to the minimum
+    # once Serve's downscale delay (60 s) has passed.
+    deadline = time.monotonic() + 180
+    while len(server.replicas("decode")) != 1:
+        assert time.monotonic() < deadline, f"idle, yet not back to one replica: {server.replicas('decode')}"
+        time.sleep(1)
     scaled = threading.Event()
 
     def busy() -> None:
