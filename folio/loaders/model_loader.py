@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -20,9 +21,12 @@ from folio.loaders.gguf_model import gguf_model_config, iter_gguf_weights
 from folio.loaders.hf_folder import iter_safetensors, read_hf_config
 from folio.loaders.quantized_folder import iter_quantized_safetensors, read_quantization_config
 from folio.loaders.tokenizer import Tokenizer
+from folio.loaders.weight_arena import gather_weights
 from folio.models.registry import model_class
 
 # None: the checkpoint's own formats (GGUF blocks, GPTQ, AWQ, NF4) kept where kernels exist.
+logger = logging.getLogger("folio")
+
 QUANTIZATIONS = (None, "none", "int8", "int4", "nf4")
 
 
@@ -111,6 +115,10 @@ def load_model(path: Path, dtype: torch.dtype, device: torch.device, quantizatio
     if quantization in ON_THE_FLY_METHODS:
         count = sum(m.quantize(quantization) for m in model.modules() if isinstance(m, Linear))
         label = f"{label} -> {quantization} ({count} layers, on the fly)"
+    if device.type == "cpu":
+        arena = gather_weights(model)
+        if arena is not None:
+            logger.info("%s", arena.describe())
     return LoadedModel(model, config, checkpoint.tokenizer, path, label, time.perf_counter() - start)
 
 
