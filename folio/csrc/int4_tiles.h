@@ -104,6 +104,12 @@ inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half
     __m256 acc[TILE];
     for (int t = 0; t < TILE; ++t) acc[t] = _mm256_setzero_ps();
     for (int64_t b = 0; b < B; ++b) {
+      if (half == 0) {  // a block's scales and mins: 32 bytes each to its 256 of codes; fifth bits 64
+        prefetch_ahead(codes + b * TILE_BLOCK_BYTES, PREFETCH_BYTES, TILE_BLOCK_BYTES);
+        prefetch_ahead(scales + group_of_block[b] * TILE_ROWS, PREFETCH_BYTES / 8, 1);
+        prefetch_ahead(mins + group_of_block[b] * TILE_ROWS, PREFETCH_BYTES / 8, 1);
+        if constexpr (FIVE) prefetch_ahead(fifth + b * FIFTH_BIT_BLOCK_BYTES, PREFETCH_BYTES / 4, FIFTH_BIT_BLOCK_BYTES);
+      }
       // [t][nibble]: 16-bit sums, rows 0-7 of the half, two lanes a row
       __m256i sums[TILE][2], residual_sums[TILE][2];
       for (int t = 0; t < TILE; ++t)
