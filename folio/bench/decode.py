@@ -27,6 +27,7 @@ import subprocess
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from folio import LLM, SamplingParams
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.hf_decode_peer import hf_decode_rates
 from folio.bench.llama_cpp_build import build_llama_cpp
+from folio.bench.paired_rounds import alternate
 from folio.bench.plots import engine_bars, engine_colors, figure
 from folio.bench.prefill import DEFAULT_LENGTHS, measure_prefill, random_prompt
 from folio.bench.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
@@ -60,6 +62,7 @@ class DecodeConfig:
     peer: str | None = None
     engine_args: dict[str, Any] = field(default_factory=dict)
     prompt_tokens: tuple[int, ...] = DEFAULT_LENGTHS
+    paired_rounds: int = 5  # with llama.cpp: batch-1 rounds alternating with llama-bench's tg (0: none)
 
 
 @dataclass
@@ -149,6 +152,11 @@ def _llama_bench(path: Path, gen_tokens: int, prompt_tokens: tuple[int, ...], re
     return float(tg["avg_ts"]), pp, info
 
 
+def _llama_tg(path: Path, gen_tokens: int, threads: int) -> float:
+    """One llama-bench tg run's tok/s (after its own warm-up run)."""
+    return _llama_bench(path, gen_tokens, (), 1, threads)[0]
+
+
 BATCHED_PROMPT_TOKENS = 16  # llama-batched-bench's prompts: folio's batched run's are about as long
 
 
@@ -181,6 +189,7 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
     dtype = "float32"
     peer_prompts: tuple[list[int], dict[int, list[int]]] = ([], {})
     cost: TokenCost | None = None
+    paired_batch1: dict[str, Any] = {}
     for name, quantization in variants.items():
         llm = LLM(path, quantization=quantization, **config.engine_args)
         torch.set_num_threads(threads)
@@ -189,6 +198,13 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         batch1 = measure_batch1(llm, config.gen_tokens, config.repeats)
         batched = measure_batched(llm, config.gen_tokens, config.batch, config.repeats)
         result = VariantResult(f"folio {name}", llm.loaded.weight_bytes / 2**20, batch1, batched)
+        if config.peer == "llama.cpp" and config.paired_rounds and not results:  # the kept weights
+            paired = alternate(
+                partial(measure_batch1, llm, config.gen_tokens, 1),
+                partial(_llama_tg, path, config.gen_tokens, threads),
+                config.paired_rounds,
+            )
+            paired_batch1 = {"folio": name, **paired.to_dict()}
         result.prefill_tok_s = {str(n): measure_prefill(llm, n, config.repeats) for n in config.prompt_tokens}
         prompt_tokens = len(llm.tokenizer.encode(PROMPT))
         cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
@@ -210,6 +226,8 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
         tok_s, pp, peer_info = _llama_bench(path, config.gen_tokens, config.prompt_tokens, config.repeats, threads)
         batched = _llama_batched_bench(path, config.gen_tokens, config.batch, threads)
         peer_info["batched_tok_s"] = batched  # by parallel sequences; the best is its batched rate
+        if paired_batch1:
+            peer_info["paired_batch1"] = paired_batch1  # first: folio's rates, second: llama-bench's tg
         peer = VariantResult("llama.cpp", None, tok_s, max(batched.values(), default=None), prefill_tok_s=pp)
         # llama-bench's tg runs after an empty prompt (-p 0), holds the file's weights as they are and its
         # KV cache in float16.
@@ -253,6 +271,12 @@ def format_table(report: DecodeReport) -> str:
     if peer.engine == "llama.cpp":
         lines.append(f"batch-1: folio gguf / llama.cpp tg{report.config['gen_tokens']} = "
                      f"{first.batch1_tok_s / peer.batch1_tok_s:.2f}x")  # fmt: skip
+        paired = report.peer_info.get("paired_batch1")
+        if paired:
+            ratios = paired["ratios"]
+            lines.append(f"batch-1, {len(ratios)} rounds alternating folio {paired['folio']} and llama-bench's "
+                         f"tg{report.config['gen_tokens']}: median {paired['median_ratio']:.2f}x "
+                         f"(rounds {min(ratios):.2f}-{max(ratios):.2f}x)")  # fmt: skip
         batched = report.peer_info.get("batched_tok_s") or {}
         if batched and peer.batch_tok_s:
             best_n = max(batched, key=lambda n: batched[n])
@@ -315,6 +339,9 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser.add_argument("--peer", default=None, choices=["llama.cpp", "hf"],
                         help="also run llama-bench on the same file (llama.cpp), or transformers on the same weights, "
                         "device and dtype (hf)")  # fmt: skip
+    parser.add_argument("--paired-rounds", type=int, default=5,
+                        help="with --peer llama.cpp: rounds alternating one folio batch-1 run and one llama-bench tg "
+                        "run, whose median ratio a drifting machine skews less (default 5; 0: none)")  # fmt: skip
     add_output_dir(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=run_decode_command)
@@ -323,8 +350,10 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 def run_decode_command(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli_args(args).llm_kwargs()
     del engine["quantization"]  # both variants run, each with its own
+    if args.paired_rounds < 0:
+        raise ValueError(f"--paired-rounds must be 0 or more, got {args.paired_rounds}")
     config = DecodeConfig(args.model, args.gen_tokens, args.batch, args.repeats, args.peer, engine,
-                          tuple(args.prompt_tokens))  # fmt: skip
+                          tuple(args.prompt_tokens), args.paired_rounds)  # fmt: skip
     report = run_decode(config, command_line(args))
     print(f"{report.model} ({report.dtype} activations), batch-1 over {config.gen_tokens} tokens")
     print(format_table(report))
