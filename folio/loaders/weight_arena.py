@@ -94,6 +94,23 @@ def model_tensors(model: nn.Module) -> list[torch.Tensor]:
     return found
 
 
+def _aligned(nbytes: int) -> int:
+    return (nbytes + ALIGN - 1) // ALIGN * ALIGN
+
+
+def _arenas_of(storages: dict[int, torch.UntypedStorage]) -> list[list[int]]:
+    """The storages' keys in order, cut into runs of at most ARENA_BYTES (a larger storage alone)."""
+    arenas: list[list[int]] = [[]]
+    filled = 0
+    for key, storage in storages.items():
+        if arenas[-1] and filled + storage.nbytes() > ARENA_BYTES:
+            arenas.append([])
+            filled = 0
+        arenas[-1].append(key)
+        filled += _aligned(storage.nbytes())
+    return arenas
+
+
 def gather_weights(model: nn.Module) -> ArenaReport | None:
     """Move the CPU tensors of `model` into huge-page arenas; None when it holds none."""
     tensors = [t for t in model_tensors(model) if t.device.type == "cpu" and t.numel() > 0]
@@ -106,18 +123,10 @@ def gather_weights(model: nn.Module) -> ArenaReport | None:
         users.setdefault(key, []).append(tensor)
     if not storages:
         return None
-    plan: list[list[int]] = [[]]
-    filled = 0
-    for key, storage in storages.items():
-        if plan[-1] and filled + storage.nbytes() > ARENA_BYTES:
-            plan.append([])
-            filled = 0
-        plan[-1].append(key)
-        filled += (storage.nbytes() + ALIGN - 1) // ALIGN * ALIGN
     advised, total, spans = True, 0, []
     with torch.no_grad():
-        for keys in plan:
-            sizes = [(storages[k].nbytes() + ALIGN - 1) // ALIGN * ALIGN for k in keys]
+        for keys in _arenas_of(storages):
+            sizes = [_aligned(storages[k].nbytes()) for k in keys]
             arena, took = _new_arena(sum(sizes))
             advised &= took
             spans.append((arena.data_ptr(), arena.numel()))
