@@ -24,9 +24,9 @@ from folio.loaders.tokenizer import Tokenizer
 from folio.loaders.weight_arena import gather_weights
 from folio.models.registry import model_class
 
-# None: the checkpoint's own formats (GGUF blocks, GPTQ, AWQ, NF4) kept where kernels exist.
 logger = logging.getLogger("folio")
 
+# None: the checkpoint's own formats (GGUF blocks, GPTQ, AWQ, NF4) kept where kernels exist.
 QUANTIZATIONS = (None, "none", "int8", "int4", "nf4")
 
 

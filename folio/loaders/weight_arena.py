@@ -111,9 +111,17 @@ def _arenas_of(storages: dict[int, torch.UntypedStorage]) -> list[list[int]]:
     return arenas
 
 
+def _movable(tensor: torch.Tensor) -> bool:
+    """A CPU tensor in memory torch allocated. Memory it was lent (`torch.frombuffer` over another
+    process's shared memory, as tensor-parallel ranks reduce through, or over a mapped file) is not
+    torch's to move, and its storage says so: it cannot be resized."""
+    return tensor.device.type == "cpu" and tensor.numel() > 0 and tensor.untyped_storage().resizable()
+
+
 def gather_weights(model: nn.Module) -> ArenaReport | None:
-    """Move the CPU tensors of `model` into huge-page arenas; None when it holds none."""
-    tensors = [t for t in model_tensors(model) if t.device.type == "cpu" and t.numel() > 0]
+    """Move the CPU tensors of `model` that torch allocated into huge-page arenas; None when it holds
+    none."""
+    tensors = [t for t in model_tensors(model) if _movable(t)]
     storages: dict[int, torch.UntypedStorage] = {}
     users: dict[int, list[torch.Tensor]] = {}
     for tensor in tensors:  # tensors sharing memory (views, tied weights) move together

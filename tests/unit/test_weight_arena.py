@@ -4,6 +4,8 @@ with its weights where the loader left them."""
 
 from __future__ import annotations
 
+import ctypes
+from multiprocessing import shared_memory
 from pathlib import Path
 
 import pytest
@@ -53,6 +55,25 @@ def test_every_tensor_moves_into_an_arena_with_its_values_views_and_ties():
     module.weight.data[3, 5] = 42.0
     assert module.transposed[5, 3] == 42.0
     assert module.child.same_packed is packed and isinstance(module.weight, nn.Parameter)
+
+
+def test_memory_torch_was_lent_stays_where_it_is():
+    """A tensor over shared memory (tensor-parallel ranks reduce through one) is another process's view
+    too: moved, the ranks would stop seeing each other's writes."""
+    shared = shared_memory.SharedMemory(create=True, size=4096)
+    try:
+        module = _module()
+        module.exchange = torch.frombuffer(shared.buf, dtype=torch.uint8)
+        report = gather_weights(module)
+        assert report is not None and _within(module.weight, report.spans)
+        assert not _within(module.exchange, report.spans)
+        assert module.exchange.data_ptr() == ctypes.addressof(ctypes.c_char.from_buffer(shared.buf))
+        shared.buf[7] = 42  # still the same memory
+        assert module.exchange[7] == 42
+        del module
+    finally:
+        shared.close()
+        shared.unlink()
 
 
 def test_weights_larger_than_an_arena_take_several(monkeypatch):
