@@ -371,12 +371,8 @@ def test_autoscaling_adds_a_replica_under_load(disaggregated):
     the second when the requests in flight exceed the target; then SIGTERM stops the server."""
     server = disaggregated
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-    # The test before may have loaded the server enough to scale it up: idle, it comes back to the minimum
-    # once Serve's downscale delay (60 s) has passed.
-    deadline = time.monotonic() + 180
-    while len(server.replicas("decode")) != 1:
-        assert time.monotonic() < deadline, f"idle, yet not back to one replica: {server.replicas('decode')}"
-        time.sleep(1)
+    # The test before may have scaled it up: idle, it is back to one after Serve's 60 s downscale delay.
+    server.wait_ready(timeout=180, replicas=1, role="decode")
     scaled = threading.Event()
 
     def busy() -> None:
