@@ -63,6 +63,34 @@ struct Int8Linear {
                                int64_t rows, bool exact);
 };
 
+// A 4-, 5- or 8-bit weight in int8_dot.cpp's tiles of 16 rows, as raw memory: for a caller that runs
+// its own threads (decode_stack.cpp) and hands out the tiles itself.
+struct TiledWeight {
+  int bits;                  // 4, 5 (4-bit tiles and their fifth bits) or 8
+  const uint8_t* tiles;      // uint8 [ceil(N / 16), K / 32 * (256 or 512)]
+  const uint8_t* high_bits;  // 5-bit: [ceil(N / 16), K / 32 * 64]; else null
+  const void* scales;        // [ceil(N / 16), K / group, 16]: float16 (4/5-bit, or 8-bit where half_scales), else float32
+  bool half_scales;
+  const at::Half* mins;      // 4/5-bit: float16, as scales; else null
+  int64_t group, rows, cols; // group size, N, K
+  bool exact;                // activations in 8 + 8 bits, else 8
+};
+
+// Where a thread takes its next tiles from: next(state, &begin, &end) is false once none are left.
+struct TileSource {
+  bool (*next)(void* state, int64_t* begin, int64_t* end);
+  void* state;
+};
+
+// int8_dot.cpp: y[:, 16 * tile ...] = x @ W^T for the tiles `source` hands this thread, on this thread
+// only (no parallel region of its own): float32 x [M, K] contiguous, y rows ldy floats apart. Each
+// caller quantizes x itself, as int4_linear and int8_linear do, so every row's sums are theirs exactly.
+struct LinearTiles {
+  static constexpr const char* name = "folio.int8_dot.linear_tiles";
+  using Fn = void (*)(const TiledWeight& weight, const float* x, int64_t M, float* y, int64_t ldy,
+                      const TileSource& source);
+};
+
 // q8_linear.cpp: float32 x [M, K] @ W^T for int8 codes [N, K] with float32 scales per group.
 struct Q8Linear {
   static constexpr const char* name = "folio.q8_linear.q8_linear";

@@ -38,6 +38,17 @@ namespace {
 
 using namespace folio_int8_dot;
 
+// The tiles of y = x @ W^T: all of them, dealt to the threads (no source; y's rows N apart), or those
+// `source` hands this thread (LinearTiles; y's rows ldy apart).
+template <typename F>
+void run_tiles(int64_t M, int64_t N, const uint8_t* codes, int64_t tile_bytes, float* y, int64_t ldy,
+               const folio::TileSource* source, F tile_fn) {
+  if (source == nullptr) return over_tiles(M, N, codes, tile_bytes, y, tile_fn);
+  auto take = into_rows(y, N, ldy);
+  int64_t begin = 0, end = 0;
+  while (source->next(source->state, &begin, &end)) over_tile_range(begin, end, M, codes, tile_bytes, tile_fn, take);
+}
+
 // ---- 4- and 5-bit, tiled (int4_tiles.h) ----
 
 // Activation rows from which a 5-bit tile is widened to the 8-bit layout once, for every pass over it
@@ -47,7 +58,8 @@ constexpr int64_t WIDEN_TILE_MIN_ROWS = 2 * X_TILE;
 
 template <bool EXACT, bool FIVE, typename T>
 void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const uint8_t* high,
-                      const at::Half* scales, const at::Half* mins, int64_t N, int64_t group, float* y) {
+                      const at::Half* scales, const at::Half* mins, int64_t N, int64_t group, float* y,
+                      int64_t ldy = 0, const folio::TileSource* source = nullptr) {
   const bool widen = FIVE && M >= WIDEN_TILE_MIN_ROWS;
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/widen, EXACT);
   const int64_t B = K / BLOCK, G = K / group;
@@ -55,7 +67,7 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
   std::vector<float> group_sums(M * G);  // sum of x over each weight group
   for (int64_t m = 0; m < M; ++m)
     for (int64_t b = 0; b < B; ++b) group_sums[m * G + group_of_block[b]] += q.sums[m * B + b];
-  over_tiles(M, N, codes, B * TILE_BLOCK_BYTES, y, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
+  run_tiles(M, N, codes, B * TILE_BLOCK_BYTES, y, ldy, source, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
     constexpr int TILE = decltype(rows)::value;
     const uint8_t* tile_high = FIVE ? high + tile * B * FIFTH_BIT_BLOCK_BYTES : nullptr;
     const at::Half *tile_scales = scales + tile * G * TILE_ROWS, *tile_mins = mins + tile * G * TILE_ROWS;
@@ -79,11 +91,11 @@ void int4_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, co
 
 template <bool SPLIT, bool EXACT, typename T, typename S>
 void int8_linear_impl(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
-                      int64_t group, float* y) {
+                      int64_t group, float* y, int64_t ldy = 0, const folio::TileSource* source = nullptr) {
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true, EXACT);
   const int64_t B = K / BLOCK, G = K / group;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
-  over_tiles(M, N, codes, B * INT8_TILE_BLOCK_BYTES, y, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
+  run_tiles(M, N, codes, B * INT8_TILE_BLOCK_BYTES, y, ldy, source, [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
     int8_tile<decltype(rows)::value, SPLIT, EXACT>(c, scales + tile * G * TILE_ROWS, q, group_of_block.data(), m0, K, out);
   });
 }
@@ -208,6 +220,34 @@ torch::Tensor int8_linear_into(torch::Tensor x, torch::Tensor tiles, torch::Tens
   return out;
 }
 
+// LinearTiles (folio_kernels.h): the tiles `source` hands this thread, of x [M, K] float32 @ W^T into y.
+// The caller checked the weight (decode_stack.cpp builds it from tensors these entries accept).
+void linear_tiles(const folio::TiledWeight& w, const float* x, int64_t M, float* y, int64_t ldy,
+                  const folio::TileSource& source) {
+  const int64_t K = w.cols, N = w.rows;
+  if (w.bits != 8) {
+    const auto* s = static_cast<const at::Half*>(w.scales);
+    if (w.bits == 5) {
+      w.exact ? int4_linear_impl<true, true>(x, M, K, w.tiles, w.high_bits, s, w.mins, N, w.group, y, ldy, &source)
+              : int4_linear_impl<false, true>(x, M, K, w.tiles, w.high_bits, s, w.mins, N, w.group, y, ldy, &source);
+    } else {
+      w.exact ? int4_linear_impl<true, false>(x, M, K, w.tiles, nullptr, s, w.mins, N, w.group, y, ldy, &source)
+              : int4_linear_impl<false, false>(x, M, K, w.tiles, nullptr, s, w.mins, N, w.group, y, ldy, &source);
+    }
+    return;
+  }
+  auto run = [&](const auto* s) {
+    if (w.group == HALF) {
+      w.exact ? int8_linear_impl<true, true>(x, M, K, w.tiles, s, N, w.group, y, ldy, &source)
+              : int8_linear_impl<true, false>(x, M, K, w.tiles, s, N, w.group, y, ldy, &source);
+    } else {
+      w.exact ? int8_linear_impl<false, true>(x, M, K, w.tiles, s, N, w.group, y, ldy, &source)
+              : int8_linear_impl<false, false>(x, M, K, w.tiles, s, N, w.group, y, ldy, &source);
+    }
+  };
+  w.half_scales ? run(static_cast<const at::Half*>(w.scales)) : run(static_cast<const float*>(w.scales));
+}
+
 // The greedy pick of x's rows (float32 or bfloat16 [M, K]) over an 8-bit weight in two stages
 // (int8_greedy.h): best (float64 [M, 3]: each row's maximum of x @ W^T in x's dtype, its first index, 0)
 // and decided ([M] bool: false where the caller's full product decides). norms: float32 [N], each
@@ -268,5 +308,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::dict entries;
   folio::add_entry<folio::Int4Linear>(entries, &int4_linear);
   folio::add_entry<folio::Int8Linear>(entries, &int8_linear);
+  folio::add_entry<folio::LinearTiles>(entries, &linear_tiles);
   m.attr("entries") = entries;
 }

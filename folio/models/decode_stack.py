@@ -7,6 +7,11 @@ the decode attention, norm, rotary and activation kernels all built. A step take
 scheduled token is a decode and the batch is within the rows its weights' dot-product kernels are
 picked for (all of them with float32 activations); anything else runs the Python layers, which stay
 the oracle (FOLIO_DISABLE_KERNELS=decode_stack turns the stack off).
+
+A step of at most four float32 tokens whose projections are all 4-, 5- or 8-bit tiles runs "in teams"
+(folio/csrc/decode_team.h): one parallel region from each layer's attention output to the next layer's
+queries, the serial work on one thread while the others prefetch the tiles they multiply next. The
+results are the same bits; `stack.team_steps` and `stack.kernel_steps` count the steps each way took.
 """
 
 from __future__ import annotations
