@@ -2,8 +2,8 @@
 //
 // Driven kernel by kernel, a batch-1 step opens a parallel region for every projection (~5 a layer) and
 // runs the work between them (norms, rotary, the KV cache's slots, the activation) on one thread while
-// the others wait: on a 2-core Zen 3 the second thread idled ~40% of a step, and each projection then
-// read its weights from memory at about half the rate it multiplies them from cache. In a team, the
+// the others wait: on a 2-core Zen 3 the second thread idled ~40% of a step, and the projections read
+// their weights from memory at ~0.6-0.7 of the rate they multiply them from cache. In a team, the
 // serial work runs on thread 0 while the other threads prefetch the tiles they will multiply next, and
 // the projections hand out their tiles themselves: with two threads each takes its own half first
 // (thread 1's prefetched), then what is left of the other's, so neither waits on the other.
