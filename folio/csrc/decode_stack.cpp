@@ -39,6 +39,7 @@ struct Kernels {
   folio::Rotary::Fn rotary;
   folio::GatedActivation::Fn activation;
   folio::LinearTiles::Fn linear_tiles;
+  folio::TiledWeightOf::Fn tiled_weight_of;
 };
 
 // A projection: a dense weight [N, K], 4-bit (or 5-bit) or 8-bit tiles (int8_dot.cpp's layouts) with N
@@ -68,22 +69,27 @@ struct Projection {
   }
 };
 
-// The team's view of a projection (decode_plan.h): tiled, or not (dense weights keep the other path).
-Plan plan_of(const Projection& projection) {
+// The team's view of a projection (decode_plan.h): tiled, or not (dense weights, or tensors the int8
+// kernels' checks refuse, keep the kernel-by-kernel path, which reports those).
+Plan plan_of(const Projection& projection, folio::TiledWeightOf::Fn tiled_weight_of) {
   Plan plan;
   plan.bias = projection.bias;
-  const std::vector<Projection> single{projection};
-  const std::vector<Projection>& parts = projection.kind == Projection::Kind::kRowBlocks ? projection.parts : single;
-  if (parts.size() > static_cast<size_t>(folio_decode::TeamState::kMaxParts)) return plan;
-  for (const Projection& part : parts) {
+  const bool joined = projection.kind == Projection::Kind::kRowBlocks;
+  const Projection* parts = joined ? projection.parts.data() : &projection;
+  const size_t count = joined ? projection.parts.size() : 1;
+  if (count > static_cast<size_t>(folio_decode::TeamState::kMaxParts)) return plan;
+  for (size_t p = 0; p < count; ++p) {
+    const Projection& part = parts[p];
     if (part.bias || (part.kind != Projection::Kind::kInt4 && part.kind != Projection::Kind::kInt8)) return plan;
     const bool four = part.kind == Projection::Kind::kInt4;
-    const int bits = !four ? 8 : part.high_bits.numel() > 0 ? 5 : 4;
-    const auto weight = folio_decode::tiled_weight(bits, part.weight, part.high_bits, *part.scales,
-                                                   four ? &*part.mins : nullptr, part.group, part.rows, part.exact);
-    if (!weight || (!plan.parts.empty() && weight->cols != plan.parts[0].cols)) return plan;
-    plan.parts.push_back(*weight);
-    plan.rows += weight->rows;
+    try {
+      plan.parts.push_back(tiled_weight_of(part.weight, part.high_bits, *part.scales, four ? &*part.mins : nullptr,
+                                           part.group, part.rows, part.exact));
+    } catch (const c10::Error&) {
+      return plan;
+    }
+    if (plan.parts.back().cols != plan.parts[0].cols) return plan;
+    plan.rows += part.rows;
   }
   plan.cols = plan.parts[0].cols;
   plan.tiled = true;
@@ -139,7 +145,8 @@ class DecodeStack {
       : kernels_{folio::entry<folio::Int4Linear>(entries), folio::entry<folio::Int8Linear>(entries),
                  folio::entry<folio::PagedDecodeAttention>(entries), folio::entry<folio::RmsNorm>(entries),
                  folio::entry<folio::AddRmsNorm>(entries), folio::entry<folio::Rotary>(entries),
-                 folio::entry<folio::GatedActivation>(entries), folio::entry<folio::LinearTiles>(entries)},
+                 folio::entry<folio::GatedActivation>(entries), folio::entry<folio::LinearTiles>(entries),
+                 folio::entry<folio::TiledWeightOf>(entries)},
         heads_(num_heads), kv_heads_(num_kv_heads), head_dim_(head_dim), block_size_(block_size), scale_(scale),
         eps_(eps), offset_(norm_offset), gelu_(gelu), sandwich_(sandwich) {}
 
@@ -149,7 +156,8 @@ class DecodeStack {
     TORCH_CHECK(!sandwich_ || (norms.pre_feedforward && norms.post_feedforward), "a sandwich layer has four norms");
     TORCH_CHECK(rope == 0 || rope == 1, "rope: table 0 or 1");
     TORCH_CHECK(kv_group >= 0, "kv_group: a group's index");
-    Plan plans[] = {plan_of(qkv), plan_of(o), plan_of(gate_up), plan_of(down)};
+    const auto of = kernels_.tiled_weight_of;
+    Plan plans[] = {plan_of(qkv, of), plan_of(o, of), plan_of(gate_up, of), plan_of(down, of)};
     tiled_ = tiled_ && plans[0].tiled && plans[1].tiled && plans[2].tiled && plans[3].tiled &&
              plans[0].rows == heads_ * head_dim_ + 2 * kv_heads_ * head_dim_ && plans[1].cols == heads_ * head_dim_ &&
              plans[2].cols == plans[1].rows && plans[3].cols * 2 == plans[2].rows && plans[3].rows == plans[1].rows;
@@ -218,7 +226,7 @@ class DecodeStack {
           const folio::TiledWeight& w = plan.parts[p];
           folio_decode::TwoEndedTiles* halves = team.state.halves[p];
           folio_decode::TileTaker taker{team.size == 2 ? &halves[team.id] : nullptr, &halves[1 - team.id % 2], 0, 0};
-          folio_decode::own_tiles(folio_decode::tile_count(w), team.id, team.size, &taker.begin, &taker.end);
+          folio_decode::own_tiles(w.tile_count, team.id, team.size, &taker.begin, &taker.end);
           k.linear_tiles(w, xs, tokens, ys + column, plan.rows, {&folio_decode::TileTaker::next, &taker});
           column += w.rows;
         }

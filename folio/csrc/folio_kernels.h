@@ -64,16 +64,26 @@ struct Int8Linear {
 };
 
 // A 4-, 5- or 8-bit weight in int8_dot.cpp's tiles of 16 rows, as raw memory: for a caller that runs
-// its own threads (decode_stack.cpp) and hands out the tiles itself.
+// its own threads (decode_stack.cpp) and hands out the tiles itself. Made by TiledWeightOf, so the
+// layout (and each tile's bytes in every array, for prefetching) is known in int8_dot.cpp alone.
 struct TiledWeight {
   int bits;                  // 4, 5 (4-bit tiles and their fifth bits) or 8
-  const uint8_t* tiles;      // uint8 [ceil(N / 16), K / 32 * (256 or 512)]
-  const uint8_t* high_bits;  // 5-bit: [ceil(N / 16), K / 32 * 64]; else null
-  const void* scales;        // [ceil(N / 16), K / group, 16]: float16 (4/5-bit, or 8-bit where half_scales), else float32
+  const uint8_t* tiles;      // uint8 [tile_count, code_bytes]
+  const uint8_t* high_bits;  // 5-bit: [tile_count, fifth_bytes]; else null
+  const void* scales;        // [tile_count, K / group, 16]: float16 (4/5-bit, or 8-bit where half_scales), else float32
   bool half_scales;
   const at::Half* mins;      // 4/5-bit: float16, as scales; else null
   int64_t group, rows, cols; // group size, N, K
   bool exact;                // activations in 8 + 8 bits, else 8
+  int64_t tile_count, code_bytes, fifth_bytes, scale_bytes, min_bytes;  // tiles, and each tile's bytes per array
+};
+
+// int8_dot.cpp: the TiledWeight of a 4/5-bit (mins given) or 8-bit (mins null) weight's tensors, after
+// the checks int4_linear and int8_linear run on them (which throw where they refuse it).
+struct TiledWeightOf {
+  static constexpr const char* name = "folio.int8_dot.tiled_weight_of";
+  using Fn = TiledWeight (*)(const torch::Tensor& tiles, const torch::Tensor& high_bits, const torch::Tensor& scales,
+                             const torch::Tensor* mins, int64_t group, int64_t rows, bool exact);
 };
 
 // Where a thread takes its next tiles from: next(state, &begin, &end) is false once none are left.

@@ -130,6 +130,20 @@ void check_int8_weight(const torch::Tensor& x, const torch::Tensor& tiles, const
   TORCH_CHECK(scales.scalar_type() == torch::kHalf || scales.scalar_type() == torch::kFloat32, "scales: float16 or float32");
 }
 
+// A 4- or 5-bit weight: tiles uint8 [ceil(N / 16), K / 32 * 256], scales and mins float16
+// [ceil(N / 16), G, 16]; returns whether it has fifth bits.
+bool check_int4_weight(const torch::Tensor& x, const torch::Tensor& tiles, const torch::Tensor& high_bits,
+                       const torch::Tensor& scales, const torch::Tensor& mins, int64_t group, int64_t N) {
+  check_x(x, group, /*eight_bit=*/false);
+  const int64_t K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
+  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
+              tiles.numel() == tile_count * (K / BLOCK) * TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 256]");
+  for (const auto* t : {&scales, &mins})
+    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == tile_count * G * TILE_ROWS,
+                "scales, mins: float16 [N / 16, K / group, 16]");
+  return check_high_bits(high_bits, tile_count, K);
+}
+
 // Calls f(typed x pointer).
 template <typename F>
 void with_x(const torch::Tensor& x, F f) {
@@ -150,14 +164,8 @@ torch::Tensor in_x_dtype(const torch::Tensor& y, const torch::Tensor& x) {
 // 5-bit: the same, and high_bits uint8 [ceil(N / 16), K / 32 * 64] (int8_tiles.h); 4-bit: high_bits empty.
 torch::Tensor int4_linear(torch::Tensor x, torch::Tensor tiles, torch::Tensor high_bits, torch::Tensor scales,
                           torch::Tensor mins, int64_t group, int64_t N, bool exact) {
-  check_x(x, group, /*eight_bit=*/false);
-  const int64_t M = x.size(0), K = x.size(1), tile_count = (N + TILE_ROWS - 1) / TILE_ROWS, G = K / group;
-  TORCH_CHECK(tiles.scalar_type() == torch::kUInt8 && tiles.is_contiguous() &&
-              tiles.numel() == tile_count * (K / BLOCK) * TILE_BLOCK_BYTES, "tiles: uint8 [N / 16, K / 32 * 256]");
-  const bool five = check_high_bits(high_bits, tile_count, K);
-  for (const auto* t : {&scales, &mins})
-    TORCH_CHECK(t->scalar_type() == torch::kHalf && t->is_contiguous() && t->numel() == tile_count * G * TILE_ROWS,
-                "scales, mins: float16 [N / 16, K / group, 16]");
+  const bool five = check_int4_weight(x, tiles, high_bits, scales, mins, group, N);
+  const int64_t M = x.size(0), K = x.size(1);
   auto y = torch::empty({M, N}, x.options().dtype(torch::kFloat32));
   with_x(x, [&](auto* xs) {
     const uint8_t* c = tiles.data_ptr<uint8_t>();
@@ -248,6 +256,24 @@ void linear_tiles(const folio::TiledWeight& w, const float* x, int64_t M, float*
   w.half_scales ? run(static_cast<const at::Half*>(w.scales)) : run(static_cast<const float*>(w.scales));
 }
 
+// TiledWeightOf (folio_kernels.h): K from the tiles' size, then the entries' own checks on a
+// zero-row x of that width.
+folio::TiledWeight tiled_weight_of(const torch::Tensor& tiles, const torch::Tensor& high_bits, const torch::Tensor& scales,
+                                   const torch::Tensor* mins, int64_t group, int64_t N, bool exact) {
+  const bool eight = mins == nullptr;
+  const int64_t count = (N + TILE_ROWS - 1) / TILE_ROWS, block_bytes = eight ? INT8_TILE_BLOCK_BYTES : TILE_BLOCK_BYTES;
+  TORCH_CHECK(count > 0 && tiles.numel() % (count * block_bytes) == 0, "tiles: uint8 [N / 16, K / 32 * ", block_bytes, "]");
+  const int64_t K = tiles.numel() / (count * block_bytes) * BLOCK;
+  const torch::Tensor x = torch::empty({0, K}, torch::kFloat32);
+  const bool five = eight ? false : check_int4_weight(x, tiles, high_bits, scales, *mins, group, N);
+  if (eight) check_int8_weight(x, tiles, scales, group, N);
+  const int64_t G = K / group, B = K / BLOCK;
+  return {eight ? 8 : five ? 5 : 4, tiles.data_ptr<uint8_t>(), five ? high_bits.data_ptr<uint8_t>() : nullptr,
+          scales.data_ptr(), scales.scalar_type() == torch::kHalf, eight ? nullptr : mins->data_ptr<at::Half>(),
+          group, N, K, exact, count, B * block_bytes, five ? B * FIFTH_BIT_BLOCK_BYTES : 0,
+          G * TILE_ROWS * static_cast<int64_t>(scales.element_size()), eight ? 0 : G * TILE_ROWS * 2};
+}
+
 // The greedy pick of x's rows (float32 or bfloat16 [M, K]) over an 8-bit weight in two stages
 // (int8_greedy.h): best (float64 [M, 3]: each row's maximum of x @ W^T in x's dtype, its first index, 0)
 // and decided ([M] bool: false where the caller's full product decides). norms: float32 [N], each
@@ -309,5 +335,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::add_entry<folio::Int4Linear>(entries, &int4_linear);
   folio::add_entry<folio::Int8Linear>(entries, &int8_linear);
   folio::add_entry<folio::LinearTiles>(entries, &linear_tiles);
+  folio::add_entry<folio::TiledWeightOf>(entries, &tiled_weight_of);
   m.attr("entries") = entries;
 }
