@@ -48,6 +48,36 @@ struct GatedActivation {
   using Fn = torch::Tensor (*)(torch::Tensor x, bool gelu);
 };
 
+// fused_ops.cpp: the float32 code of the four entries above on raw rows, on the calling thread, for a caller
+// that keeps its own buffers and threads (decode_stack.cpp's teams). The tensor entries run the same
+// compiled functions on float32, so either way gives the same bits.
+// out[r] = RMSNorm(x[r]) for rows `x_stride` apart; out's rows contiguous (may be x itself where x_stride == dim).
+struct RmsNormRows {
+  static constexpr const char* name = "folio.fused_ops.rms_norm_rows";
+  using Fn = void (*)(const float* x, int64_t x_stride, const float* weight, float eps, float offset, float* out,
+                      int64_t rows, int64_t dim);
+};
+
+// residual[r] += x[r] (residual's rows contiguous), then out[r] = RMSNorm(residual[r]).
+struct AddRmsNormRows {
+  static constexpr const char* name = "folio.fused_ops.add_rms_norm_rows";
+  using Fn = void (*)(const float* x, int64_t x_stride, float* residual, const float* weight, float eps, float offset,
+                      float* out, int64_t rows, int64_t dim);
+};
+
+// x [T, H, D], tokens `stride` apart, heads contiguous: rotated in place by cos, sin [T, D].
+struct RotaryRows {
+  static constexpr const char* name = "folio.fused_ops.rotary_rows";
+  using Fn = void (*)(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const float* cos,
+                      const float* sin);
+};
+
+// x [T, 2I] = [gate | up], rows `stride` apart -> out [T, I] contiguous.
+struct GatedActivationRows {
+  static constexpr const char* name = "folio.fused_ops.gated_activation_rows";
+  using Fn = void (*)(const float* x, int64_t stride, int64_t rows, int64_t width, float* out, bool gelu);
+};
+
 // int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows (5-bit: with its fifth bits, else
 // high_bits empty); N output rows; exact: activations in 8 + 8 bits, else 8.
 struct Int4Linear {

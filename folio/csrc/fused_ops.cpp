@@ -25,31 +25,63 @@ namespace {
 template <typename T>
 inline T round_to(float v) { return static_cast<T>(v); }
 
-// out[t] = norm(x[t]) * w, as RMSNorm in norm.py: Llama rounds the normalized row to T before the
-// weight (weight_offset == 0); Gemma multiplies by (1 + w) in float32 and rounds once.
+// out[r] = norm(x[r]) * w for rows [begin, end), as RMSNorm in norm.py: Llama rounds the normalized row to T
+// before the weight (weight_offset == 0); Gemma multiplies by (1 + w) in float32 and rounds once.
+template <typename T, typename W>
+void rms_norm_range(const T* x, int64_t x_stride, const W* w, float eps, float offset, T* out, int64_t begin,
+                    int64_t end, int64_t dim) {
+  for (int64_t r = begin; r < end; ++r) {
+    const T* xr = x + r * x_stride;
+    float squares = 0.f;
+    for (int64_t i = 0; i < dim; ++i) {
+      const float v = static_cast<float>(xr[i]);
+      squares += v * v;
+    }
+    const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
+    T* o = out + r * dim;
+    if (offset != 0.f) {
+      for (int64_t i = 0; i < dim; ++i) o[i] = round_to<T>(static_cast<float>(xr[i]) * inverse * (static_cast<float>(w[i]) + offset));
+    } else {
+      for (int64_t i = 0; i < dim; ++i) {
+        const float normed = static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inverse));
+        o[i] = round_to<T>(static_cast<float>(w[i]) * normed);
+      }
+    }
+  }
+}
+
+// The float32 rows of RmsNormRows (folio_kernels.h), out of line: the tensor entry's float32 rows run this
+// same code, so a caller of either gets the same bits (-ffast-math may compile an inlined copy otherwise).
+__attribute__((noinline)) void rms_norm_rows_f32(const float* x, int64_t x_stride, const float* w, float eps,
+                                                  float offset, float* out, int64_t rows, int64_t dim) {
+  rms_norm_range<float, float>(x, x_stride, w, eps, offset, out, 0, rows, dim);
+}
+
 template <typename T, typename W>
 void rms_norm_rows(const T* x, int64_t x_stride, const W* w, float eps, float offset, T* out, int64_t rows,
                    int64_t dim) {
   at::parallel_for(0, rows, 1, [&](int64_t begin, int64_t end) {
-    for (int64_t r = begin; r < end; ++r) {
-      const T* xr = x + r * x_stride;
-      float squares = 0.f;
-      for (int64_t i = 0; i < dim; ++i) {
-        const float v = static_cast<float>(xr[i]);
-        squares += v * v;
-      }
-      const float inverse = 1.f / std::sqrt(squares / static_cast<float>(dim) + eps);
-      T* o = out + r * dim;
-      if (offset != 0.f) {
-        for (int64_t i = 0; i < dim; ++i) o[i] = round_to<T>(static_cast<float>(xr[i]) * inverse * (static_cast<float>(w[i]) + offset));
-      } else {
-        for (int64_t i = 0; i < dim; ++i) {
-          const float normed = static_cast<float>(round_to<T>(static_cast<float>(xr[i]) * inverse));
-          o[i] = round_to<T>(static_cast<float>(w[i]) * normed);
-        }
-      }
+    if constexpr (std::is_same_v<T, float> && std::is_same_v<W, float>) {
+      rms_norm_rows_f32(x + begin * x_stride, x_stride, w, eps, offset, out + begin * dim, end - begin, dim);
+    } else {
+      rms_norm_range<T, W>(x, x_stride, w, eps, offset, out, begin, end, dim);
     }
   });
+}
+
+// residual[r] += x[r] (rounded to T, as `residual + x` would be) for rows [0, rows); residual's rows contiguous.
+template <typename T>
+void add_rows(const T* x, int64_t x_stride, T* residual, int64_t rows, int64_t dim) {
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t i = 0; i < dim; ++i)
+      residual[r * dim + i] = round_to<T>(static_cast<float>(residual[r * dim + i]) + static_cast<float>(x[r * x_stride + i]));
+}
+
+// AddRmsNormRows (folio_kernels.h), as add_rms_norm does it.
+void add_rms_norm_rows_f32(const float* x, int64_t x_stride, float* residual, const float* w, float eps, float offset,
+                           float* out, int64_t rows, int64_t dim) {
+  add_rows(x, x_stride, residual, rows, dim);
+  rms_norm_rows_f32(residual, dim, w, eps, offset, out, rows, dim);
 }
 
 void check_rows(const torch::Tensor& x) {
@@ -77,18 +109,46 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
   TORCH_CHECK(residual.is_contiguous() && residual.sizes() == x.sizes() && residual.scalar_type() == x.scalar_type(),
               "residual: contiguous, like x");
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, x.scalar_type(), "add_residual", [&] {
-    const scalar_t* xs = x.data_ptr<scalar_t>();
-    scalar_t* rs = residual.data_ptr<scalar_t>();
-    const int64_t rows = x.size(0), dim = x.size(1), stride = x.stride(0);
-    for (int64_t r = 0; r < rows; ++r)
-      for (int64_t i = 0; i < dim; ++i)
-        rs[r * dim + i] = round_to<scalar_t>(static_cast<float>(rs[r * dim + i]) + static_cast<float>(xs[r * stride + i]));
+    add_rows(x.data_ptr<scalar_t>(), x.stride(0), residual.data_ptr<scalar_t>(), x.size(0), x.size(1));
   });
   return rms_norm(residual, weight, eps, offset);
 }
 
-// In place, rotate-half layout: x[t, h, :D/2], x[t, h, D/2:] = a*cos - b*sin, b*cos + a*sin, for q and k
-// (strided views of a fused qkv output are fine). cos, sin: [T, D] in x's dtype.
+// In place, rotate-half layout: x[t, h, :D/2], x[t, h, D/2:] = a*cos - b*sin, b*cos + a*sin, for x [T, H, D]
+// whose tokens are `stride` apart and heads contiguous; cos, sin: [T, D].
+template <typename T>
+void rotate_rows(T* data, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const T* c, const T* s) {
+  const int64_t half = dim / 2;
+  for (int64_t t = 0; t < tokens; ++t) {
+    const T* ct = c + t * dim;
+    const T* st = s + t * dim;
+    for (int64_t h = 0; h < heads; ++h) {
+      T* v = data + t * stride + h * dim;
+      for (int64_t i = 0; i < half; ++i) {
+        const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
+        v[i] = round_to<T>(a * static_cast<float>(ct[i]) - b * static_cast<float>(st[i]));
+        v[i + half] = round_to<T>(b * static_cast<float>(ct[i + half]) + a * static_cast<float>(st[i + half]));
+      }
+    }
+  }
+}
+
+// RotaryRows (folio_kernels.h): the float32 rotation the tensor entry runs too, out of line (one copy of its code).
+__attribute__((noinline)) void rotary_rows_f32(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim,
+                                                const float* cos, const float* sin) {
+  rotate_rows(x, stride, tokens, heads, dim, cos, sin);
+}
+
+// rotate_rows, through rotary_rows_f32 for float32.
+template <typename T>
+void rotate(T* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const T* cos, const T* sin) {
+  rotate_rows(x, stride, tokens, heads, dim, cos, sin);
+}
+void rotate(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const float* cos, const float* sin) {
+  rotary_rows_f32(x, stride, tokens, heads, dim, cos, sin);
+}
+
+// rotate on q and k (strided views of a fused qkv output are fine). cos, sin: [T, D] in x's dtype.
 void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor sin) {
   TORCH_CHECK(cos.dim() == 2 && cos.is_contiguous() && sin.is_contiguous(), "cos, sin: contiguous [T, D]");
   for (auto* x : {&q, &k}) {
@@ -97,24 +157,9 @@ void rotary_(torch::Tensor q, torch::Tensor k, torch::Tensor cos, torch::Tensor 
                 "cos/sin: x's dtype and [T, D]");
   }
   AT_DISPATCH_FLOATING_TYPES_AND2(at::kBFloat16, at::kHalf, q.scalar_type(), "rotary", [&] {
-    const scalar_t* c = cos.data_ptr<scalar_t>();
-    const scalar_t* s = sin.data_ptr<scalar_t>();
-    for (auto* x : {&q, &k}) {
-      scalar_t* data = x->data_ptr<scalar_t>();
-      const int64_t tokens = x->size(0), heads = x->size(1), dim = x->size(2), half = dim / 2, stride = x->stride(0);
-      for (int64_t t = 0; t < tokens; ++t) {
-        const scalar_t* ct = c + t * dim;
-        const scalar_t* st = s + t * dim;
-        for (int64_t h = 0; h < heads; ++h) {
-          scalar_t* v = data + t * stride + h * dim;
-          for (int64_t i = 0; i < half; ++i) {
-            const float a = static_cast<float>(v[i]), b = static_cast<float>(v[i + half]);
-            v[i] = round_to<scalar_t>(a * static_cast<float>(ct[i]) - b * static_cast<float>(st[i]));
-            v[i + half] = round_to<scalar_t>(b * static_cast<float>(ct[i + half]) + a * static_cast<float>(st[i + half]));
-          }
-        }
-      }
-    }
+    for (auto* x : {&q, &k})
+      rotate(x->data_ptr<scalar_t>(), x->stride(0), x->size(0), x->size(1), x->size(2), cos.data_ptr<scalar_t>(),
+             sin.data_ptr<scalar_t>());
   });
 }
 
@@ -208,6 +253,47 @@ static inline bool gated16(const T* gate, int64_t width, T* out, bool gelu) {
   return false;
 }
 
+// out[i] = act(gate) * up for the flat indices [begin, end) of [T, I] (x: [T, 2I] = [gate | up], rows `stride`
+// apart); 16 of one row at a time where it can, one at a time otherwise.
+template <typename T>
+void gated_range(const T* xs, int64_t stride, int64_t width, T* o, int64_t begin, int64_t end, bool gelu) {
+  for (int64_t i = begin; i < end;) {
+    const int64_t r = i / width, j = i % width;
+    if (j + 16 <= width && i + 16 <= end && gated16(xs + r * stride + j, width, o + i, gelu)) {
+      i += 16;  // 16 of one row
+      continue;
+    }
+    const float g = static_cast<float>(xs[r * stride + j]), u = static_cast<float>(xs[r * stride + width + j]);
+    float activated;
+    if (gelu) {
+      activated = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
+    } else {
+      activated = g / (1.f + std::exp(-g));
+    }
+    o[i] = round_to<T>(static_cast<float>(round_to<T>(activated)) * u);
+    ++i;
+  }
+}
+
+// GatedActivationRows (folio_kernels.h) over [begin, end): the float32 code the tensor entry runs too.
+__attribute__((noinline)) void gated_range_f32(const float* x, int64_t stride, int64_t width, float* out,
+                                                int64_t begin, int64_t end, bool gelu) {
+  gated_range(x, stride, width, out, begin, end, gelu);
+}
+
+// gated_range, through gated_range_f32 for float32.
+template <typename T>
+void gate(const T* x, int64_t stride, int64_t width, T* out, int64_t begin, int64_t end, bool gelu) {
+  gated_range(x, stride, width, out, begin, end, gelu);
+}
+void gate(const float* x, int64_t stride, int64_t width, float* out, int64_t begin, int64_t end, bool gelu) {
+  gated_range_f32(x, stride, width, out, begin, end, gelu);
+}
+
+void gated_activation_rows_f32(const float* x, int64_t stride, int64_t rows, int64_t width, float* out, bool gelu) {
+  gated_range_f32(x, stride, width, out, 0, rows * width, gelu);
+}
+
 // [T, 2I] = [gate | up] -> act(gate) * up, [T, I]. gelu: the tanh approximation.
 torch::Tensor gated_activation(torch::Tensor x, bool gelu) {
   check_rows(x);
@@ -217,22 +303,7 @@ torch::Tensor gated_activation(torch::Tensor x, bool gelu) {
     const scalar_t* xs = x.data_ptr<scalar_t>();
     scalar_t* o = out.data_ptr<scalar_t>();
     at::parallel_for(0, rows * width, 2048, [&](int64_t begin, int64_t end) {
-      for (int64_t i = begin; i < end;) {
-        const int64_t r = i / width, j = i % width;
-        if (j + 16 <= width && i + 16 <= end && gated16(xs + r * stride + j, width, o + i, gelu)) {
-          i += 16;  // 16 of one row
-          continue;
-        }
-        const float g = static_cast<float>(xs[r * stride + j]), u = static_cast<float>(xs[r * stride + width + j]);
-        float activated;
-        if (gelu) {
-          activated = 0.5f * g * (1.f + std::tanh(0.7978845608028654f * (g + 0.044715f * g * g * g)));
-        } else {
-          activated = g / (1.f + std::exp(-g));
-        }
-        o[i] = round_to<scalar_t>(static_cast<float>(round_to<scalar_t>(activated)) * u);
-        ++i;
-      }
+      gate(xs, stride, width, o, begin, end, gelu);
     });
   });
   return out;
@@ -253,5 +324,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::add_entry<folio::AddRmsNorm>(entries, &add_rms_norm);
   folio::add_entry<folio::Rotary>(entries, &rotary_);
   folio::add_entry<folio::GatedActivation>(entries, &gated_activation);
+  folio::add_entry<folio::RmsNormRows>(entries, &rms_norm_rows_f32);
+  folio::add_entry<folio::AddRmsNormRows>(entries, &add_rms_norm_rows_f32);
+  folio::add_entry<folio::RotaryRows>(entries, &rotary_rows_f32);
+  folio::add_entry<folio::GatedActivationRows>(entries, &gated_activation_rows_f32);
   m.attr("entries") = entries;
 }

@@ -1,4 +1,4 @@
-"""The C++ decode step's team path (folio/csrc/decode_team.h) against the kernel-by-kernel path and the
+"""The C++ decode step's team path (folio/csrc/decode_team_step.h) against the kernel-by-kernel path and the
 Python layers: a step of at most four float32 tokens over tiled 4-, 5- and 8-bit weights runs in one
 parallel region a layer, and must give the same tokens and logprobs, bit for bit; a larger batch, or
 dense weights, keep the kernel-by-kernel path."""
@@ -6,6 +6,7 @@ dense weights, keep the kernel-by-kernel path."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from folio import LLM, SamplingParams
 from tests.tiny_models import make_tiny_model
@@ -21,7 +22,7 @@ def _generate(llm: LLM, prompts: list[list[int]]) -> list[tuple[list[int], list[
 
 
 @pytest.mark.parametrize("prompts", PROMPT_SETS)
-@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3", "gemma3"])  # q/k/v biases (qwen2), QK-norm
 def test_team_steps_equal_the_python_layers(tmp_path, kind, prompts):
     folder = make_tiny_model(kind, tmp_path / kind)
     fast, slow = _llm(folder, "int8-groups"), _llm(folder, "int8-groups")
@@ -48,3 +49,20 @@ def test_dense_weights_keep_the_kernel_by_kernel_path(tmp_path):
     _generate(llm, PROMPT_SETS["batch 1"])
     stack = _model(llm).decode_stack.stack
     assert stack.team_steps == 0 and stack.kernel_steps >= 9
+
+
+def test_a_slot_outside_the_cache_is_refused_before_anything_is_written(tmp_path):
+    model = _model(_llm(make_tiny_model("llama", tmp_path / "llama"), "int8-groups"))
+    stack = model.decode_stack.stack
+    attention = model.layers[0].self_attn
+    caches = [t for layer in model.layers for t in (layer.self_attn.attn.cache.k, layer.self_attn.attn.cache.v)]
+    before = [cache.clone() for cache in caches]
+    hidden = torch.randn(1, model.layers[0].input_layernorm.weight.numel())
+    original = hidden.clone()
+    rope = [torch.ones(1, attention.head_dim), torch.zeros(1, attention.head_dim)]
+    outside = torch.tensor([caches[0].shape[0]])  # one past the last slot
+    with pytest.raises(RuntimeError, match="outside the KV cache"):
+        stack.forward(hidden, rope, [outside], [torch.zeros(1, 1, dtype=torch.int32)], torch.ones(1, dtype=torch.int32))
+    assert stack.team_steps == 1 and stack.kernel_steps == 0  # the team path refused it
+    assert torch.equal(hidden, original)  # the residual stream, written in place by a step, untouched
+    assert all(torch.equal(cache, kept) for cache, kept in zip(caches, before, strict=True))
