@@ -117,7 +117,7 @@ torch::Tensor add_rms_norm(torch::Tensor x, torch::Tensor residual, torch::Tenso
 // In place, rotate-half layout: x[t, h, :D/2], x[t, h, D/2:] = a*cos - b*sin, b*cos + a*sin, for x [T, H, D]
 // whose tokens are `stride` apart and heads contiguous; cos, sin: [T, D].
 template <typename T>
-void rotate_rows(T* data, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const T* c, const T* s) {
+static void rotate_rows(T* data, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const T* c, const T* s) {
   const int64_t half = dim / 2;
   for (int64_t t = 0; t < tokens; ++t) {
     const T* ct = c + t * dim;
@@ -134,17 +134,17 @@ void rotate_rows(T* data, int64_t stride, int64_t tokens, int64_t heads, int64_t
 }
 
 // RotaryRows (folio_kernels.h): the float32 rotation the tensor entry runs too, out of line (one copy of its code).
-__attribute__((noinline)) void rotary_rows_f32(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim,
+__attribute__((noinline)) static void rotary_rows_f32(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim,
                                                 const float* cos, const float* sin) {
   rotate_rows(x, stride, tokens, heads, dim, cos, sin);
 }
 
 // rotate_rows, through rotary_rows_f32 for float32.
 template <typename T>
-void rotate(T* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const T* cos, const T* sin) {
+static void rotate(T* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const T* cos, const T* sin) {
   rotate_rows(x, stride, tokens, heads, dim, cos, sin);
 }
-void rotate(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const float* cos, const float* sin) {
+static void rotate(float* x, int64_t stride, int64_t tokens, int64_t heads, int64_t dim, const float* cos, const float* sin) {
   rotary_rows_f32(x, stride, tokens, heads, dim, cos, sin);
 }
 
@@ -256,7 +256,7 @@ static inline bool gated16(const T* gate, int64_t width, T* out, bool gelu) {
 // out[i] = act(gate) * up for the flat indices [begin, end) of [T, I] (x: [T, 2I] = [gate | up], rows `stride`
 // apart); 16 of one row at a time where it can, one at a time otherwise.
 template <typename T>
-void gated_range(const T* xs, int64_t stride, int64_t width, T* o, int64_t begin, int64_t end, bool gelu) {
+static void gated_range(const T* xs, int64_t stride, int64_t width, T* o, int64_t begin, int64_t end, bool gelu) {
   for (int64_t i = begin; i < end;) {
     const int64_t r = i / width, j = i % width;
     if (j + 16 <= width && i + 16 <= end && gated16(xs + r * stride + j, width, o + i, gelu)) {
@@ -276,21 +276,21 @@ void gated_range(const T* xs, int64_t stride, int64_t width, T* o, int64_t begin
 }
 
 // GatedActivationRows (folio_kernels.h) over [begin, end): the float32 code the tensor entry runs too.
-__attribute__((noinline)) void gated_range_f32(const float* x, int64_t stride, int64_t width, float* out,
+__attribute__((noinline)) static void gated_range_f32(const float* x, int64_t stride, int64_t width, float* out,
                                                 int64_t begin, int64_t end, bool gelu) {
   gated_range(x, stride, width, out, begin, end, gelu);
 }
 
 // gated_range, through gated_range_f32 for float32.
 template <typename T>
-void gate(const T* x, int64_t stride, int64_t width, T* out, int64_t begin, int64_t end, bool gelu) {
+static void gate(const T* x, int64_t stride, int64_t width, T* out, int64_t begin, int64_t end, bool gelu) {
   gated_range(x, stride, width, out, begin, end, gelu);
 }
-void gate(const float* x, int64_t stride, int64_t width, float* out, int64_t begin, int64_t end, bool gelu) {
+static void gate(const float* x, int64_t stride, int64_t width, float* out, int64_t begin, int64_t end, bool gelu) {
   gated_range_f32(x, stride, width, out, begin, end, gelu);
 }
 
-void gated_activation_rows_f32(const float* x, int64_t stride, int64_t rows, int64_t width, float* out, bool gelu) {
+static void gated_activation_rows_f32(const float* x, int64_t stride, int64_t rows, int64_t width, float* out, bool gelu) {
   gated_range_f32(x, stride, width, out, 0, rows * width, gelu);
 }
 
