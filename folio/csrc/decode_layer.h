@@ -104,6 +104,13 @@ struct Norms {
   std::optional<torch::Tensor> pre_feedforward, post_feedforward, q, k;
 };
 
+// Token t's row (`bytes` long, rows `stride` bytes apart) into slot[t] of a contiguous cache of such rows.
+inline void copy_to_slots(void* cache, int64_t bytes, const int64_t* slot, const void* rows, int64_t stride,
+                          int64_t tokens) {
+  for (int64_t t = 0; t < tokens; ++t)
+    std::memcpy(static_cast<char*>(cache) + slot[t] * bytes, static_cast<const char*>(rows) + t * stride, bytes);
+}
+
 // rows [T, kv_heads, head_dim] (a view into the fused qkv output: each token's heads side by side) into
 // the cache's slots, one copy a token. index_copy_ builds a TensorIterator per call, twice a layer; at one
 // token that set-up is most of its cost. A cache this cannot address (not contiguous) takes index_copy_.
@@ -116,14 +123,12 @@ inline void write_slots(const torch::Tensor& cache, const torch::Tensor& slots, 
     cache.index_copy_(0, slots, rows);
     return;
   }
-  const int64_t bytes = width * rows.element_size(), capacity = cache.size(0);
+  const int64_t capacity = cache.size(0);
   const int64_t* slot = slots.data_ptr<int64_t>();
-  char* to = static_cast<char*>(cache.data_ptr());
-  const char* from = static_cast<const char*>(rows.data_ptr());
   for (int64_t t = 0; t < tokens; ++t)
     TORCH_CHECK(slot[t] >= 0 && slot[t] < capacity, "slot ", slot[t], " outside the KV cache's ", capacity);
-  for (int64_t t = 0; t < tokens; ++t)
-    std::memcpy(to + slot[t] * bytes, from + t * rows.stride(0) * rows.element_size(), bytes);
+  copy_to_slots(cache.data_ptr(), width * rows.element_size(), slot, rows.data_ptr(),
+                rows.stride(0) * rows.element_size(), tokens);
 }
 
 // What every layer of a stack shares: its attention's heads and the norms' and activation's settings.

@@ -194,12 +194,9 @@ class TeamStep {
     k_.rotary_rows(q_, q, tokens_, shape_.heads, dim, cos, sin);
     k_.rotary_rows(keys, key_stride, tokens_, shape_.kv_heads, dim, cos, sin);
     const int64_t* slot = slots[static_cast<size_t>(layer.kv_group)].data_ptr<int64_t>();
-    float* k_cache = layer.k_cache.data_ptr<float>();
-    float* v_cache = layer.v_cache.data_ptr<float>();
-    for (int64_t t = 0; t < tokens_; ++t) {
-      std::memcpy(k_cache + slot[t] * kv, keys + t * key_stride, kv * sizeof(float));
-      std::memcpy(v_cache + slot[t] * kv, qkv_ + t * row + q + kv, kv * sizeof(float));
-    }
+    const int64_t bytes = kv * static_cast<int64_t>(sizeof(float));
+    copy_to_slots(layer.k_cache.data_ptr(), bytes, slot, keys, key_stride * static_cast<int64_t>(sizeof(float)), tokens_);
+    copy_to_slots(layer.v_cache.data_ptr(), bytes, slot, qkv_ + q + kv, row * static_cast<int64_t>(sizeof(float)), tokens_);
   }
 
   const Kernels& k_;
