@@ -277,13 +277,19 @@ folio::TiledWeight tiled_weight_of(const torch::Tensor& tiles, const torch::Tens
 // The greedy pick of x's rows (float32 or bfloat16 [M, K]) over an 8-bit weight in two stages
 // (int8_greedy.h): best (float64 [M, 3]: each row's maximum of x @ W^T in x's dtype, its first index, 0)
 // and decided ([M] bool: false where the caller's full product decides). norms: float32 [N], each
-// weight row's Euclidean norm.
+// weight row's Euclidean norm. six: int8_six_bit_tiles' tiles for the first pass to read (norms then
+// bounding ||W~_i|| too), or empty for the 8-bit first pass.
 std::vector<torch::Tensor> int8_greedy(torch::Tensor x, torch::Tensor tiles, torch::Tensor scales, int64_t group,
-                                       int64_t N, torch::Tensor norms) {
+                                       int64_t N, torch::Tensor norms, torch::Tensor six) {
   check_int8_weight(x, tiles, scales, group, N);
   TORCH_CHECK(norms.scalar_type() == torch::kFloat32 && norms.is_contiguous() && norms.numel() == N,
               "norms: contiguous float32 [N]");
   const int64_t M = x.size(0), K = x.size(1);
+  if (six.numel() > 0)
+    TORCH_CHECK(group % BLOCK == 0 && six.scalar_type() == torch::kUInt8 && six.is_contiguous() &&
+                six.numel() == tiles.numel() / INT8_TILE_BLOCK_BYTES * SIX_BIT_BLOCK_BYTES,
+                "six: the weight's six-bit tiles (int8_six_bit_tiles), groups a multiple of 32");
+  const uint8_t* six_bit = six.numel() > 0 ? six.data_ptr<uint8_t>() : nullptr;
   auto best = torch::zeros({M, 3}, x.options().dtype(torch::kFloat64));
   auto decided = torch::zeros({M}, x.options().dtype(torch::kBool));
   const uint8_t* c = tiles.data_ptr<uint8_t>();
@@ -292,7 +298,7 @@ std::vector<torch::Tensor> int8_greedy(torch::Tensor x, torch::Tensor tiles, tor
     auto run = [&](const auto* s) {
       using S = std::remove_cv_t<std::remove_pointer_t<decltype(s)>>;
       auto pick = group == HALF ? greedy_rows<true, S, T> : greedy_rows<false, S, T>;
-      pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), best.data_ptr<double>(), decided.data_ptr<bool>());
+      pick(xs, M, K, c, s, N, group, norms.data_ptr<float>(), six_bit, best.data_ptr<double>(), decided.data_ptr<bool>());
     };
     if (scales.scalar_type() == torch::kHalf) {
       run(scales.data_ptr<at::Half>());
@@ -301,6 +307,26 @@ std::vector<torch::Tensor> int8_greedy(torch::Tensor x, torch::Tensor tiles, tor
     }
   });
   return {best, decided};
+}
+
+// The six high bits of a tiled 8-bit weight's codes (six_bit_pass.h), groups a multiple of 32: [six-bit
+// tiles, ||W~_i|| [N], ||W_i - W~_i|| [N]], the norms rounded up.
+std::vector<torch::Tensor> int8_six_bit_tiles(torch::Tensor tiles, torch::Tensor scales, int64_t group, int64_t N) {
+  const int64_t count = (N + TILE_ROWS - 1) / TILE_ROWS;
+  TORCH_CHECK(count > 0 && tiles.numel() % (count * INT8_TILE_BLOCK_BYTES) == 0, "tiles: uint8 [N / 16, K / 32 * 512]");
+  const int64_t K = tiles.numel() / (count * INT8_TILE_BLOCK_BYTES) * BLOCK;
+  TORCH_CHECK(group % BLOCK == 0, "six-bit tiles take groups of a multiple of 32, not ", group);
+  check_int8_weight(torch::empty({0, K}, torch::kFloat32), tiles, scales, group, N);
+  const int64_t B = K / BLOCK, G = K / group;
+  auto six = torch::empty({count, B * SIX_BIT_BLOCK_BYTES}, tiles.options());
+  auto approx_norms = torch::empty({N}, tiles.options().dtype(torch::kFloat32));
+  auto residual_norms = torch::empty({N}, tiles.options().dtype(torch::kFloat32));
+  auto run = [&](const auto* s) {
+    six_bit_tiles(tiles.data_ptr<uint8_t>(), s, count, B, G, N, six.data_ptr<uint8_t>(), approx_norms.data_ptr<float>(),
+                  residual_norms.data_ptr<float>());
+  };
+  scales.scalar_type() == torch::kHalf ? run(scales.data_ptr<at::Half>()) : run(scales.data_ptr<float>());
+  return {six, approx_norms, residual_norms};
 }
 
 // x's rows as the kernels see them: int8 codes, one float scale per block of 32, and the residual codes
@@ -324,7 +350,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("int8_linear_into", &int8_linear_into, py::call_guard<py::gil_scoped_release>(), "int8_linear written into out",
         py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("exact"), py::arg("out"));
   m.def("int8_greedy", &int8_greedy, py::call_guard<py::gil_scoped_release>(), "each row's argmax of x @ W^T, W 8-bit, from its 8-bit product and the tiles near the top",
-        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("norms"));
+        py::arg("x"), py::arg("tiles"), py::arg("scales"), py::arg("group"), py::arg("rows"), py::arg("norms"), py::arg("six"));
+  m.def("int8_six_bit_tiles", &int8_six_bit_tiles, py::call_guard<py::gil_scoped_release>(),
+        "the six high bits of a tiled 8-bit weight's codes, for the greedy pick's first pass, and the row norms it needs");
   m.def("int8_dequantize", &int8_dequantize, py::call_guard<py::gil_scoped_release>(), "the tiled 8-bit weight widened, [N, K]");
   m.def("int8_embedding", &int8_embedding, py::call_guard<py::gil_scoped_release>(),
         "rows `ids` of the tiled 8-bit weight widened, [len(ids), K]: an embedding lookup");

@@ -11,6 +11,8 @@
 // order as the full product, which gives the same float values, and the pick is made among them. On
 // Gemma 3's 262,144-row head the bound leaves a handful of rows a request; a row whose bound leaves too
 // many tiles, or whose values are not all finite, is left undecided for the caller's full product.
+// The first pass can instead read the codes' six high bits (six_bit_pass.h): 3/4 of the bytes, for a
+// bound wider by the weight's own error; the second pass is the same.
 #pragma once
 
 #include <torch/extension.h>
@@ -27,6 +29,7 @@
 
 #include "int8_activations.h"
 #include "int8_tiles.h"
+#include "six_bit_pass.h"
 #include "tile_passes.h"
 
 namespace folio_int8_dot {
@@ -91,21 +94,25 @@ struct ThreadFinds {
   std::vector<Candidate> found;
   std::vector<char> wild;
   size_t compact_at = size_t{1} << 14;
+  float six_bit_bounds[X_TILE * TILE_ROWS];  // the six-bit pass's weight-error bounds for the tile just made
 };
+
 
 // For each row m of x [M, K] (float32 or bfloat16): best[m] = (the maximum of row m of x's 8 + 8-bit
 // product with the tiled weight, in x's dtype, its first index, 0) and decided[m] = true; or
 // decided[m] = false where the row is left to the caller's full product. `norms` [N]: each weight row's
-// Euclidean norm. The 8-bit product's values are folded into each row's floor and candidates as the
-// tiles are multiplied, never stored.
+// Euclidean norm. The first pass's values (8-bit activations times the 8-bit weight, or its six high
+// bits) are folded into each row's floor and candidates as the tiles are multiplied, never stored.
 template <bool SPLIT, typename S, typename T>
 void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S* scales, int64_t N,
-                 int64_t group, const float* norms, double* best, bool* decided) {
+                 int64_t group, const float* norms, const uint8_t* six_bit, double* best, bool* decided) {
   const QuantizedRows codes_only = quantize_rows(x, M, K, /*with_offsets=*/true, /*exact=*/false);
   const QuantizedRows q = quantize_rows(x, M, K, /*with_offsets=*/true, /*exact=*/true);
   const int64_t B = K / BLOCK, G = K / group, tile_count = (N + TILE_ROWS - 1) / TILE_ROWS;
   const int64_t tile_bytes = B * INT8_TILE_BLOCK_BYTES;
+  const bool six = six_bit != nullptr && !SPLIT;
   const std::vector<int32_t> group_of_block = groups_of_blocks(K, group);
+  const SixBitRows six_rows = six ? six_bit_rows(codes_only, q, M, K) : SixBitRows{};
   std::vector<float> factor(M);
   for (int64_t m = 0; m < M; ++m) factor[m] = bound_factor(x, q, m, K);
 
@@ -115,8 +122,13 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
     f.wild.assign(M, 0);
   }
   auto tile_fn = [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
-    int8_tile<decltype(rows)::value, SPLIT, /*EXACT=*/false>(c, scales + tile * G * TILE_ROWS, codes_only,
-                                                             group_of_block.data(), m0, K, out);
+    if (six) {
+      six_bit_tile<decltype(rows)::value>(c, scales + tile * G * TILE_ROWS, codes_only, six_rows, group_of_block.data(),
+                                          m0, K, out, finds[at::get_thread_num()].six_bit_bounds);
+    } else {
+      int8_tile<decltype(rows)::value, SPLIT, /*EXACT=*/false>(c, scales + tile * G * TILE_ROWS, codes_only,
+                                                               group_of_block.data(), m0, K, out);
+    }
   };
   auto take = [&](int64_t tile, int64_t m0, int64_t rows, const float* out) {
     ThreadFinds& mine = finds[at::get_thread_num()];
@@ -127,7 +139,10 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
       float low = -std::numeric_limits<float>::infinity(), high = low;
       bool wild = false;
       for (int64_t lane = 0; lane < valid; ++lane) {
-        const float v = out[t * TILE_ROWS + lane], margin = c * norms[n0 + lane];
+        const float v = out[t * TILE_ROWS + lane];
+        // with six bits, the weight's own error on top (its float sum's rounding covered by 1e-4)
+        const float weight_error = six ? mine.six_bit_bounds[t * TILE_ROWS + lane] * (1 + 1e-4f) : 0.f;
+        const float margin = c * norms[n0 + lane] + weight_error;
         wild = wild || !moderate(v);
         low = std::max(low, v - margin);
         high = std::max(high, v + margin);
@@ -143,7 +158,11 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
       mine.compact_at = std::max(mine.compact_at, 2 * mine.found.size());
     }
   };
-  over_tile_passes(M, N, codes, tile_bytes, tile_fn, take);
+  if (six) {
+    over_tile_passes(M, N, six_bit, B * SIX_BIT_BLOCK_BYTES, tile_fn, take);
+  } else {
+    over_tile_passes(M, N, codes, tile_bytes, tile_fn, take);
+  }
 
   // Each row's floor over all the tiles, and the tiles at or above it, ascending.
   std::vector<float> floors(M, -std::numeric_limits<float>::infinity());
@@ -158,31 +177,41 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   for (const ThreadFinds& f : finds)
     for (const Candidate& found : f.found)
       if (found.high >= reach<T>(floors[found.row])) tiles[found.row].push_back(found.tile);
-  const int64_t max_tiles = std::max<int64_t>(64, tile_count / 16);
-
-  at::parallel_for(0, M, 1, [&](int64_t begin, int64_t end) {
-    float out[TILE_ROWS];
-    for (int64_t m = begin; m < end; ++m) {
-      std::vector<int64_t>& mine = tiles[m];
-      std::sort(mine.begin(), mine.end());  // threads took contiguous ranges of tiles, in any order
-      decided[m] = !undecidable[m] && static_cast<int64_t>(mine.size()) <= max_tiles;
-      if (!decided[m]) continue;
-      float top = -std::numeric_limits<float>::infinity();
-      int64_t index = -1;
-      for (const int64_t tile : mine) {
-        int8_tile<1, SPLIT, /*EXACT=*/true>(codes + tile * tile_bytes, scales + tile * G * TILE_ROWS, q,
-                                            group_of_block.data(), m, K, out);
-        const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
-        for (int64_t lane = 0; lane < valid; ++lane) {
-          const float value = as_output<T>(out[lane]);
-          if (value > top) top = value, index = n0 + lane;  // the first of equal values stays
-        }
-      }
-      best[3 * m] = top;
-      best[3 * m + 1] = static_cast<double>(index);
-      best[3 * m + 2] = 0.0;
+  // The second pass multiplies the tiles left, (row, tile) pairs dealt to the threads, so that one
+  // row's many tiles (a close call: the six-bit bound can leave hundreds) are not one thread's work.
+  // Past half the tiles the caller's full product is as cheap, and the row is left to it.
+  const int64_t max_tiles = std::max<int64_t>(64, tile_count / 2);
+  std::vector<int64_t> first_pair(M + 1, 0);
+  for (int64_t m = 0; m < M; ++m) {
+    std::sort(tiles[m].begin(), tiles[m].end());  // threads took contiguous ranges of tiles, in any order
+    decided[m] = !undecidable[m] && static_cast<int64_t>(tiles[m].size()) <= max_tiles;
+    first_pair[m + 1] = first_pair[m] + (decided[m] ? static_cast<int64_t>(tiles[m].size()) : 0);
+  }
+  std::vector<float> values(first_pair[M] * TILE_ROWS);
+  at::parallel_for(0, first_pair[M], 4, [&](int64_t begin, int64_t end) {
+    int64_t m = std::upper_bound(first_pair.begin(), first_pair.end(), begin) - first_pair.begin() - 1;
+    for (int64_t pair = begin; pair < end; ++pair) {
+      while (pair >= first_pair[m + 1]) ++m;
+      const int64_t tile = tiles[m][pair - first_pair[m]];
+      int8_tile<1, SPLIT, /*EXACT=*/true>(codes + tile * tile_bytes, scales + tile * G * TILE_ROWS, q,
+                                          group_of_block.data(), m, K, values.data() + pair * TILE_ROWS);
     }
   });
+  for (int64_t m = 0; m < M; ++m) {
+    if (!decided[m]) continue;
+    float top = -std::numeric_limits<float>::infinity();
+    int64_t index = -1;
+    for (int64_t pair = first_pair[m]; pair < first_pair[m + 1]; ++pair) {
+      const int64_t n0 = tiles[m][pair - first_pair[m]] * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
+      for (int64_t lane = 0; lane < valid; ++lane) {
+        const float value = as_output<T>(values[pair * TILE_ROWS + lane]);
+        if (value > top) top = value, index = n0 + lane;  // the first of equal values stays
+      }
+    }
+    best[3 * m] = top;
+    best[3 * m + 1] = static_cast<double>(index);
+    best[3 * m + 2] = 0.0;
+  }
 }
 
 }  // namespace folio_int8_dot

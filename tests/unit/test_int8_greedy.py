@@ -1,5 +1,6 @@
-"""The greedy pick over an 8-bit LM head from its 8-bit product and the rows near the top
-(folio/csrc/int8_greedy.h, PackedInt8.greedy, LMHead.greedy_best) against the full product's argmax:
+"""The greedy pick over an 8-bit LM head from its 8-bit product (or its codes' six high bits) and the
+rows near the top (folio/csrc/int8_greedy.h, six_bit_pass.h, PackedInt8.greedy, LMHead.greedy_best)
+against the full product's argmax:
 the same token and the same float value in every row, ties and all; rows it cannot bound (non-finite
 activations, too many rows near the top) are left to the full product, which then decides them."""
 
@@ -145,6 +146,62 @@ def test_a_head_whose_values_climb_tile_after_tile():
     assert torch.equal(best, _full_best(climbing, x))
 
 
+def _six_bit(packed: PackedInt8) -> PackedInt8:
+    packed.prepare_greedy()
+    assert packed._six_bit is not None
+    return packed
+
+
+@pytest.mark.parametrize(
+    "rows, cols, group, float16_scales",
+    [(1000, 640, 32, True), (515, 256, 128, True), (40000, 64, 64, False), (4099, 576, 32, False)],
+)
+@pytest.mark.parametrize("batch", [1, 2, 3, 64])
+def test_the_six_bit_first_pass_picks_what_the_full_product_picks(rows, cols, group, float16_scales, batch):
+    """With the codes' six high bits as the first pass (from one activation row on), every row is still
+    the full product's pick, value and token; groups of 32, 64 and 128, float16 and float32 scales. As
+    a model's final hidden state does, each activation row leans toward one weight row (its logit ~6
+    standard deviations of the others up), so that the bound can leave a few tiles."""
+    packed = _six_bit(_packed(rows, cols, group, seed=rows + batch, float16_scales=float16_scales))
+    x = _activations(batch, cols, seed=batch)
+    leaning = packed.dequantize()[torch.randint(0, rows, (batch,), generator=torch.Generator().manual_seed(9))]
+    logits = packed.linear(x)
+    x += leaning / leaning.norm(dim=1, keepdim=True) ** 2 * 6 * logits.std(dim=1, keepdim=True)
+    best, decided = packed.greedy(x)
+    assert bool(decided.all())
+    assert torch.equal(best, _full_best(packed, x))
+
+
+def test_the_six_bit_tiles_hold_the_codes_high_bits_and_their_error():
+    """int8_six_bit_tiles' row norms against the codes: ||W~|| and ||W - W~|| with W~ = s (4h + 1.5 - 128),
+    h = (code + 128) >> 2, each rounded up by 0.01%; the bound's norms then cover both W and W~."""
+    packed = _packed(300, 128, 32, seed=21)
+    codes, scales = packed.codes().long(), packed._row_scales().double()
+    exact = (codes.view(300, 4, 32) * scales[:, :, None]).view(300, 128)
+    approx = ((4 * ((codes + 128) >> 2) + 1.5 - 128).view(300, 4, 32) * scales[:, :, None]).view(300, 128)
+    six, approx_norms, residual_norms = ops.load("int8_dot").int8_six_bit_tiles(packed.tiles, packed.scales, 32, 300)
+    assert six.numel() == packed.tiles.numel() * 3 // 4
+    torch.testing.assert_close(approx_norms.double(), approx.norm(dim=1) * (1 + 1e-4), rtol=1e-6, atol=0)
+    torch.testing.assert_close(residual_norms.double(), (exact - approx).norm(dim=1) * (1 + 1e-4), rtol=1e-6, atol=0)
+    packed.prepare_greedy()
+    assert packed._six_bit is not None and torch.equal(packed._six_bit, six)
+    norms = packed.row_norms(ops.load("int8_dot")).double()
+    assert bool((norms >= torch.maximum(approx.norm(dim=1), exact.norm(dim=1))).all())
+
+
+def test_codes_of_few_bits_keep_the_8_bit_first_pass():
+    """Codes that use 5 of the 8 bits (Q5_0 held as 8-bit, |code| <= 16) keep 3 bits in the top six: too
+    coarse for the bound, so no six-bit tiles are made, and one activation row takes the full product."""
+    generator = torch.Generator().manual_seed(8)
+    codes = torch.randint(-16, 16, (500, 128), dtype=torch.int8, generator=generator)
+    packed = PackedInt8(Int8Groups(codes, torch.rand(500, 4, generator=generator).half().float() + 0.1))
+    packed.prepare_greedy()
+    assert packed._six_bit is None
+    assert packed.greedy(_activations(1, 128, seed=2)) is None
+    best, decided = packed.greedy(_activations(4, 128, seed=2))
+    assert bool(decided.all()) and torch.equal(best, _full_best(packed, _activations(4, 128, seed=2)))
+
+
 def test_one_row_and_8_bit_activations_take_the_full_product():
     packed = _packed(300, 64, 32, seed=4)
     assert packed.greedy(_activations(1, 64, seed=1)) is None
@@ -156,7 +213,7 @@ def test_one_row_and_8_bit_activations_take_the_full_product():
 def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf, dtype):
     """The real Gemma 3 file's 262,144-row Q8_0 head (tied to its embedding), on the final hidden states
     of a batch of greedy requests: every step's pick is the full product's, value and token, and the
-    bound decides every row."""
+    bound decides nearly every row, batched or one at a time."""
     llm = LLM(gemma3_gguf, dtype=dtype, kv_cache_memory="32MiB")
     seen: list[torch.Tensor] = []
     pick = LMHead.greedy_best
@@ -176,7 +233,17 @@ def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf, dtype)
     packed = head.source.int8
     assert isinstance(packed, PackedInt8) and packed.shape[0] == 262144
     assert len(seen) >= 6 and all(h.shape[0] == 6 for h in seen)
+    assert packed._six_bit is not None  # a Q8_0 head: the first pass reads its six-bit tiles
+    undecided = 0
     for hidden in seen:
         best, decided = packed.greedy(hidden)
-        assert bool(decided.all())
-        assert torch.equal(best, local_best(head.transient_logits(hidden), 0))
+        full = local_best(head.transient_logits(hidden), 0)
+        assert torch.equal(best[decided], full[decided])
+        assert torch.equal(head.greedy_best(hidden), full)  # the rows left open: by the full product
+        undecided += int((~decided).sum())
+        for row in hidden.split(1):  # one request's step
+            best, decided = packed.greedy(row)
+            assert not bool(decided) or torch.equal(best, local_best(head.transient_logits(row), 0))
+    # Six-bit codes widen the bound: a row whose top logits lie close (0.12 apart here, logits' standard
+    # deviation ~4.6) can keep more tiles than the second pass takes, and goes to the full product.
+    assert undecided <= len(seen) * 6 // 10
