@@ -14,6 +14,7 @@ rows or dequantized for one GEMM. Embedding lookups dequantize only the rows ask
 
 from __future__ import annotations
 
+import logging
 import sys
 from dataclasses import dataclass
 from types import ModuleType
@@ -31,6 +32,8 @@ from folio.quant.int8_dot import (
     tile_int8_codes,
     untile_int8_codes,
 )
+
+logger = logging.getLogger("folio")
 
 # Rows up to which the float kernel beats dequantize-then-GEMM. Measured on the project's machine for the
 # 49152x576 LM head of smollm2 (2 threads): kernel 3.5 / 54 / 104 ms at 1 / 64 / 128 rows, against
@@ -228,6 +231,7 @@ class PackedInt8:
             )
             if float((residual_norms / approx_norms.clamp_min(1e-30)).median()) <= SIX_BIT_MAX_ERROR:
                 self._six_bit = six
+                logger.info("greedy pick: the LM head's six-bit codes for its first pass, %.1f MiB", six.nbytes / 2**20)
                 self._row_norms = torch.maximum(norms, approx_norms)  # the bound's norms cover W~ too
 
     def greedy(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
