@@ -238,8 +238,8 @@ class PackedInt8:
         """Each row's argmax of `linear(x)` (float32 or bfloat16 x, the values in x's dtype as `linear`
         gives them), from the 8-bit product and the few tiles the bound keeps near its top (int8_greedy.h):
         (best float64 [M, 3]: maximum, first index, 0; decided [M] bool, false where only the full product
-        can tell). None where `linear` would not take the kernel, below GREEDY_MIN_ROWS rows, or where the
-        weight multiplies 8-bit activations already."""
+        can tell). None where `linear` would not take the kernel, below GREEDY_MIN_ROWS rows (one with the
+        six-bit tiles), or where the weight multiplies 8-bit activations already."""
         kernel = ops.load("int8_dot") if x.device.type == "cpu" else None
         rows, six = x.shape[0], self._six_bit
         fewest = 1 if six is not None else GREEDY_MIN_ROWS
