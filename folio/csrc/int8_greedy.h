@@ -97,7 +97,6 @@ struct ThreadFinds {
   float six_bit_bounds[X_TILE * TILE_ROWS];  // the six-bit pass's weight-error bounds for the tile just made
 };
 
-
 // For each row m of x [M, K] (float32 or bfloat16): best[m] = (the maximum of row m of x's 8 + 8-bit
 // product with the tiled weight, in x's dtype, its first index, 0) and decided[m] = true; or
 // decided[m] = false where the row is left to the caller's full product. `norms` [N]: each weight row's
