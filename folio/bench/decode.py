@@ -207,7 +207,7 @@ def run_decode(config: DecodeConfig, command: str) -> DecodeReport:
             paired_batch1 = {"folio": name, **paired.to_dict()}
         result.prefill_tok_s = {str(n): measure_prefill(llm, n, config.repeats) for n in config.prompt_tokens}
         prompt_tokens = len(llm.tokenizer.encode(PROMPT))
-        cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+        cost = TokenCost.of(path, llm.loaded.step_weight_bytes(), llm.engine.kv_bytes_per_token)
         result.add_utilisation(cost, peaks, prompt_tokens, config.gen_tokens, config.batch)
         results.append(result)
         peer_prompts = (llm.tokenizer.encode(PROMPT), {n: random_prompt(llm, n, seed=7) for n in config.prompt_tokens})

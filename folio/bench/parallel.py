@@ -197,7 +197,7 @@ def run(args: argparse.Namespace) -> int:
         llms[name] = LLM.from_engine_args(engine)
     first = next(iter(llms.values()))
     whole = llms["tp1"]
-    cost = TokenCost.of(whole.loaded.path, whole.loaded.weight_bytes, whole.engine.kv_bytes_per_token)
+    cost = TokenCost.of(whole.loaded.path, whole.loaded.step_weight_bytes(), whole.engine.kv_bytes_per_token)
     prompts = _prompts(first, args.batch, args.prompt_tokens)
     long_prompt = _long_prompt(first, args.long_prompt_tokens) if args.long_prompt_tokens else []
     measures = {name: Measure() for name in llms}

@@ -12,9 +12,9 @@ chunks of 64, so that the KV format matters) and its change from the fp32 row, g
 the fp32 model (full-precision KV), batch-1 decode tok/s and batch-N output tok/s (measured as
 folio/bench/decode.py measures them), and their MBU and MFU (roofline.py): fractions of the machine's
 peaks, measured once as the run starts in the run's --dtype (so an fp32 row's MFU is against that dtype's
-GEMM rate). Each row's MBU counts its own resident weight bytes and KV bytes per token: a 4-bit format
-reads fewer bytes a token, so it can be faster at the same MBU. All rows run back to back in one process
-on the same text and prompts.
+GEMM rate). Each row's MBU counts the weight bytes its greedy steps read (roofline.py) and its KV bytes
+per token: a 4-bit format reads fewer bytes a token, so it can be faster at the same MBU. All rows run
+back to back in one process on the same text and prompts.
 """
 
 from __future__ import annotations
@@ -146,7 +146,7 @@ def run_table(config: TableConfig, command: str) -> TableReport:
                             float(torch.tensor(total / count).exp()), sum(a == b for a, b in zip(got, expected,
                             strict=True)), sum(shares) / len(shares), *batch1, seconds))  # fmt: skip
             # Shapes from the source: a checkpoint's packed tensors would miscount the parameters.
-            cost = TokenCost.of(source, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+            cost = TokenCost.of(source, llm.loaded.step_weight_bytes(), llm.engine.kv_bytes_per_token)
             add_utilisation(rows[-1], cost, peaks, len(llm.tokenizer.encode(PROMPT)), config)
             print(format_row(rows[-1], config.num_prompts), flush=True)
             del llm

@@ -8,8 +8,10 @@
   FLOPs = 2 x the parameters every token multiplies (all projections and the LM head, not the
   embedding lookup) + 4 x layers x query heads x head dim x the context it attends to (a prompt's
   tokens but its last skip the LM head);
-  bytes, for a decode step of B sequences = the resident weights (read once per step, shared by the
-  batch) / B + the context's KV cache (each sequence reads its own).
+  bytes, for a decode step of B sequences = the weights the step reads (once per step, shared by the
+  batch) / B + the context's KV cache (each sequence reads its own). The weights are counted as held
+  (packed formats at their packed size), but where a greedy step reads a copy of a weight instead of
+  it (an LM head's six-bit first pass), the copy alone (`LoadedModel.step_weight_bytes`).
 - MFU = tokens/s x FLOPs per token / peak FLOP/s; MBU = tokens/s x bytes per token / peak bytes/s.
 Batch-1 decode is bound by bandwidth (MBU is the figure that says how close it is); prefill and large
 batches by arithmetic (MFU).
@@ -108,7 +110,7 @@ class TokenCost:
     multiplied_params: int
     num_layers: int
     attention_width: int  # query heads x head dim
-    weight_bytes: int  # resident, as the engine holds them (packed formats at their packed size)
+    weight_bytes: int  # what a decode step reads, as the engine holds them (packed formats at their packed size)
     kv_bytes_per_token: int  # K and V of every layer for one cached token
     head_params: int = 0  # the LM head's (vocab x hidden), part of multiplied_params: a prompt runs it once
 

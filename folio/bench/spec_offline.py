@@ -5,7 +5,8 @@ request to the next), so that a slow spell of the machine falls on all of them a
 Per request: its wall time (prefill included), output tokens, TTFT and TPOT from the engine's timestamps.
 The drafts come from the engine's own counters (`llm.engine.scheduler.spec_stats`), read before and after
 each workload. Every answer is compared with its baseline's: greedy speculation keeps the target's tokens.
-MFU and MBU (`batch1_utilisation`) count the target's shapes, resident weights and KV format as loaded.
+MFU and MBU (`batch1_utilisation`) count the target's shapes, the weight bytes its greedy
+steps read (roofline.py) and its KV format as loaded.
 """
 
 from __future__ import annotations
@@ -111,7 +112,8 @@ def run_offline(
             llm = llms[variant.name] = LLM.from_engine_args(_sized(variant, longest, max_tokens).engine_args)
             loads[variant.name] = time.perf_counter() - start
             # The target's weights alone: a draft model's reads are overhead, not the work being served.
-            costs[variant.name] = TokenCost.of(llm.loaded.path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+            step_bytes = llm.loaded.step_weight_bytes()  # greedy, as every variant here decodes
+            costs[variant.name] = TokenCost.of(llm.loaded.path, step_bytes, llm.engine.kv_bytes_per_token)
             _run_one(llm, llm.tokenizer.encode(WARM_UP), replace(params, max_tokens=8))  # kernels, allocations
         for name, workload in prompts.items():
             print(f"folio: [batch1] {name}: {len(workload)} requests x {len(variants)} variants",

@@ -172,9 +172,10 @@ def to_dict(report: SpecReport) -> dict[str, Any]:
         "bars": bars(report),
         "peaks": report.peaks,
         "utilisation": "mfu: the completed requests' FLOPs (prompt and output tokens) over the wall time, over the "
-        "peaks' matmul rate; mbu (batch1 only): output tok/s x (the target's resident weight bytes + the mean "
-        "context's KV bytes), over the peaks' read rate; both fractions, effective for speculation (output "
-        "tokens counted once; drafts and rejected verifications not counted), so mbu can pass 1",
+        "peaks' matmul rate; mbu (batch1 only): output tok/s x (the weight bytes a greedy step of the target "
+        "reads + the mean context's KV bytes), over the peaks' read rate; both fractions, effective for "
+        "speculation (output tokens counted once; drafts and rejected verifications not counted), so mbu can "
+        "pass 1",
         "results": [cell.to_dict() for cell in report.cells],
     }
 

@@ -161,7 +161,7 @@ def run_structured(config: StructuredConfig, command: str) -> StructuredReport:
     )  # before the model loads
     llm = LLM(path, **config.engine_args)
     torch.set_num_threads(default_threads())
-    cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+    cost = TokenCost.of(path, llm.loaded.step_weight_bytes(config.temperature == 0), llm.engine.kv_bytes_per_token)
     chats = conversations(config.num_prompts)
     prompts = [llm.tokenizer.encode_chat(chat) for _, chat in chats]
     prompt_lens = [len(p) for p in prompts]

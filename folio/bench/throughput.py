@@ -134,7 +134,7 @@ def run_throughput(config: ThroughputConfig, command: str) -> ThroughputReport:
     check_fits(requests, llm.engine.max_model_len)
     results = [run_folio(llm, requests, load_s, config.use_tqdm, config.sampling, config.seed)]
     model_path, dtype = llm.loaded.path, llm.dtype
-    cost = TokenCost.of(path, llm.loaded.weight_bytes, llm.engine.kv_bytes_per_token)
+    cost = TokenCost.of(path, llm.loaded.step_weight_bytes(config.sampling.greedy), llm.engine.kv_bytes_per_token)
     kv = llm.engine.kv
     kv_pool = {"blocks": kv.pool.num_blocks, "block_tables": kv.num_groups, "tokens": kv.capacity_tokens}
     del llm  # free folio's weights and KV pool before the peer loads its own copy

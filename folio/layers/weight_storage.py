@@ -39,6 +39,11 @@ class QuantizedKernel(Protocol):
     @property
     def nbytes(self) -> int: ...
 
+    def step_nbytes(self, greedy: bool) -> int:
+        """Bytes a decode step reads of it (what MBU counts): less than `nbytes` where it holds a copy
+        that only greedy steps read, or that stands in for what they would read."""
+        ...
+
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor: ...
 
     def dequantize(self, dtype: torch.dtype) -> torch.Tensor: ...
@@ -102,6 +107,9 @@ class ConcatRows:
     @property
     def nbytes(self) -> int:
         return sum(p.nbytes for p in self.parts)
+
+    def step_nbytes(self, greedy: bool) -> int:
+        return sum(p.step_nbytes(greedy) for p in self.parts)
 
     def rows(self, offset: int, size: int) -> QuantizedKernel:
         """The block that is exactly rows [offset, offset + size)."""

@@ -46,15 +46,24 @@ class LoadedModel:
         ranks, rank 0's shard."""
         return resident_weight_bytes(self.model) if self.model is not None else self.shard_bytes
 
+    def step_weight_bytes(self, greedy: bool = True) -> int:
+        """The weight bytes a decode step reads (what MBU counts): the resident ones, but where a packed
+        weight holds a copy for greedy steps (an LM head's six-bit first pass, int8.py) only what the
+        step reads of the two; with ranks, rank 0's resident shard."""
+        return resident_weight_bytes(self.model, greedy) if self.model is not None else self.shard_bytes
 
-def resident_weight_bytes(model: nn.Module) -> int:
+
+def resident_weight_bytes(model: nn.Module, greedy: bool | None = None) -> int:
+    """Bytes of the model's weights as held; with `greedy` given, packed ones as a greedy (True) or
+    sampled (False) decode step reads them."""
     seen: set[int] = set()
     total = 0
     for tensor in [*model.parameters(), *model.buffers()]:
         if id(tensor) not in seen:  # tied weights count once
             seen.add(id(tensor))
             total += tensor.nbytes
-    return total + sum(m.packed.nbytes for m in model.modules() if getattr(m, "packed", None) is not None)
+    packed = [m.packed for m in model.modules() if getattr(m, "packed", None) is not None]
+    return total + sum(p.nbytes if greedy is None else p.step_nbytes(greedy) for p in packed)
 
 
 @dataclass

@@ -131,6 +131,9 @@ class PackedInt4:
     def nbytes(self) -> int:
         return self.tiles.nbytes + self.high_bits.nbytes + self.scales.nbytes + self.mins.nbytes
 
+    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+        return self.nbytes
+
     def codes(self) -> torch.Tensor:
         """The [N, K] codes, 0..15 (0..31 with 5 bits)."""
         low = untile_codes(self.tiles, *self.shape)

@@ -52,6 +52,7 @@ GREEDY_MIN_ROWS = 2
 # this much of each row (median of ||W - W~|| / ||W~||): ~2.5% on Q8_0 heads, whose codes span 8 bits.
 # Codes of 5 or 6 bits (Q5_0, Q6_K) keep 3 or 4 bits there, and their bound would keep most tiles.
 SIX_BIT_MAX_ERROR = 0.05
+_NO_SIX_BIT = torch.empty(0, dtype=torch.uint8)  # int8_greedy's argument where a head has no copy
 
 
 def dot_max_rows(dtype: torch.dtype) -> int:
@@ -75,6 +76,9 @@ class Int8Groups:
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+        return self.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         rows, cols = self.shape
@@ -142,6 +146,12 @@ class PackedInt8:
     def nbytes(self) -> int:
         extra = self._six_bit.nbytes if self._six_bit is not None else 0
         return self.tiles.nbytes + self.scales.nbytes + extra
+
+    def step_nbytes(self, greedy: bool) -> int:
+        """A greedy step's first pass reads the six-bit copy where there is one, not the 8-bit tiles (the
+        second pass's few tiles aside); a sampled step reads the tiles, and so does a weight without it."""
+        codes = self._six_bit if greedy and self._six_bit is not None else self.tiles
+        return codes.nbytes + self.scales.nbytes
 
     def codes(self) -> torch.Tensor:
         """The [N, K] int8 codes."""
@@ -248,7 +258,7 @@ class PackedInt8:
             return None
         best, decided = kernel.int8_greedy(
             x.contiguous(), self.tiles, self.scales, self.group_size, self.shape[0], self.row_norms(kernel),
-            six if six is not None else torch.empty(0, dtype=torch.uint8),
+            six if six is not None else _NO_SIX_BIT,
         )  # fmt: skip
         return best, decided
 
@@ -295,6 +305,9 @@ class ChannelInt8:
     @property
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
+
+    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+        return self.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         return (self.codes.float() * self.scales.float().unsqueeze(1)).to(dtype)

@@ -140,6 +140,9 @@ class NF4Weight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.absmax_codes.nbytes + self.absmax_scales.nbytes + 4  # + float32 offset
 
+    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+        return self.nbytes
+
     def load_kernels(self) -> None:
         if self.codes.device.type == "cpu":
             ops.load("nf4_linear")

@@ -187,6 +187,10 @@ def test_the_six_bit_tiles_hold_the_codes_high_bits_and_their_error():
     assert packed._six_bit is not None and torch.equal(packed._six_bit, six)
     norms = packed.row_norms(ops.load("int8_dot")).double()
     assert bool((norms >= torch.maximum(approx.norm(dim=1), exact.norm(dim=1))).all())
+    # Resident: both codes; a greedy step reads the copy, a sampled one the 8-bit tiles (MBU's counts).
+    assert packed.nbytes == packed.tiles.nbytes + six.nbytes + packed.scales.nbytes
+    assert packed.step_nbytes(greedy=True) == six.nbytes + packed.scales.nbytes
+    assert packed.step_nbytes(greedy=False) == packed.tiles.nbytes + packed.scales.nbytes
 
 
 def test_codes_of_few_bits_keep_the_8_bit_first_pass():
@@ -197,6 +201,7 @@ def test_codes_of_few_bits_keep_the_8_bit_first_pass():
     packed = PackedInt8(Int8Groups(codes, torch.rand(500, 4, generator=generator).half().float() + 0.1))
     packed.prepare_greedy()
     assert packed._six_bit is None
+    assert packed.step_nbytes(greedy=True) == packed.nbytes == packed.tiles.nbytes + packed.scales.nbytes
     assert packed.greedy(_activations(1, 128, seed=2)) is None
     best, decided = packed.greedy(_activations(4, 128, seed=2))
     assert bool(decided.all()) and torch.equal(best, _full_best(packed, _activations(4, 128, seed=2)))
@@ -234,6 +239,9 @@ def test_gemma3_files_head_picks_what_its_full_product_picks(gemma3_gguf, dtype)
     assert isinstance(packed, PackedInt8) and packed.shape[0] == 262144
     assert len(seen) >= 6 and all(h.shape[0] == 6 for h in seen)
     assert packed._six_bit is not None  # a Q8_0 head: the first pass reads its six-bit tiles
+    # What a step reads of the tied head (MBU's count): the copy when greedy, the 8-bit tiles when not.
+    assert llm.loaded.step_weight_bytes(greedy=True) == llm.loaded.weight_bytes - packed.tiles.nbytes
+    assert llm.loaded.step_weight_bytes(greedy=False) == llm.loaded.weight_bytes - packed._six_bit.nbytes
     undecided = 0
     for hidden in seen:
         best, decided = packed.greedy(hidden)
