@@ -60,6 +60,10 @@ inline void int4_tile(const uint8_t* codes, const uint8_t* fifth, const at::Half
   for (int t = 0; t < TILE; ++t) acc[t] = _mm512_setzero_ps();
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* block = codes + b * TILE_BLOCK_BYTES;
+    prefetch_ahead(block, PREFETCH_BYTES, TILE_BLOCK_BYTES);  // as the AVX2 path: see int8_tiles.h
+    prefetch_ahead(scales + group_of_block[b] * TILE_ROWS, PREFETCH_BYTES / 8, 1);
+    prefetch_ahead(mins + group_of_block[b] * TILE_ROWS, PREFETCH_BYTES / 8, 1);
+    if constexpr (FIVE) prefetch_ahead(fifth + b * FIFTH_BIT_BLOCK_BYTES, PREFETCH_BYTES / 4, FIFTH_BIT_BLOCK_BYTES);
     // Low and high nibbles, codes and residuals apart: up to four vpdpbusd chains per activation row,
     // so consecutive ones do not wait on each other's latency.
     __m512i sums[TILE][2], residual_sums[TILE][2];
