@@ -131,7 +131,7 @@ class PackedInt4:
     def nbytes(self) -> int:
         return self.tiles.nbytes + self.high_bits.nbytes + self.scales.nbytes + self.mins.nbytes
 
-    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+    def step_nbytes(self, greedy: bool) -> int:  # read whole, greedy or not
         return self.nbytes
 
     def codes(self) -> torch.Tensor:

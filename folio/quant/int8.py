@@ -77,7 +77,7 @@ class Int8Groups:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
-    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+    def step_nbytes(self, greedy: bool) -> int:  # read whole, greedy or not
         return self.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -306,7 +306,7 @@ class ChannelInt8:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.scales.nbytes
 
-    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+    def step_nbytes(self, greedy: bool) -> int:  # read whole, greedy or not
         return self.nbytes
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:

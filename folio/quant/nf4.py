@@ -140,7 +140,7 @@ class NF4Weight:
     def nbytes(self) -> int:
         return self.codes.nbytes + self.absmax_codes.nbytes + self.absmax_scales.nbytes + 4  # + float32 offset
 
-    def step_nbytes(self, greedy: bool) -> int:  # noqa: ARG002 (read whole either way)
+    def step_nbytes(self, greedy: bool) -> int:  # read whole, greedy or not
         return self.nbytes
 
     def load_kernels(self) -> None:
