@@ -90,10 +90,11 @@ class Cell:
 
     `mfu` and `mbu` are fractions of the machine's peaks measured as the run started (roofline.py); MFU is
     the requests' FLOPs (prompt and output tokens, as `TokenCost.request_flops` counts them) over the wall
-    time, MBU (batch 1 only) output tok/s x a batch-1 decode step's bytes (the target's resident weights
-    and the mean context's KV). With speculation both are effective utilisation: an output token counts
-    once, and drafting, the draft model's weights and rejected verifications are not counted as useful
-    work, so MBU can pass 100% when one read of the weights verifies several tokens."""
+    time, MBU (batch 1 only) output tok/s x a batch-1 decode step's bytes (the weights a greedy step of
+    the target reads, `LoadedModel.step_weight_bytes`, and the mean context's KV). With speculation both
+    are effective utilisation: an output token counts once, and drafting, the draft model's weights and
+    rejected verifications are not counted as useful work, so MBU can pass 100% when one read of the
+    weights verifies several tokens."""
 
     engine: str  # "folio" or "llama.cpp"
     variant: str
