@@ -14,11 +14,13 @@ from folio.bench import (
     serve,
     serve_compare,
     spec,
+    step_profile,
     structured,
     throughput,
 )
 
-BENCHMARKS = (throughput, serve, serve_compare, structured, decode, quant_table, robustness_cli, spec, parallel)
+BENCHMARKS = (throughput, serve, serve_compare, structured, decode, quant_table, robustness_cli, spec, parallel,
+              step_profile)
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
