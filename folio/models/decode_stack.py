@@ -107,6 +107,8 @@ def build_decode_stack(
     attention = [layer.self_attn.attn for layer in layers]
     if not layers or any(a.cache is None or a.cache.fmt is not None or a.cache.k.dtype != dtype for a in attention):
         return None
+    if any(a.cache.k.device.type != "cpu" for a in attention):  # a CPU kernel: on a GPU, not even compiled
+        return None
     if any(a.scale != attention[0].scale or a.alibi_slopes is not None for a in attention):
         return None
     act = layers[0].mlp.act

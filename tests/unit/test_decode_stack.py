@@ -16,8 +16,10 @@ from typing import Any
 import pytest
 import torch
 
-from folio import LLM, SamplingParams
+from folio import LLM, SamplingParams, ops
+from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.linear import Linear
+from folio.models.decode_stack import build_decode_stack
 from folio.quant import int4
 from folio.quant.activation_bits import set_activation_bits
 from folio.quant.int8 import Int8Groups, PackedInt8
@@ -154,3 +156,18 @@ def test_models_it_cannot_run_keep_the_python_layers(tmp_path, kind, settings):
     llm = _llm(make_tiny_model(kind, tmp_path / kind), **settings)
     assert getattr(_model(llm), "decode_stack", None) is None
     assert len(_generate(llm)[0][0]) == 12
+
+
+def test_a_cache_off_the_cpu_takes_no_cpu_kernel(tmp_path, monkeypatch):
+    """On a GPU the stack is not built, and its CPU kernels are not compiled (a GPU run paid ~30 s each)."""
+    llm = _llm(make_tiny_model("llama", tmp_path / "llama"))
+    model = _model(llm)
+    for layer in model.layers:
+        cache = layer.self_attn.attn.cache
+        layer.self_attn.attn.cache = LayerKV(cache.k.to("meta"), cache.v.to("meta"))
+
+    def no_cpu_kernel(name: str) -> None:
+        raise AssertionError(f"the {name} kernel was loaded for a cache on the meta device")
+
+    monkeypatch.setattr(ops, "load", no_cpu_kernel)
+    assert build_decode_stack(model, torch.float32) is None
