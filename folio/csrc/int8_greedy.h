@@ -78,6 +78,37 @@ inline float as_output(float v) {
   return v;
 }
 
+// How low and how high a tile's values for one activation row may lie once exact: over its `valid`
+// lanes, the largest v - margin and v + margin, margin = c ||W_i|| (+ the six-bit pass's weight error,
+// its float sum's rounding covered by 1e-4, where `weight_errors` is given). True where a value is not
+// moderate. Vectorized for whole tiles: done for every tile and row, a scalar loop took a quarter of a
+// 64-row pick over Gemma 3's head.
+inline bool tile_reach(const float* v, const float* norms, const float* weight_errors, float c, int64_t valid,
+                       float& low, float& high) {
+#if defined(__AVX512F__)
+  if (valid == TILE_ROWS) {
+    const __m512 values = _mm512_loadu_ps(v);
+    const __m512 errors =
+        weight_errors ? _mm512_mul_ps(_mm512_loadu_ps(weight_errors), _mm512_set1_ps(1 + 1e-4f)) : _mm512_setzero_ps();
+    const __m512 margin = _mm512_fmadd_ps(_mm512_set1_ps(c), _mm512_loadu_ps(norms), errors);
+    low = _mm512_reduce_max_ps(_mm512_sub_ps(values, margin));
+    high = _mm512_reduce_max_ps(_mm512_add_ps(values, margin));
+    const __m512i magnitude = _mm512_and_si512(_mm512_castps_si512(values), _mm512_set1_epi32(0x7FFFFFFF));
+    return _mm512_cmplt_epu32_mask(magnitude, _mm512_set1_epi32(static_cast<int32_t>(kModerateBits))) != 0xFFFF;
+  }
+#endif
+  low = high = -std::numeric_limits<float>::infinity();
+  bool wild = false;
+  for (int64_t lane = 0; lane < valid; ++lane) {
+    const float weight_error = weight_errors ? weight_errors[lane] * (1 + 1e-4f) : 0.f;
+    const float margin = c * norms[lane] + weight_error;
+    wild = wild || !moderate(v[lane]);
+    low = std::max(low, v[lane] - margin);
+    high = std::max(high, v[lane] + margin);
+  }
+  return wild;
+}
+
 // A tile that may hold row m's maximum: `high`, the most any of its rows' 8 + 8-bit values can be.
 struct Candidate {
   int32_t row;
@@ -134,18 +165,9 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
     const int64_t n0 = tile * TILE_ROWS, valid = std::min(TILE_ROWS, N - n0);
     for (int64_t t = 0; t < rows; ++t) {
       const int64_t m = m0 + t;
-      const float c = factor[m];
-      float low = -std::numeric_limits<float>::infinity(), high = low;
-      bool wild = false;
-      for (int64_t lane = 0; lane < valid; ++lane) {
-        const float v = out[t * TILE_ROWS + lane];
-        // with six bits, the weight's own error on top (its float sum's rounding covered by 1e-4)
-        const float weight_error = six ? mine.six_bit_bounds[t * TILE_ROWS + lane] * (1 + 1e-4f) : 0.f;
-        const float margin = c * norms[n0 + lane] + weight_error;
-        wild = wild || !moderate(v);
-        low = std::max(low, v - margin);
-        high = std::max(high, v + margin);
-      }
+      float low, high;
+      const float* weight_errors = six ? mine.six_bit_bounds + t * TILE_ROWS : nullptr;
+      const bool wild = tile_reach(out + t * TILE_ROWS, norms + n0, weight_errors, factor[m], valid, low, high);
       mine.wild[m] |= wild;
       mine.floors[m] = std::max(mine.floors[m], low);
       if (high >= reach<T>(mine.floors[m]))
