@@ -26,6 +26,7 @@ BATCHING_CHOICES = ("continuous", "static", "dynamic")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "nf4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
 ACTIVATION_BITS_CHOICES = (16, 8)  # folio/quant/activation_bits.py
+SWITCHES_OFF_BY_DEFAULT = ("compile", "enforce_eager")  # store_true flags: --compile, --enforce-eager
 
 
 @dataclass
@@ -183,7 +184,7 @@ class EngineArgs:
                 words += [] if value else ["--no-prefix-caching"]
             elif key == "hybrid_kv_cache":
                 words += [] if value else ["--no-hybrid-kv-cache"]
-            elif key in ("compile", "enforce_eager"):
+            elif key in SWITCHES_OFF_BY_DEFAULT:
                 words += [f"--{key.replace('_', '-')}"] if value else []
             elif key == "speculative_config":
                 words += [] if value is None else _speculative_flags(value)

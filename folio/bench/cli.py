@@ -19,8 +19,18 @@ from folio.bench import (
     throughput,
 )
 
-BENCHMARKS = (throughput, serve, serve_compare, structured, decode, quant_table, robustness_cli, spec, parallel,
-              step_profile)
+BENCHMARKS = (
+    throughput,
+    serve,
+    serve_compare,
+    structured,
+    decode,
+    quant_table,
+    robustness_cli,
+    spec,
+    parallel,
+    step_profile,
+)
 
 
 def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
