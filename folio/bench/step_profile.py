@@ -89,20 +89,27 @@ def _synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _start_decoding(llm: LLM, config: ProfileConfig) -> None:
-    """Submit the batch and step until every request has its first token (its prompt done)."""
-    total = WARM_UP_STEPS + 3 * config.steps + 8  # the three passes, and a margin: none finishes early
-    params = SamplingParams(max_tokens=total, temperature=0, ignore_eos=True)
+def _start_decoding(llm: LLM, config: ProfileConfig) -> list[Request]:
+    """Submit the batch and step until every request has its first token (its prompt done). Each may
+    decode up to the context length, so that none finishes before the measured steps end."""
+    room = llm.engine.max_model_len - config.prompt_tokens
+    if room < WARM_UP_STEPS + 3 * config.steps + 1:
+        raise ValueError(f"{config.prompt_tokens}-token prompts leave {room} tokens of the context length for "
+                         f"{WARM_UP_STEPS + 3 * config.steps + 1} decode steps")  # fmt: skip
+    params = SamplingParams(max_tokens=room, temperature=0, ignore_eos=True)
     eos = frozenset(llm.model_config.eos_token_ids)
     requests = [Request(f"profile-{i}", random_prompt(llm, config.prompt_tokens, seed=i), params, eos)
                 for i in range(config.batch)]  # fmt: skip
     for request in requests:
         llm.engine.add_request(request)
-    while any(not r.output_token_ids for r in requests):
+    while llm.engine.has_unfinished() and any(not r.output_token_ids for r in requests):
         llm.engine.step()
+    if any(not r.output_token_ids for r in requests):
+        raise RuntimeError("a request of the batch ended before its first token")
+    return requests
 
 
-def _decode_steps(llm: LLM, steps: int, device: torch.device) -> list[float]:
+def _decode_steps(llm: LLM, steps: int, batch: int, device: torch.device) -> list[float]:
     """Run `steps` engine steps; each one's wall time in ms. Each must decode the whole batch."""
     times = []
     for _ in range(steps):
@@ -112,10 +119,10 @@ def _decode_steps(llm: LLM, steps: int, device: torch.device) -> list[float]:
         _synchronize(device)
         times.append((time.perf_counter() - start) * 1e3)
         ran = llm.engine.last_step
-        if ran is None or ran.num_waiting or ran.num_preempted:
+        if ran is None or ran.num_running != batch or ran.num_waiting or ran.num_preempted:
             raise RuntimeError(
-                "a request waited or was preempted in a measured step: the KV cache is too small for this "
-                "batch (--kv-cache-memory), and the steps would not be its decode"
+                f"{ran.num_running if ran else 0} of {batch} requests ran in a measured step (others waited or "
+                "were preempted): the KV cache is too small for this batch (--kv-cache-memory)"
             )
     return times
 
@@ -147,20 +154,25 @@ def run_profile(config: ProfileConfig, command: str) -> ProfileReport:
         raise ValueError("--batch, --steps and --prompt-tokens must be at least 1")
     torch.set_num_threads(default_threads())
     llm = LLM(resolve_model(config.model), **config.engine_args)
-    device = llm.device
-    date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    _start_decoding(llm, config)
-    _decode_steps(llm, WARM_UP_STEPS, device)
-    step_ms = _decode_steps(llm, config.steps, device)
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    with profile(activities=activities) as prof:
-        _decode_steps(llm, config.steps, device)
-    ops, busy = _op_table(prof, config.steps)
-    profiler = cProfile.Profile()
-    profiler.enable()
-    _decode_steps(llm, config.steps, device)
-    profiler.disable()
-    functions = _function_table(profiler, config.steps)
+    try:
+        device = llm.device
+        date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
+        requests = _start_decoding(llm, config)
+        _decode_steps(llm, WARM_UP_STEPS, config.batch, device)
+        step_ms = _decode_steps(llm, config.steps, config.batch, device)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        with profile(activities=activities) as prof:
+            _decode_steps(llm, config.steps, config.batch, device)
+        ops, busy = _op_table(prof, config.steps)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        _decode_steps(llm, config.steps, config.batch, device)
+        profiler.disable()
+        functions = _function_table(profiler, config.steps)
+        for request in requests:
+            llm.engine.abort_request(request.request_id)
+    finally:
+        llm.close()
     settings = {k: v for k, v in asdict(config).items() if k != "model"}
     dtype = str(llm.dtype).removeprefix("torch.")
     return ProfileReport(command, date, config.model, str(device), dtype, settings, step_ms,

@@ -38,7 +38,7 @@ def test_a_pool_too_small_for_the_batch_is_an_error_not_a_profile(tiny):
     # 6 blocks of 4 slots: two requests' prompts fit, the third waits, so the steps are not a batch of 3
     config = ProfileConfig(str(tiny), batch=3, prompt_tokens=9, steps=2,
                            engine_args={"num_kv_blocks": 8, "block_size": 4})  # fmt: skip
-    with pytest.raises(RuntimeError, match="too small for this"):
+    with pytest.raises(RuntimeError, match="too small for this batch"):
         run_profile(config, "folio bench profile")
 
 
