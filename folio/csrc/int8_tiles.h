@@ -58,7 +58,7 @@ inline uint64_t fifth_bits(const uint8_t* fifth, int64_t b, int mask) {
 inline int32_t fifth_bit(const uint8_t* fifth, int64_t b, int mask, int64_t byte) {
   return static_cast<int32_t>((fifth_bits(fifth, b, mask) >> byte) & 1);
 }
-#if defined(__AVX2__)  // AVX-512 builds too: the six-bit pass (six_bit_pass.h) runs AVX2 on both
+#if defined(__AVX2__)  // AVX-512 builds too: the six-bit pass (six_bit_pass.h) runs AVX2 for 1-2 rows
 inline __m256 load_scales8(const at::Half* s) { return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(s))); }
 inline __m256 load_scales8(const float* s) { return _mm256_loadu_ps(s); }
 #endif

@@ -116,7 +116,7 @@ inline __m256i six_bit_tops(__m256i tops, int j) {
 }
 #endif
 
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // as load_scales
 // six_bit_tile with VNNI, for three or more activation rows, where the pass is bound by its products,
 // not by memory (a batch's greedy pick). A 64-byte load of a block's nibbles (or of its top bits) holds
 // all 16 rows, so each register is unpacked once for the tile, not once per half, and one vpdpbusd adds
@@ -185,7 +185,7 @@ template <int TILE, typename S>
 inline void six_bit_tile(const uint8_t* six, const S* scales, const QuantizedRows& q, const SixBitRows& rows,
                          const int32_t* group_of_block, int64_t m0, int64_t K, float* out, float* bounds) {
   const int64_t B = K / BLOCK;
-#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // as load_scales
   if constexpr (TILE >= 3) {
     six_bit_tile_vnni<TILE>(six, scales, q, rows, group_of_block, m0, K, out, bounds);
     return;
