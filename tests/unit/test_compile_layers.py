@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from folio import LLM, SamplingParams
 from folio.engine_args import EngineArgs
@@ -26,6 +27,22 @@ def test_compiled_layers_give_the_eager_tokens_and_logprobs(tmp_path):
                 assert [v for _, v in x.top] == pytest.approx([v for _, v in y.top], abs=1e-4)
     layer = next(compiled.loaded.model.model.held_layers())
     assert layer._compiled_call_impl is not None  # nn.Module.compile's in-place wrapper
+
+
+@pytest.mark.parametrize("kind", ["llama", "gemma3"])
+def test_mixed_steps_stay_within_the_compilers_recompile_limit(tmp_path, kind):
+    """Batches of 1 to 9 rows, prompts chunked beside decodes, on the Python layers: every step's shapes
+    and metadata differ, and past 8 recompiles of a frame dynamo would run it eager from then on."""
+    torch._dynamo.reset()  # a process serves one model: forget the frames other tests compiled
+    llm = LLM(make_tiny_model(kind, tmp_path / kind), num_kv_blocks=96, block_size=4, max_num_batched_tokens=16,
+              compile=True)  # fmt: skip
+    llm.loaded.model.model.decode_stack = None
+    params = SamplingParams(max_tokens=5, temperature=0, ignore_eos=True)
+    with torch._dynamo.config.patch(fail_on_recompile_limit_hit=True):
+        for count in (1, 2, 5, 9):
+            prompts = [[3 + i] * (2 + 5 * i) for i in range(count)]
+            outputs = llm.generate(prompts, params, use_tqdm=False)
+            assert [len(out.outputs[0].token_ids) for out in outputs] == [5] * count
 
 
 def test_compile_is_a_flag_that_round_trips_and_refuses_split_models(tmp_path):
