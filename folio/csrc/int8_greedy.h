@@ -126,6 +126,7 @@ struct ThreadFinds {
   std::vector<char> wild;
   size_t compact_at = size_t{1} << 14;
   float six_bit_bounds[X_TILE * TILE_ROWS];  // the six-bit pass's weight-error bounds for the tile just made
+  WideTile wide;  // the six-bit tile this thread multiplies, widened for VNNI
 };
 
 // For each row m of x [M, K] (float32 or bfloat16): best[m] = (the maximum of row m of x's 8 + 8-bit
@@ -154,7 +155,8 @@ void greedy_rows(const T* x, int64_t M, int64_t K, const uint8_t* codes, const S
   auto tile_fn = [&](int64_t tile, const uint8_t* c, int64_t m0, auto rows, float* out) {
     if (six) {
       six_bit_tile<decltype(rows)::value>(c, scales + tile * G * TILE_ROWS, codes_only, six_rows, group_of_block.data(),
-                                          m0, K, out, finds[at::get_thread_num()].six_bit_bounds);
+                                          m0, K, out, finds[at::get_thread_num()].six_bit_bounds,
+                                          finds[at::get_thread_num()].wide);
     } else {
       int8_tile<decltype(rows)::value, SPLIT, /*EXACT=*/false>(c, scales + tile * G * TILE_ROWS, codes_only,
                                                                group_of_block.data(), m0, K, out);

@@ -25,6 +25,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "int8_activations.h"
 #include "int8_tiles.h"
@@ -81,15 +82,17 @@ void six_bit_tiles(const uint8_t* tiles, const S* scales, int64_t T, int64_t B, 
 }
 
 // What the first pass takes per activation row and block of 32, [M, K / 32] each: -253 x the sum of
-// the block's codes (the 8h - 253 codes' offset), and 1.5 ||x^_b||_1 rounded up, x^ the 8 + 8-bit
-// values the full product multiplies (`exact`), for the bound.
+// the block's codes (the 8h - 253 codes' offset); half the codes' step (the 8h - 253 codes count
+// half-steps); and 1.5 ||x^_b||_1 rounded up, x^ the 8 + 8-bit values the full product multiplies
+// (`exact`), for the bound.
 struct SixBitRows {
   std::vector<int32_t> offsets;
+  std::vector<float> half_steps;
   std::vector<float> spans;
 };
 inline SixBitRows six_bit_rows(const QuantizedRows& codes_only, const QuantizedRows& exact, int64_t M, int64_t K) {
   const int64_t blocks = M * (K / BLOCK);
-  SixBitRows rows{std::vector<int32_t>(blocks), std::vector<float>(blocks)};
+  SixBitRows rows{std::vector<int32_t>(blocks), std::vector<float>(blocks), std::vector<float>(blocks)};
   for (int64_t mb = 0; mb < blocks; ++mb) {
     int32_t sum = 0;
     double span = 0.0;
@@ -98,6 +101,7 @@ inline SixBitRows six_bit_rows(const QuantizedRows& codes_only, const QuantizedR
       span += std::fabs(256.0 * exact.codes[k] + exact.residuals[k]);
     }
     rows.offsets[mb] = -kSixBitOffset * sum;
+    rows.half_steps[mb] = 0.5f * codes_only.steps[mb];
     rows.spans[mb] = static_cast<float>(1.5 * (1 + 1e-5) * span * exact.steps[mb]);
   }
   return rows;
@@ -116,20 +120,22 @@ inline __m256i six_bit_tops(__m256i tops, int j) {
 }
 #endif
 
+// A tile's six-bit codes widened to the bytes VNNI multiplies, h (0..63) a byte: per block and j < 4, 64
+// bytes of the values in the low nibbles of the block's bytes 64j..64j+63, then 64 of the high ones'.
+// Widened once per tile into a thread's buffer, then read from L1 by every pass of activation rows.
+constexpr int64_t SIX_BIT_WIDE_BLOCK_BYTES = 512;
+struct WideTile {
+  std::vector<uint8_t> bytes;  // B * SIX_BIT_WIDE_BLOCK_BYTES
+  const uint8_t* from = nullptr;  // the six-bit tile they hold
+};
+
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // as load_scales
-// six_bit_tile with VNNI, for three or more activation rows, where the pass is bound by its products,
-// not by memory (a batch's greedy pick). A 64-byte load of a block's nibbles (or of its top bits) holds
-// all 16 rows, so each register is unpacked once for the tile, not once per half, and one vpdpbusd adds
-// 64 products where AVX2 needs two vpmaddubsw, a vpmaddwd and two additions for the same. The integer
-// sums are the AVX2 path's (exact: no pair saturates) and the float steps the same, lane by lane, so the
-// values are the same. Each row's low and high nibbles sum in their own chains, to overlap latencies.
-template <int TILE, typename S>
-inline void six_bit_tile_vnni(const uint8_t* six, const S* scales, const QuantizedRows& q, const SixBitRows& rows,
-                              const int32_t* group_of_block, int64_t m0, int64_t K, float* out, float* bounds) {
-  const int64_t B = K / BLOCK;
+template <typename S>
+inline void six_bit_widen(const uint8_t* six, const S* scales, const int32_t* group_of_block, int64_t B,
+                          WideTile& wide) {
   const __m512i nibble = _mm512_set1_epi8(0x0F), bits_4_5 = _mm512_set1_epi8(0x30);
-  __m512 acc[TILE], bound[TILE];
-  for (int t = 0; t < TILE; ++t) acc[t] = bound[t] = _mm512_setzero_ps();
+  wide.bytes.resize(B * SIX_BIT_WIDE_BLOCK_BYTES);
+  wide.from = six;
   for (int64_t b = 0; b < B; ++b) {
     const uint8_t* block = six + b * SIX_BIT_BLOCK_BYTES;
     prefetch_ahead(block, PREFETCH_BYTES, SIX_BIT_BLOCK_BYTES);
@@ -138,8 +144,7 @@ inline void six_bit_tile_vnni(const uint8_t* six, const S* scales, const Quantiz
     // byte 4i + t of the top bits' halves: those of row i's low (first) and high (second) nibbles
     const __m512i tops_low = _mm512_loadu_si512(block + TILE_BLOCK_BYTES);
     const __m512i tops_high = _mm512_loadu_si512(block + TILE_BLOCK_BYTES + 64);
-    __m512i low_sums[TILE], high_sums[TILE];
-    for (int t = 0; t < TILE; ++t) low_sums[t] = high_sums[t] = _mm512_setzero_si512();
+    uint8_t* to = wide.bytes.data() + b * SIX_BIT_WIDE_BLOCK_BYTES;
 #pragma GCC unroll 4
     for (int j = 0; j < 4; ++j) {
       const __m512i packed = _mm512_loadu_si512(block + 64 * j);
@@ -148,9 +153,34 @@ inline void six_bit_tile_vnni(const uint8_t* six, const S* scales, const Quantiz
       const int up = 4 - 2 * j;
       const __m512i top_low = up >= 0 ? _mm512_slli_epi16(tops_low, up) : _mm512_srli_epi16(tops_low, -up);
       const __m512i top_high = up >= 0 ? _mm512_slli_epi16(tops_high, up) : _mm512_srli_epi16(tops_high, -up);
-      const __m512i low = _mm512_ternarylogic_epi32(_mm512_and_si512(packed, nibble), top_low, bits_4_5, 0xF8);
-      const __m512i high =
-          _mm512_ternarylogic_epi32(_mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), top_high, bits_4_5, 0xF8);
+      _mm512_storeu_si512(to + 128 * j,
+                          _mm512_ternarylogic_epi32(_mm512_and_si512(packed, nibble), top_low, bits_4_5, 0xF8));
+      _mm512_storeu_si512(to + 128 * j + 64, _mm512_ternarylogic_epi32(
+                                                 _mm512_and_si512(_mm512_srli_epi16(packed, 4), nibble), top_high,
+                                                 bits_4_5, 0xF8));
+    }
+  }
+}
+
+// six_bit_tile with VNNI, for three or more activation rows, where the pass is bound by its products,
+// not by memory (a batch's greedy pick). The tile is widened once (six_bit_widen), so a pass of rows does
+// only its products and each block's float steps; one vpdpbusd adds 64 products where AVX2 needs two
+// vpmaddubsw, a vpmaddwd and two additions for the same. The integer sums are the AVX2 path's (exact:
+// no pair saturates) and the float steps the same, lane by lane, so the values are the same. Each row's
+// low and high nibbles sum in their own chains, to overlap latencies.
+template <int TILE, typename S>
+inline void six_bit_tile_vnni(const uint8_t* wide, const S* scales, const QuantizedRows& q, const SixBitRows& rows,
+                              const int32_t* group_of_block, int64_t m0, int64_t K, float* out, float* bounds) {
+  const int64_t B = K / BLOCK;
+  __m512 acc[TILE], bound[TILE];
+  for (int t = 0; t < TILE; ++t) acc[t] = bound[t] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < B; ++b) {
+    const uint8_t* block = wide + b * SIX_BIT_WIDE_BLOCK_BYTES;
+    __m512i low_sums[TILE], high_sums[TILE];
+    for (int t = 0; t < TILE; ++t) low_sums[t] = high_sums[t] = _mm512_setzero_si512();
+#pragma GCC unroll 4
+    for (int j = 0; j < 4; ++j) {
+      const __m512i low = _mm512_loadu_si512(block + 128 * j), high = _mm512_loadu_si512(block + 128 * j + 64);
 #pragma GCC unroll 4
       for (int t = 0; t < TILE; ++t) {
         const int8_t* x = q.codes.data() + (m0 + t) * K + b * BLOCK + 4 * j;
@@ -163,7 +193,8 @@ inline void six_bit_tile_vnni(const uint8_t* six, const S* scales, const Quantiz
       const int64_t mb = (m0 + t) * B + b;
       const __m512i sums = _mm512_add_epi32(low_sums[t], high_sums[t]);
       const __m512i total = _mm512_add_epi32(_mm512_slli_epi32(sums, 3), _mm512_set1_epi32(rows.offsets[mb]));
-      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(0.5f * q.steps[mb])), acc[t]);
+      acc[t] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(total), _mm512_mul_ps(s, _mm512_set1_ps(rows.half_steps[mb])),
+                               acc[t]);
       bound[t] = _mm512_fmadd_ps(s, _mm512_set1_ps(rows.spans[mb]), bound[t]);
     }
   }
@@ -183,11 +214,13 @@ inline void six_bit_tile_vnni(const uint8_t* six, const S* scales, const Quantiz
 // pairs to at most 16,002, two registers' to 32,004.
 template <int TILE, typename S>
 inline void six_bit_tile(const uint8_t* six, const S* scales, const QuantizedRows& q, const SixBitRows& rows,
-                         const int32_t* group_of_block, int64_t m0, int64_t K, float* out, float* bounds) {
+                         const int32_t* group_of_block, int64_t m0, int64_t K, float* out, float* bounds,
+                         WideTile& wide) {
   const int64_t B = K / BLOCK;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__) && defined(__AVX512VL__)  // as load_scales
   if constexpr (TILE >= 3) {
-    six_bit_tile_vnni<TILE>(six, scales, q, rows, group_of_block, m0, K, out, bounds);
+    if (wide.from != six) six_bit_widen(six, scales, group_of_block, B, wide);
+    six_bit_tile_vnni<TILE>(wide.bytes.data(), scales, q, rows, group_of_block, m0, K, out, bounds);
     return;
   }
 #endif
@@ -233,7 +266,7 @@ inline void six_bit_tile(const uint8_t* six, const S* scales, const QuantizedRow
           const int64_t mb = (m0 + t) * B + b;
           const __m256i total = _mm256_add_epi32(_mm256_slli_epi32(sums[t], 3), _mm256_set1_epi32(rows.offsets[mb]));
           __m256& a = acc[BOTH ? half : 0][t];
-          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(s, _mm256_set1_ps(0.5f * q.steps[mb])), a);
+          a = _mm256_fmadd_ps(_mm256_cvtepi32_ps(total), _mm256_mul_ps(s, _mm256_set1_ps(rows.half_steps[mb])), a);
           bound[BOTH ? half : 0][t] = _mm256_fmadd_ps(s, _mm256_set1_ps(rows.spans[mb]), bound[BOTH ? half : 0][t]);
         }
       }
@@ -257,7 +290,7 @@ inline void six_bit_tile(const uint8_t* six, const S* scales, const QuantizedRow
               dot += six_bit_code(six + b * SIX_BIT_BLOCK_BYTES, j, i, t4, n) * xq[b * BLOCK + 16 * n + 4 * j + t4];
         const int64_t mb = (m0 + t) * B + b;
         const float s = scale_at(scales + group_of_block[b] * TILE_ROWS, i);
-        total += static_cast<float>(8 * dot + rows.offsets[mb]) * (s * (0.5f * q.steps[mb]));
+        total += static_cast<float>(8 * dot + rows.offsets[mb]) * (s * rows.half_steps[mb]);
         bound += s * rows.spans[mb];
       }
       out[t * TILE_ROWS + i] = total;
