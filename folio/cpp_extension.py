@@ -10,8 +10,11 @@ another CPU). The source's path is not in the key. Under $FOLIO_HOME/kernels/v2:
     <name>-<key16>.tmp-*   a build in progress, renamed onto the finished name once whole
 
 so a finished folder always holds a whole .so, and a killed build leaves only a temp folder that the
-next build removes. Folders of the previous layout (kernels/<name>-<key16>/ with torch's build.ninja)
-sit outside v2 and are left to the older versions that use them.
+next build removes. Each import of a build touches its folder; when a kernel is built anew, its other
+builds that no process has imported for UNUSED_BUILD_SECONDS (older sources, torch or Python versions)
+are removed, so the cache does not grow with every change. Folders of the previous layout
+(kernels/<name>-<key16>/ with torch's build.ninja) sit outside v2 and are left to the older versions
+that use them.
 
 A finished build is imported directly, without torch's build machinery. A kernel that cannot be built
 is None, reported once per process with the slower path its caller takes instead.
@@ -50,6 +53,7 @@ LAYOUT = "v2"
 # A temp folder of another build of the same kernel (other sources) is left alone while it may still
 # be in progress; a real build takes under a minute.
 STALE_BUILD_SECONDS = 3600
+UNUSED_BUILD_SECONDS = 30 * 24 * 3600
 # /proc/cpuinfo fields that decide what -march=native emits (x86: model name, flags; ARM: the rest).
 _CPU_FIELDS = {"model name", "flags", "Features", "CPU implementer", "CPU architecture", "CPU variant", "CPU part"}
 
@@ -122,6 +126,8 @@ def _import_built(directory: Path) -> ModuleType | None:
         raise ImportError(f"cannot import {library}")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
+    with contextlib.suppress(OSError):  # a read-only cache is still used, only never pruned
+        os.utime(directory)  # its last use, for _prune_unused
     return module
 
 
@@ -133,6 +139,7 @@ def _build_once(directory: Path, name: str, module_name: str, source: Path, what
         if compiler() is None:
             raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'c++')} not found")
         _clear_leftovers(directory, name)
+        _prune_unused(directory, name)
         logger.warning("compiling the %s (%s; about 30 s, once) in %s", what, _why(directory, name), directory.parent)
         return _compile(directory, module_name, source)
 
@@ -161,6 +168,26 @@ def _clear_leftovers(directory: Path, name: str) -> None:
         with contextlib.suppress(OSError):
             if staging.name.startswith(directory.name + ".") or staging.stat().st_mtime < cutoff:
                 shutil.rmtree(staging, ignore_errors=True)
+
+
+def _prune_unused(directory: Path, name: str) -> None:
+    """This kernel's other finished builds that no process imported for UNUSED_BUILD_SECONDS, removed with
+    their locks where no builder holds them; called holding this build's lock."""
+    import fcntl  # POSIX only, as in _exclusive (which has run by now)
+
+    build_name = re.compile(re.escape(name) + r"-[0-9a-f]{16}")
+    cutoff = time.time() - UNUSED_BUILD_SECONDS
+    for build in directory.parent.glob(f"{name}-*"):
+        if build == directory or not build_name.fullmatch(build.name):
+            continue
+        with contextlib.suppress(OSError):
+            if build.stat().st_mtime >= cutoff:
+                continue
+            shutil.rmtree(build)
+            lock_path = build.with_name(build.name + ".lock")
+            with open(lock_path, "a") as lock:
+                fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # raises (and keeps it) if a builder waits
+                lock_path.unlink()
 
 
 def _why(directory: Path, name: str) -> str:

@@ -154,6 +154,36 @@ def test_two_checkouts_share_one_build(tmp_path, monkeypatch):
     assert sorted(_kernels(home).iterdir()) == before
 
 
+def test_a_new_build_removes_the_kernels_builds_unused_for_a_month(tmp_path, monkeypatch):
+    home, env = tmp_path / "home", _env(tmp_path / "home")
+    monkeypatch.setenv("FOLIO_HOME", str(home))
+    kernels, month = _kernels(home), cpp_extension.UNUSED_BUILD_SECONDS
+
+    def build(text: str) -> Path:
+        source = _source(tmp_path / f"src-{len(text)}", text)
+        done = _start("tiny_prune", source, env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        out, err = done.communicate(timeout=120)
+        assert done.returncode == 0 and out.split()[0] == "42", (out, err)
+        return kernel_directory("tiny_prune", "folio_tiny_prune", source)
+
+    old, recent = build(TINY), build(TINY + "// recent\n")
+    another = kernels / "tiny_prune_other-0123456789abcdef"  # another kernel's build, as old
+    another.mkdir()
+    long_ago = time.time() - month - 3600
+    for folder in (old, another):
+        os.utime(folder, (long_ago, long_ago))
+    os.utime(recent, (time.time() - month + 3600,) * 2)
+    new = build(TINY + "// new\n")
+    assert new.is_dir() and recent.is_dir() and another.is_dir()
+    assert not old.exists() and not old.with_name(old.name + ".lock").exists()
+
+    os.utime(recent, (long_ago, long_ago))
+    build(TINY + "// recent\n")  # imported, not built: that use counts
+    assert recent.stat().st_mtime > time.time() - 60
+    build(TINY + "// newer\n")
+    assert recent.is_dir()
+
+
 def test_the_key_follows_the_cpu_and_the_headers_not_the_path(tmp_path, monkeypatch):
     monkeypatch.setenv("FOLIO_HOME", str(tmp_path / "home"))
     source = _source(tmp_path / "src")
