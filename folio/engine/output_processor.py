@@ -52,6 +52,8 @@ class IncrementalDetokenizer:
             delta = self._decoder.step(token_id)
             if delta:
                 self._append(delta)
+        if finished and not self.stopped and (tail := self._decoder.finish()):
+            self._append(tail)
         done = finished or self.stopped
         end = len(self.text) if done else max(self._released, len(self.text) - self._hold)
         released, self._released = self.text[self._released : end], end

@@ -126,14 +126,31 @@ class Tokenizer:
 
 
 class StreamingDecoder:
-    """Turns a stream of token ids into text deltas, holding back partial UTF-8 characters."""
+    """Turns a stream of token ids into text deltas, holding back partial UTF-8 characters (with the
+    complete ones that came in the same tokens); `finish` gives those complete ones when no more come."""
 
     def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
         self._backend = backend
+        self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
+        self._ids: list[int] = []
+        self._released = 0  # how many of _ids the deltas so far cover
 
     def step(self, token_id: int) -> str:
-        return self._stream.step(self._backend, token_id) or ""
+        self._ids.append(token_id)
+        text = self._stream.step(self._backend, token_id)
+        if text:
+            self._released = len(self._ids)
+        return text or ""
+
+    def finish(self) -> str:
+        """The complete characters of the tokens held back (a text cut inside a character: ' ' and the
+        first byte of a three-byte one), less the U+FFFD that decode gives their incomplete bytes."""
+        if self._released == len(self._ids):
+            return ""
+        before = self._backend.decode(self._ids[: self._released], skip_special_tokens=self._skip_special_tokens)
+        whole = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        return whole[len(before) :].rstrip("\ufffd") if whole.startswith(before) else ""
 
 
 def _token_text(value: Any) -> str | None:

@@ -43,11 +43,12 @@ def _reference(tokenizer, ids, stops, include) -> tuple[str, int, bool]:
     """Generation ends at the first token after which the decoded text contains a stop string; the text is
     cut at the earliest such string (list order breaks ties), before it or, with `include`, after it.
     Text is visible once its characters are complete: a token holding ' ' plus the first byte of a
-    three-byte character shows neither until the character's last byte arrives."""
+    three-byte character shows neither until the character's last byte arrives, or the text ends (then
+    the ' ' shows)."""
     text = ""
     for n in range(1, len(ids) + 1):
         decoded = tokenizer.decode(ids[:n])
-        text = text if decoded.endswith("\ufffd") else decoded
+        text = decoded.rstrip("\ufffd") if n == len(ids) else text if decoded.endswith("\ufffd") else decoded
         hits = [(text.find(s), i, s) for i, s in enumerate(stops) if s in text]
         if hits:
             at, _, stop = min(hits)
@@ -90,6 +91,18 @@ def test_random_ids_decode_like_decode_but_an_unfinished_last_character_is_dropp
         detok, deltas, _ = _run(tokenizer, ids)
         assert "".join(deltas) == detok.text
         _assert_decodes_alike(detok.text, tokenizer.decode(ids))
+
+
+@pytest.mark.parametrize("text", [" 日", "\x83日", "a 😀"])
+def test_a_text_cut_inside_a_character_keeps_the_complete_ones_before_it(tokenizer, text):
+    """Tokens that end inside a character (' ' with the first bytes of '日') are held back whole while
+    more may come; when the request finishes there, its complete characters are released."""
+    ids = tokenizer.encode(text)[:-1]
+    complete = tokenizer.decode(ids).rstrip("\ufffd")
+    assert complete and tokenizer.decode(ids).endswith("\ufffd")
+    for groups in (None, [len(ids)]):
+        detok, deltas, _ = _run(tokenizer, ids, groups=groups)
+        assert detok.text == "".join(deltas) == complete
 
 
 def test_special_tokens_are_skipped(tokenizer):
