@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 from folio import LLM, SamplingParams
@@ -128,11 +129,15 @@ def _decode_steps(llm: LLM, steps: int, batch: int, device: torch.device) -> lis
 
 
 def _op_table(prof: profile, steps: int) -> tuple[list[OpTime], float | None]:
+    """The ops and kernels by their time per step, and the device's busy ms per step (None on the CPU).
+    An eager op's device time is that of the kernels it launched, which are rows of their own: the busy
+    time sums the kernels alone."""
     events = prof.key_averages()
     ops = [
         OpTime(e.key, e.count / steps, e.self_cpu_time_total / steps, e.self_device_time_total / steps) for e in events
     ]
-    busy = sum(op.device_us_per_step for op in ops) / 1e3 if any(op.device_us_per_step for op in ops) else None
+    kernels_us = sum(e.self_device_time_total for e in events if e.device_type != DeviceType.CPU)
+    busy = kernels_us / steps / 1e3 if kernels_us else None
     ops.sort(key=lambda op: op.host_us_per_step + op.device_us_per_step, reverse=True)
     return ops[:TOP], busy
 

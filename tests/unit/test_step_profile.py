@@ -4,10 +4,12 @@ name the work those steps did."""
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
+from torch.autograd import DeviceType
 
-from folio.bench.step_profile import ProfileConfig, format_tables, run_profile, run_profile_command
+from folio.bench.step_profile import ProfileConfig, _op_table, format_tables, run_profile, run_profile_command
 from folio.cli import build_parser
 from tests.tiny_models import make_tiny_model
 
@@ -32,6 +34,20 @@ def test_the_report_times_each_decode_step_and_names_where_it_went(tiny):
     assert report.functions[0] is step  # everything else runs inside it
     assert not any("step_profile" in f.function for f in report.functions)
     assert "median step" in format_tables(report)
+
+
+def test_the_device_busy_time_counts_each_kernel_once():
+    """On a GPU an eager op's device time is its kernels', listed again as rows of their own."""
+
+    def event(key, device_us, device_type):
+        return SimpleNamespace(key=key, count=2, self_cpu_time_total=10.0, self_device_time_total=device_us,
+                               device_type=device_type)  # fmt: skip
+
+    events = [event("aten::mm", 300.0, DeviceType.CPU), event("gemm_kernel", 300.0, DeviceType.CUDA),
+              event("aten::add", 100.0, DeviceType.CPU), event("add_kernel", 100.0, DeviceType.CUDA)]  # fmt: skip
+    ops, busy = _op_table(SimpleNamespace(key_averages=lambda: events), steps=2)
+    assert busy == pytest.approx(0.2)  # (300 + 100) us over 2 steps, in ms
+    assert [op.name for op in ops][:2] == ["aten::mm", "gemm_kernel"]
 
 
 def test_a_pool_too_small_for_the_batch_is_an_error_not_a_profile(tiny):
