@@ -1,22 +1,29 @@
-"""`folio bench profile`: where a decode step's time goes, on the CPU or a GPU.
+"""`folio bench profile`: where a decode step's (or, `--prefill`, a prompt pass's) time goes, on the CPU
+or a GPU.
 
 `--batch` requests (random prompts of `--prompt-tokens` tokens, decoding with ignore_eos) are run into
 decode, then the same `--steps` pure decode steps are measured three ways, one after the other, after
-a few warm-up steps:
+a few warm-up steps. With `--prefill`, each of the `--steps` is instead a pass that prefills `--batch`
+fresh random prompts (none hits the prefix cache) up to their first token, after one warm-up pass.
+The three ways:
 - timed alone (each step's wall time, the device synchronized before and after);
 - under torch.profiler: the aten ops (and on a GPU, its kernels) by their own time, and, on a GPU, how
   long the device was busy per step: a step whose wall time is far above that is bound by the host;
 - under cProfile: folio's Python functions by their time per step, inclusive and exclusive.
-The profilers slow a step down; their tables say where the time goes, the timed pass what it is.
+The profilers slow a step down; their tables say where the time goes, the timed pass what it is. On the
+CPU folio's C++ kernels are not torch ops: their time shows in the functions table (inclusive, under
+the Python functions that call them, e.g. `PackedInt4.linear`), not in the ops table.
 """
 
 from __future__ import annotations
 
 import argparse
 import cProfile
+import itertools
 import pstats
 import statistics
 import time
+from collections.abc import Iterator
 from dataclasses import asdict, dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -48,6 +55,7 @@ class ProfileConfig:
     prompt_tokens: int = 128
     steps: int = 20
     engine_args: dict[str, Any] = field(default_factory=dict)
+    prefill: bool = False  # each step a pass prefilling the batch's prompts, not a decode step
 
 
 @dataclass(frozen=True)
@@ -74,7 +82,7 @@ class ProfileReport:
     device: str
     dtype: str
     config: dict[str, Any]
-    step_ms: list[float]  # the timed pass, each step
+    step_ms: list[float]  # the timed pass, each step (with --prefill: each prompt pass)
     median_step_ms: float
     device_busy_ms_per_step: float | None  # GPU only: the kernels' time over the profiled steps
     ops: list[OpTime]
@@ -128,6 +136,31 @@ def _decode_steps(llm: LLM, steps: int, batch: int, device: torch.device) -> lis
     return times
 
 
+def _prefill_passes(llm: LLM, config: ProfileConfig, passes: int, seeds: Iterator[int]) -> list[float]:
+    """Run `passes` passes, each prefilling `config.batch` fresh random prompts (seeds never repeat, so
+    no prompt finds its blocks in the prefix cache) to their first token; each pass's wall time in ms."""
+    params = SamplingParams(max_tokens=1, temperature=0, ignore_eos=True)
+    eos = frozenset(llm.model_config.eos_token_ids)
+    times = []
+    for _ in range(passes):
+        requests = []
+        for _ in range(config.batch):
+            seed = next(seeds)
+            prompt = random_prompt(llm, config.prompt_tokens, seed=seed)
+            requests.append(Request(f"profile-prefill-{seed}", prompt, params, eos))
+        _synchronize(llm.device)
+        start = time.perf_counter()
+        for request in requests:
+            llm.engine.add_request(request)
+        while llm.engine.has_unfinished():
+            llm.engine.step()
+        _synchronize(llm.device)
+        times.append((time.perf_counter() - start) * 1e3)
+        if any(request.num_cached_tokens for request in requests):
+            raise RuntimeError("a random prompt hit the prefix cache: the pass would not be a prefill")
+    return times
+
+
 def _op_table(prof: profile, steps: int) -> tuple[list[OpTime], float | None]:
     """The ops and kernels by their time per step, and the device's busy ms per step (None on the CPU).
     An eager op's device time is that of the kernels it launched, which are rows of their own: the busy
@@ -162,16 +195,23 @@ def run_profile(config: ProfileConfig, command: str) -> ProfileReport:
     try:
         device = llm.device
         date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-        requests = _start_decoding(llm, config)
-        _decode_steps(llm, WARM_UP_STEPS, config.batch, device)
-        step_ms = _decode_steps(llm, config.steps, config.batch, device)
+        requests = [] if config.prefill else _start_decoding(llm, config)
+        seeds = itertools.count()
+
+        def measure(steps: int) -> list[float]:
+            if config.prefill:
+                return _prefill_passes(llm, config, steps, seeds)
+            return _decode_steps(llm, steps, config.batch, device)
+
+        measure(1 if config.prefill else WARM_UP_STEPS)  # warm-up
+        step_ms = measure(config.steps)
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         with profile(activities=activities) as prof:
-            _decode_steps(llm, config.steps, config.batch, device)
+            measure(config.steps)
         ops, busy = _op_table(prof, config.steps)
         profiler = cProfile.Profile()
         profiler.enable()
-        _decode_steps(llm, config.steps, config.batch, device)
+        measure(config.steps)
         profiler.disable()
         functions = _function_table(profiler, config.steps)
         for request in requests:
@@ -184,9 +224,19 @@ def run_profile(config: ProfileConfig, command: str) -> ProfileReport:
                          statistics.median(step_ms), busy, ops, functions)  # fmt: skip
 
 
+def _what_was_measured(report: ProfileReport) -> str:
+    config = report.config
+    if config["prefill"]:
+        return f"prefill of {config['batch']} x {config['prompt_tokens']}-token prompts"
+    return f"batch {config['batch']}"
+
+
 def format_tables(report: ProfileReport) -> str:
-    lines = [f"{report.model} on {report.device} ({report.dtype}), batch {report.config['batch']}: "
+    lines = [f"{report.model} on {report.device} ({report.dtype}), {_what_was_measured(report)}: "
              f"median step {report.median_step_ms:.2f} ms"]  # fmt: skip
+    if report.config["prefill"]:
+        tokens = report.config["batch"] * report.config["prompt_tokens"]
+        lines.append(f"(a step is a prompt pass: {tokens / report.median_step_ms * 1e3:.0f} prompt tok/s)")
     if report.device_busy_ms_per_step is not None:
         share = report.device_busy_ms_per_step / report.median_step_ms
         lines.append(f"device busy {report.device_busy_ms_per_step:.2f} ms per step ({share:.0%} of the step)")
@@ -202,7 +252,8 @@ def format_tables(report: ProfileReport) -> str:
 
 
 def _plot(report: ProfileReport, path: Path) -> None:
-    title = f"{report.model} on {report.device}, batch {report.config['batch']}: a decode step's time"
+    step = "a prompt pass's" if report.config["prefill"] else "a decode step's"
+    title = f"{report.model} on {report.device}, {_what_was_measured(report)}: {step} time"
     with figure(path, ncols=2, figsize=(12, 5), title=title) as (_, (ops_ax, fn_ax)):
         ops = report.ops[:12][::-1]
         ops_ax.barh([o.name[:32] for o in ops], [o.host_us_per_step for o in ops], label="host")
@@ -220,14 +271,18 @@ def _plot(report: ProfileReport, path: Path) -> None:
 def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     parser = benchmarks.add_parser(
         "profile",
-        help="where a decode step's time goes: aten ops and GPU kernels, folio's Python functions",
+        help="where a decode step's (or a prefill's) time goes: aten ops and GPU kernels, folio's Python functions",
         description="Run --batch requests into decode and profile --steps pure decode steps: timed alone, under "
-        "torch.profiler (ops, kernels, the GPU's busy time) and under cProfile (folio's functions).",
+        "torch.profiler (ops, kernels, the GPU's busy time) and under cProfile (folio's functions). With "
+        "--prefill, each step is a pass that prefills --batch fresh prompts instead.",
     )
     parser.add_argument("model", help="catalog name, .gguf file or Hugging Face model folder")
     parser.add_argument("--batch", type=int, default=1, help="requests decoding together (default 1)")
     parser.add_argument("--prompt-tokens", type=int, default=128, help="each request's prompt (default 128)")
     parser.add_argument("--steps", type=int, default=20, help="decode steps in each pass (default 20)")
+    parser.add_argument(
+        "--prefill", action="store_true", help="profile prompt passes: each prefills --batch fresh prompts"
+    )
     add_output_dir(parser)
     EngineArgs.add_cli_args(parser)
     parser.set_defaults(bench_run=run_profile_command)
@@ -235,11 +290,12 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 def run_profile_command(args: argparse.Namespace) -> int:
     engine = EngineArgs.from_cli_args(args).llm_kwargs()
-    config = ProfileConfig(args.model, args.batch, args.prompt_tokens, args.steps, engine)
+    config = ProfileConfig(args.model, args.batch, args.prompt_tokens, args.steps, engine, args.prefill)
     report = run_profile(config, command_line(args))
     print(format_tables(report))
+    kind = f"prefill{config.prompt_tokens}x{config.batch}" if config.prefill else f"batch{config.batch}"
     json_path, png_path = result_paths(Path(args.output_dir), "profile", report.model, report.date_utc,
-                                       report.dtype, f"batch{config.batch}")  # fmt: skip
+                                       report.dtype, kind)  # fmt: skip
     write_json(json_path, report.to_dict())
     _plot(report, png_path)
     print(f"wrote {json_path}")

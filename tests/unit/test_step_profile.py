@@ -36,6 +36,24 @@ def test_the_report_times_each_decode_step_and_names_where_it_went(tiny):
     assert "median step" in format_tables(report)
 
 
+def test_prefill_mode_times_passes_of_fresh_prompts(tiny):
+    """--prefill: each step is a pass prefilling the batch's prompts to their first token. Fresh prompts
+    each pass: a repeated one would come from the prefix cache (an error, not a profile). The pool holds
+    one pass's prompts (2 x 2 blocks of 4 slots): each pass's blocks come back for the next."""
+    config = ProfileConfig(str(tiny), batch=2, prompt_tokens=7, steps=3, prefill=True,
+                           engine_args={"num_kv_blocks": 5, "block_size": 4})  # fmt: skip
+    report = run_profile(config, "folio bench profile --prefill")
+    assert len(report.step_ms) == 3 and all(ms > 0 for ms in report.step_ms)
+    step = next(
+        f for f in report.functions if f.function.startswith("engine/engine_core.py") and "(step)" in f.function
+    )
+    assert step.calls_per_step >= 1  # a pass takes the engine steps its prompts need
+    forward = [f for f in report.functions if "(forward)" in f.function]
+    assert forward and all(f.inclusive_us_per_step > 0 for f in forward)
+    tables = format_tables(report)
+    assert "prefill of 2 x 7-token prompts" in tables and "prompt tok/s" in tables
+
+
 def test_the_device_busy_time_counts_each_kernel_once():
     """On a GPU an eager op's device time is its kernels', listed again as rows of their own."""
 
@@ -67,3 +85,6 @@ def test_the_command_writes_its_json_and_plot(tiny, tmp_path, capsys):
     assert json.loads(json_path.read_text())["config"]["steps"] == 2
     assert list(tmp_path.glob("profile_*.png"))
     assert "wrote" in capsys.readouterr().out
+    assert run_profile_command(build_parser().parse_args([*words, "--prefill"])) == 0
+    [prefill_json] = tmp_path.glob("profile_*prefill5x1*.json")
+    assert json.loads(prefill_json.read_text())["config"]["prefill"] is True
