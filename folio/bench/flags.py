@@ -10,6 +10,8 @@ import shlex
 from folio.engine_args import SWITCHES_OFF_BY_DEFAULT
 
 _NOT_OPTIONS = ("command", "bench_command", "bench_run")
+# Benchmarks' own switches that are off by default, written only when on (as the engine's are).
+_BENCH_SWITCHES_OFF_BY_DEFAULT = ("prefill",)
 DEFAULT_OUTPUT_DIR = "benchmarks/results"
 
 
@@ -20,8 +22,8 @@ def add_output_dir(parser: argparse.ArgumentParser, what: str = "JSON + PNG go")
 def option_words(key: str, value: object) -> list[str]:
     """One option as command-line words. Booleans are `--no-...` switches whose default is True:
     `enable_x=False` is `--no-x`, `probe_request=False` is `--no-probe-request`; except the engine's
-    switches that are off by default: `compile=True` is `--compile`."""
-    if isinstance(value, bool) and key in SWITCHES_OFF_BY_DEFAULT:
+    switches that are off by default, and the benchmarks' own: `compile=True` is `--compile`."""
+    if isinstance(value, bool) and key in (*SWITCHES_OFF_BY_DEFAULT, *_BENCH_SWITCHES_OFF_BY_DEFAULT):
         return [f"--{key.replace('_', '-')}"] if value else []
     if isinstance(value, bool):
         return [] if value else [f"--no-{key.removeprefix('enable_').replace('_', '-')}"]

@@ -17,6 +17,7 @@ from folio.cli import build_parser
         ["bench", "decode", "m", "--compile", "--enforce-eager", "--no-prefix-caching"],
         ["bench", "decode", "m", "--device", "cuda", "--dtype", "bfloat16", "--prompt-tokens", "128", "2048"],
         ["bench", "profile", "m", "--batch", "64", "--no-hybrid-kv-cache"],
+        ["bench", "profile", "m", "--prefill", "--prompt-tokens", "512"],
     ],
 )
 def test_the_recorded_command_parses_back_to_the_same_arguments(words):
