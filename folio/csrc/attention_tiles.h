@@ -1,7 +1,7 @@
 // The vector pieces of the unquantized decode attention (paged_decode_dense.h): 16 keys at a time,
-// transposed once so each query's scores need no per-key reduction, a vectorised exp, and the
-// per-thread scratch of one task. The same tiles in two 8-key halves with AVX2 alone; plain loops where
-// neither or a compile-time head size is missing.
+// transposed once so each query's scores need no per-key reduction, and the per-thread scratch of one
+// task (the softmax between them: score_softmax.h). The same tiles in two 8-key halves with AVX2
+// alone; plain loops where neither or a compile-time head size is missing.
 #pragma once
 
 #include <torch/extension.h>
@@ -17,7 +17,6 @@
 #endif
 
 #include "paged_slots.h"
-#include "vec_exp.h"
 
 namespace dense {
 
@@ -71,8 +70,6 @@ static inline void transpose16(__m512 r[16]) {
   for (int i = 0; i < 16; ++i) r[i] = t[i];
 }
 
-using folio_vec::exp16;  // scores minus their max: x <= 0
-
 // Scores of NQ queries (rows of q, stride qs) against one transposed tile kt [D][16] -> s (stride ss).
 // Two accumulators per query (even and odd dims) so even 1-3 queries keep the FMA pipes busy.
 template <int64_t D, int NQ>
@@ -89,24 +86,25 @@ static inline void score_block(const float* kt, const float* q, int64_t qs, floa
   for (int i = 0; i < NQ; ++i) _mm512_storeu_ps(s + i * ss, _mm512_add_ps(even[i], odd[i]));
 }
 
-// acc[i] += sum_j p[i][j] * V_j for NQ queries over n <= 16 rows of V (float32), acc in registers.
+// acc[i][from, from + D) += sum_j p[i][j] * V_j[from, from + D) for NQ queries over n <= 16 rows of V
+// (float32), acc in registers.
 template <int64_t D, int NQ>
 static inline void accumulate_block(const float* const* vrows, int64_t n, const float* p, int64_t ps, float* acc,
-                                    int64_t as) {
+                                    int64_t as, int64_t from) {
   constexpr int64_t VD = D / 16;
   __m512 a[NQ][VD];
   for (int i = 0; i < NQ; ++i)
-    for (int64_t v = 0; v < VD; ++v) a[i][v] = _mm512_loadu_ps(acc + i * as + v * 16);
+    for (int64_t v = 0; v < VD; ++v) a[i][v] = _mm512_loadu_ps(acc + i * as + from + v * 16);
   for (int64_t j = 0; j < n; ++j) {
     __m512 row[VD];
-    for (int64_t v = 0; v < VD; ++v) row[v] = _mm512_loadu_ps(vrows[j] + v * 16);
+    for (int64_t v = 0; v < VD; ++v) row[v] = _mm512_loadu_ps(vrows[j] + from + v * 16);
     for (int i = 0; i < NQ; ++i) {
       const __m512 w = _mm512_set1_ps(p[i * ps + j]);
       for (int64_t v = 0; v < VD; ++v) a[i][v] = _mm512_fmadd_ps(w, row[v], a[i][v]);
     }
   }
   for (int i = 0; i < NQ; ++i)
-    for (int64_t v = 0; v < VD; ++v) _mm512_storeu_ps(acc + i * as + v * 16, a[i][v]);
+    for (int64_t v = 0; v < VD; ++v) _mm512_storeu_ps(acc + i * as + from + v * 16, a[i][v]);
 }
 
 #elif defined(__AVX2__)
@@ -138,8 +136,6 @@ static inline void transpose8(__m256 r[8]) {
     r[4 + c] = _mm256_permute2f128_ps(u[c], u[4 + c], 0x31);
   }
 }
-
-using folio_vec::exp8;  // scores minus their max: x <= 0
 
 // score_block on 8-lane halves of the tile: keys 0-7 and 8-15, even and odd dims apart.
 template <int64_t D, int NQ>
@@ -269,13 +265,20 @@ static inline void accumulate_tile(const T* v, const int64_t* slots, int64_t n, 
         rows[j] = wide;
       }
     }
-    constexpr int BLOCK = std::max<int>(1, 24 / (HEAD_DIM / 16));  // <= 24 accumulator registers
-    int64_t i = 0;
-    for (; i + BLOCK <= nq; i += BLOCK) accumulate_block<HEAD_DIM, BLOCK>(rows, n, p + i * ps, ps, acc + i * D, D);
-    if (i < nq) {
-      with_count<BLOCK>(nq - i, [&](auto count) {
-        accumulate_block<HEAD_DIM, decltype(count)::value>(rows, n, p + i * ps, ps, acc + i * D, D);
-      });
+    // Dims 64 at a time (4 registers a query), as many queries as leave a register for each one's
+    // weight and each V chunk: every V value loaded then serves BLOCK FMAs. 256 dims whole held one
+    // query's 16 accumulators and no V, so each FMA loaded its V value again (Gemma 3's prefill
+    // attention 1.24x, in one process).
+    constexpr int64_t CHUNK = HEAD_DIM % 64 == 0 ? 64 : HEAD_DIM, VD = CHUNK / 16;
+    constexpr int BLOCK = static_cast<int>(std::max<int64_t>(1, (32 - VD) / (VD + 1)));
+    for (int64_t from = 0; from < HEAD_DIM; from += CHUNK) {
+      int64_t i = 0;
+      for (; i + BLOCK <= nq; i += BLOCK) accumulate_block<CHUNK, BLOCK>(rows, n, p + i * ps, ps, acc + i * D, D, from);
+      if (i < nq) {
+        with_count<BLOCK>(nq - i, [&](auto count) {
+          accumulate_block<CHUNK, decltype(count)::value>(rows, n, p + i * ps, ps, acc + i * D, D, from);
+        });
+      }
     }
     return;
   }
@@ -316,46 +319,6 @@ static inline void accumulate_tile(const T* v, const int64_t* slots, int64_t n, 
       for (int64_t d = 0; d < D; ++d) a[d] += weight * to_float(vrow[d]);
     }
   }
-}
-
-// s[0, n) = exp(s - peak) in place; returns their sum.
-static inline float exp_sum(float* s, int64_t n, float peak) {
-#if defined(__AVX512F__)
-  const __m512 m = _mm512_set1_ps(peak);
-  __m512 total = _mm512_setzero_ps();
-  for (int64_t j = 0; j < n; j += 16) {
-    const __mmask16 live = n - j >= 16 ? __mmask16(0xffff) : __mmask16((1u << (n - j)) - 1);
-    const __m512 e = exp16(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, s + j), m));
-    _mm512_mask_storeu_ps(s + j, live, e);
-    total = _mm512_mask_add_ps(total, live, total, e);
-  }
-  return _mm512_reduce_add_ps(total);
-#elif defined(__AVX2__)
-  const __m256 m = _mm256_set1_ps(peak);
-  __m256 total = _mm256_setzero_ps();
-  int64_t j = 0;
-  for (; j + 8 <= n; j += 8) {
-    const __m256 e = exp8(_mm256_sub_ps(_mm256_loadu_ps(s + j), m));
-    _mm256_storeu_ps(s + j, e);
-    total = _mm256_add_ps(total, e);
-  }
-  alignas(32) float lanes[8];
-  _mm256_store_ps(lanes, total);
-  float sum = 0.0f;
-  for (float lane : lanes) sum += lane;
-  for (; j < n; ++j) {
-    s[j] = std::exp(s[j] - peak);
-    sum += s[j];
-  }
-  return sum;
-#else
-  float total = 0.0f;
-  for (int64_t j = 0; j < n; ++j) {
-    s[j] = std::exp(s[j] - peak);
-    total += s[j];
-  }
-  return total;
-#endif
 }
 
 }  // namespace dense

@@ -101,8 +101,7 @@ static void decode_attention_impl(
       });
       for (int64_t g = 0; g < group; ++g) {
         float* s = scores.data() + g * count;
-        float peak = s[0];  // not -inf: -ffast-math assumes finite values
-        for (int64_t j = 0; j < count; ++j) peak = std::max(peak, s[j]);
+        const float peak = dense::max_of(s, count);
         float total = 0.0f;
         for (int64_t j = 0; j < count; ++j) {
           s[j] = std::exp(s[j] - peak);

@@ -24,6 +24,7 @@
 #include <vector>
 
 #include "attention_tiles.h"
+#include "score_softmax.h"
 #include "paged_slots.h"
 
 namespace dense {
@@ -164,8 +165,7 @@ static void attention(torch::Tensor& out, const torch::Tensor& query, const torc
             const int64_t offset = c0 - (lens[row] - 1);
             for (int64_t j = from; j < to; ++j) s[j] += slope * static_cast<float>(j + offset);
           }
-          peak = s[from];  // not -inf: -ffast-math assumes finite values
-          for (int64_t j = from; j < to; ++j) peak = std::max(peak, s[j]);
+          peak = max_of(s + from, to - from);
           total = exp_sum(s + from, to - from, peak);
         }
         std::fill(s, s + std::max<int64_t>(0, from), 0.0f);  // weights of keys the row does not see
