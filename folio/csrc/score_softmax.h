@@ -15,7 +15,7 @@
 namespace dense {
 
 // The largest of s[0, n), n >= 1. Vectorized by hand: GCC left the plain loop a chain of scalar maxima,
-// each waiting on the last: 12% of a 2,048-token smollm2 prefill (attention 1.29x without it).
+// each waiting on the last: 12% of a 2,048-token smollm2 prefill (its attention 1.29x faster with this).
 static inline float max_of(const float* s, int64_t n) {
   int64_t j = 0;
   float peak = s[0];
