@@ -248,6 +248,25 @@ static inline void score_tile(const T* k, const int64_t* slots, int64_t n, int64
   }
 }
 
+#if defined(__AVX512F__) || defined(__AVX2__)
+// acc[i] (stride HEAD_DIM) += sum_j p[i][j] * V_j for nq queries over n rows of V, CHUNK dims and
+// BLOCK queries (accumulate_block) at a time.
+template <int64_t HEAD_DIM, int64_t CHUNK, int BLOCK>
+static inline void accumulate_chunks(const float* const* rows, int64_t n, const float* p, int64_t ps, int64_t nq,
+                                     float* acc) {
+  for (int64_t from = 0; from < HEAD_DIM; from += CHUNK) {
+    int64_t i = 0;
+    for (; i + BLOCK <= nq; i += BLOCK)
+      accumulate_block<CHUNK, BLOCK>(rows, n, p + i * ps, ps, acc + i * HEAD_DIM, HEAD_DIM, from);
+    if (i < nq) {
+      with_count<BLOCK>(nq - i, [&](auto count) {
+        accumulate_block<CHUNK, decltype(count)::value>(rows, n, p + i * ps, ps, acc + i * HEAD_DIM, HEAD_DIM, from);
+      });
+    }
+  }
+}
+#endif
+
 // acc[i] (stride D) += sum_j p[i][j] * V_j over the tile's n values at `slots`.
 template <typename T, int64_t HEAD_DIM>
 static inline void accumulate_tile(const T* v, const int64_t* slots, int64_t n, int64_t row_stride, const float* p,
@@ -271,15 +290,7 @@ static inline void accumulate_tile(const T* v, const int64_t* slots, int64_t n, 
     // attention 1.24x, in one process).
     constexpr int64_t CHUNK = HEAD_DIM % 64 == 0 ? 64 : HEAD_DIM, VD = CHUNK / 16;
     constexpr int BLOCK = static_cast<int>(std::max<int64_t>(1, (32 - VD) / (VD + 1)));
-    for (int64_t from = 0; from < HEAD_DIM; from += CHUNK) {
-      int64_t i = 0;
-      for (; i + BLOCK <= nq; i += BLOCK) accumulate_block<CHUNK, BLOCK>(rows, n, p + i * ps, ps, acc + i * D, D, from);
-      if (i < nq) {
-        with_count<BLOCK>(nq - i, [&](auto count) {
-          accumulate_block<CHUNK, decltype(count)::value>(rows, n, p + i * ps, ps, acc + i * D, D, from);
-        });
-      }
-    }
+    accumulate_chunks<HEAD_DIM, CHUNK, BLOCK>(rows, n, p, ps, nq, acc);
     return;
   }
 #elif defined(__AVX2__)
@@ -298,15 +309,7 @@ static inline void accumulate_tile(const T* v, const int64_t* slots, int64_t n, 
     // dims in chunks of up to 64 (8 registers a query), two queries at a time: <= 16 accumulators' worth
     constexpr int64_t CHUNK = HEAD_DIM < 64 ? HEAD_DIM : 64;
     constexpr int BLOCK = CHUNK == 64 ? 1 : 2;
-    for (int64_t from = 0; from < HEAD_DIM; from += CHUNK) {
-      int64_t i = 0;
-      for (; i + BLOCK <= nq; i += BLOCK) accumulate_block<CHUNK, BLOCK>(rows, n, p + i * ps, ps, acc + i * D, D, from);
-      if (i < nq) {
-        with_count<BLOCK>(nq - i, [&](auto count) {
-          accumulate_block<CHUNK, decltype(count)::value>(rows, n, p + i * ps, ps, acc + i * D, D, from);
-        });
-      }
-    }
+    accumulate_chunks<HEAD_DIM, CHUNK, BLOCK>(rows, n, p, ps, nq, acc);
     return;
   }
 #endif
