@@ -129,27 +129,31 @@ class StreamingDecoder:
     """Turns a stream of token ids into text deltas, holding back partial UTF-8 characters (with the
     complete ones that came in the same tokens); `finish` gives those complete ones when no more come."""
 
+    CONTEXT_TOKENS = 4  # released tokens decoded before the held ones, so that their spacing is as in the text
+
     def __init__(self, backend: HFTokenizer, skip_special_tokens: bool) -> None:
         self._backend = backend
         self._skip_special_tokens = skip_special_tokens
         self._stream = DecodeStream(skip_special_tokens=skip_special_tokens)
-        self._ids: list[int] = []
-        self._released = 0  # how many of _ids the deltas so far cover
+        self._context: list[int] = []  # the last few tokens the deltas so far cover
+        self._held: list[int] = []  # tokens since then, whose text DecodeStream holds back
 
     def step(self, token_id: int) -> str:
-        self._ids.append(token_id)
         text = self._stream.step(self._backend, token_id)
-        if text:
-            self._released = len(self._ids)
-        return text or ""
+        if not text:
+            self._held.append(token_id)
+            return ""
+        self._context = [*self._context, *self._held, token_id][-self.CONTEXT_TOKENS :]
+        self._held = []
+        return text
 
     def finish(self) -> str:
         """The complete characters of the tokens held back (a text cut inside a character: ' ' and the
         first byte of a three-byte one), less the U+FFFD that decode gives their incomplete bytes."""
-        if self._released == len(self._ids):
+        if not self._held:
             return ""
-        before = self._backend.decode(self._ids[: self._released], skip_special_tokens=self._skip_special_tokens)
-        whole = self._backend.decode(self._ids, skip_special_tokens=self._skip_special_tokens)
+        before = self._backend.decode(self._context, skip_special_tokens=self._skip_special_tokens)
+        whole = self._backend.decode(self._context + self._held, skip_special_tokens=self._skip_special_tokens)
         return whole[len(before) :].rstrip("\ufffd") if whole.startswith(before) else ""
 
 
