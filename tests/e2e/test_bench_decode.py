@@ -7,6 +7,7 @@ import json
 import pytest
 
 from folio.cli import main
+from tests.utilisation import plausible
 
 pytest.importorskip("matplotlib")
 pytestmark = pytest.mark.usefixtures("peaks_measured_once")
@@ -28,8 +29,8 @@ def test_decode_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
     # Utilisation against the peaks measured at the start: the dense bf16 weights are 4x the bytes.
     assert report["peaks"]["dtype"] == "bfloat16" and report["peaks"]["read_gbps"] > 0
     for result in (kept, dense):
-        assert result["batch1_mbu"] > 0 and 0 < result["batch_mfu"] < 1
-        assert result["prefill_tok_s"]["16"] > 0 and 0 < result["prefill_mfu"]["16"] < 1
+        assert result["batch1_mbu"] > 0 and plausible(result["batch_mfu"])
+        assert result["prefill_tok_s"]["16"] > 0 and plausible(result["prefill_mfu"]["16"])
     out = capsys.readouterr().out
     assert "batch-1 tok/s" in out and "MBU" in out and "GB/s read" in out and "pp16 (MFU)" in out
 

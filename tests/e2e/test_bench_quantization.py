@@ -8,6 +8,7 @@ import pytest
 
 from folio.cli import main
 from tests.tiny_models import make_tiny_model
+from tests.utilisation import plausible
 
 pytestmark = pytest.mark.usefixtures("peaks_measured_once")
 
@@ -38,7 +39,7 @@ def test_quantization_table_end_to_end(tmp_path, capsys):
     # own resident bytes, so it is the row's rate times its bytes per token over the one read peak.
     peaks = report["peaks"]
     assert peaks["dtype"] == "float32" and peaks["matmul_gflops"] > 0 and peaks["read_gbps"] > 0
-    assert all(0 < r["batch1_mbu"] < 1 and 0 < r["batch_mfu"] < 1 for r in rows)
+    assert all(plausible(r["batch1_mbu"]) and plausible(r["batch_mfu"]) for r in rows)
     for key in (("fp32", "auto"), ("int4", "auto")):
         row = by[key]
         bytes_per_token = row["batch1_mbu"] * peaks["read_gbps"] * 1e9 / row["batch1_tok_s"]

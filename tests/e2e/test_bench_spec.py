@@ -12,6 +12,7 @@ import pytest
 
 from folio.cli import main
 from tests.tiny_models import make_tiny_chat_model
+from tests.utilisation import plausible
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -62,11 +63,11 @@ def test_spec_bench_end_to_end(tiny_llama, tmp_path, capsys):
         assert cell["speedup"] > 0 and (variant != "none" or cell["speedup"] == 1.0)
         # Fractions of the peaks measured at the start: MFU everywhere, MBU at batch 1 only (a served step's
         # batch is the server's); a speculative MBU is effective and may pass 1, so only its sign is checked.
-        assert 0 < cell["mfu"] < 1
+        assert plausible(cell["mfu"])
         if setting != "batch1":
             assert cell["mbu"] is None
         else:
-            assert cell["mbu"] > 0 and (variant != "none" or cell["mbu"] < 1)
+            assert cell["mbu"] > 0 and (variant != "none" or plausible(cell["mbu"]))
         spec = cell["spec"]
         if variant == "none":
             assert spec is None

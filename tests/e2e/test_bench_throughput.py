@@ -18,6 +18,7 @@ from folio.bench.datasets import (
 )
 from folio.cli import main
 from tests.tiny_models import make_tiny_model
+from tests.utilisation import plausible
 
 pytest.importorskip("transformers")
 pytest.importorskip("matplotlib")
@@ -60,7 +61,7 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
     assert folio["generated_tokens"] == wanted_output
     # The same work over each engine's time, against the GEMM peak measured as the run started.
     assert report["peaks"]["matmul_gflops"] > 0
-    assert 0 < folio["mfu"] < 1 and folio["mfu"] / hf["mfu"] == pytest.approx(hf["elapsed_s"] / folio["elapsed_s"])
+    assert plausible(folio["mfu"]) and folio["mfu"] / hf["mfu"] == pytest.approx(hf["elapsed_s"] / folio["elapsed_s"])
     assert hf["generated_tokens"] >= wanted_output  # a static batch decodes to its longest request
     ratios = report["ratios"]["folio/hf"]
     assert ratios["output_tokens_per_s"] == pytest.approx(folio["output_tokens_per_s"] / hf["output_tokens_per_s"])
