@@ -87,6 +87,18 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     limits.add_argument("--max-logprobs-per-request", type=int, default=defaults.max_logprobs,
                         help="choices x (top_logprobs + 1) x max_tokens a request may ask for "
                         f"(default {defaults.max_logprobs})")  # fmt: skip
+    limits.add_argument("--max-request-inputs", type=int, default=defaults.max_inputs,
+                        help="prompts in one completion request, inputs in one embedding request "
+                        f"(default {defaults.max_inputs})")  # fmt: skip
+    limits.add_argument("--max-request-tokens", type=int, default=defaults.max_prompt_tokens,
+                        help=f"prompt tokens of one request, all its prompts together (default "
+                        f"{defaults.max_prompt_tokens})")  # fmt: skip
+    limits.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                        help="fcfs (default): first come, first served, and a request's priority must be 0; "
+                        "priority: requests' own priorities order the queue (lower first), as vLLM's")  # fmt: skip
+    limits.add_argument("--priority-range", default=None, metavar="LOW:HIGH",
+                        help="with --scheduling-policy priority: the priorities a request may ask for "
+                        "(default: any 64-bit integer)")  # fmt: skip
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -21,10 +21,10 @@ from folio.loaders.catalog import CATALOG, list_pulled, pull, resolve_model
 from folio.platform import default_device
 from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
 from folio.results import atomic_open, result_paths, write_json
-from folio.sampling_params import SamplingParams
+from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from folio.scale.options import ReplicaOptions
 from folio.scale.routing import RoutingConfig
-from folio.server.batch_file import run_batch
+from folio.server.batch_file import batch_lines, run_batch
 from folio.server.chat_options import ChatOptions
 from folio.server.limits import RequestLimits
 from folio.server.serve import (
@@ -198,7 +198,7 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     path = Path(args.input_file)
     if not path.exists():
         raise FileNotFoundError(f"input file {path} does not exist")
-    lines = [line for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    lines = batch_lines(path.read_bytes())  # a line that is not UTF-8 is that line's error, not the file's
     if not lines:
         raise ValueError(f"{path} holds no requests")
     llm = _llm(args)
@@ -210,9 +210,10 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     finally:
         server.engine.shutdown()
     with atomic_open(Path(args.output_file)) as out:
-        out.writelines(json.dumps(line, ensure_ascii=False) + "\n" for line in outputs)
+        out.writelines(line + "\n" for line in outputs)  # each already one line of strict JSON
     print(f"{summary.requests} requests: {summary.answered_ok} answered, {summary.answered_error} answered with "
-          f"an error, {summary.invalid_lines} not requests; wrote {args.output_file}", file=sys.stderr)  # fmt: skip
+          f"an error, {summary.invalid_lines} not requests, {summary.failed} failed; wrote {args.output_file}",
+          file=sys.stderr)  # fmt: skip
     return 0
 
 
@@ -295,7 +296,27 @@ def request_limits(args: argparse.Namespace) -> RequestLimits:
         max_logit_bias=args.max_logit_bias,
         max_grammar_bytes=args.max_grammar_bytes,
         max_logprobs=args.max_logprobs_per_request,
+        max_inputs=args.max_request_inputs,
+        max_prompt_tokens=args.max_request_tokens,
+        priority_range=_priority_range(args.scheduling_policy, args.priority_range),
     )
+
+
+def _priority_range(policy: str, given: str | None) -> tuple[int, int] | None:
+    if policy == "fcfs":
+        if given is not None:
+            raise ValueError("--priority-range needs --scheduling-policy priority")
+        return None
+    if given is None:
+        return (INT64_MIN, INT64_MAX)
+    low, sep, high = given.partition(":")
+    try:
+        bounds = (int(low), int(high))
+    except ValueError:
+        sep = ""
+    if not sep or not INT64_MIN <= bounds[0] <= bounds[1] <= INT64_MAX:
+        raise ValueError(f"--priority-range takes LOW:HIGH, two 64-bit integers with LOW <= HIGH; got {given!r}")
+    return bounds
 
 
 def cmd_kv_calc(args: argparse.Namespace) -> int:

@@ -13,7 +13,7 @@ MAX_LOGPROBS = 20  # top alternatives returned per token, as in OpenAI's chat AP
 # torch.Generator.manual_seed takes [-2**63, 2**64); the API takes int64 seeds (as vLLM) and sample j
 # of a request draws with seed + j, which stays inside that range.
 SEED_MIN, SEED_MAX = -(2**63), 2**64 - 1
-INT64_MAX = 2**63 - 1  # top_k and priorities become int64 tensors or are compared as such
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1  # top_k and priorities become int64 tensors or are compared so
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
@@ -41,7 +43,9 @@ def _shows_thinking(body: MessagesRequest) -> bool:
 
 async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> dict[str, int]:
     request = _chat_request(ctx, body.chat_fields(), _thinking_asked(body))
-    return {"input_tokens": len(prepare_chat(ctx, request).prompt.token_ids)}
+    with ctx.admission.reserve(1):  # it tokenizes as a generation does, so it takes a slot as one
+        prepared = await run_in_threadpool(prepare_chat, ctx, request)
+    return {"input_tokens": len(prepared.prompt.token_ids)}
 
 
 def stop_reason(finish_reason: str | None, stop_sequence: str | None, called: bool) -> str:
@@ -58,7 +62,7 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
 
 async def create_message(ctx: ServerContext, body: MessagesRequest):
     request = _chat_request(ctx, {**body.chat_fields(), **body.sampling_fields()}, _thinking_asked(body))
-    prepared = prepare_chat(ctx, request)
+    prepared = await run_in_threadpool(prepare_chat, ctx, request)
     head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": ctx.model_name}
     with ctx.open_call(1, "n") as call:
         call.generation.add(prepared.prompt.token_ids, prepared.params)

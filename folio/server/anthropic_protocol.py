@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from folio.sampling_params import INT64_MAX
 from folio.server.errors import APIError
+from folio.server.request_body import RequestBody
 
 
 class _Block(BaseModel):
@@ -111,8 +112,7 @@ class OutputConfig(BaseModel):
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # refused: no effort levels here
 
 
-class CountTokensRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CountTokensRequest(RequestBody):
     model: str
     messages: list[AnthropicMessage] = Field(min_length=1)
     system: str | list[TextBlock] | None = None

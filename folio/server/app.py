@@ -18,10 +18,12 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from folio.server.answer_body import json_answer
 from folio.server.anthropic_messages import count_tokens, create_message
 from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
-from folio.server.auth import APIKeyMiddleware
+from folio.server.auth import APIKeyDigest, APIKeyMiddleware
 from folio.server.body_limit import BodySizeLimit, too_large_message
+from folio.server.body_route import OffLoopBodyRoute
 from folio.server.chat import create_chat_completion
 from folio.server.chat_prompt import encode_messages
 from folio.server.chat_protocol import ChatCompletionRequest
@@ -33,6 +35,7 @@ from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.ollama_routes import ollama_router
 from folio.server.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from folio.server.request_body import BODY_ERROR_TYPES
 from folio.server.responses_api import create_response
 from folio.server.responses_protocol import ResponsesRequest
 
@@ -46,7 +49,7 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
         return f"the request body is not valid JSON: {first.get('ctx', {}).get('error', first.get('msg'))}", None
     if first.get("type") == "extra_forbidden":
         return f"unknown parameter '{location[-1]}'", location[-1]
-    if first.get("type") == "lone_surrogate":
+    if first.get("type") in BODY_ERROR_TYPES:
         return str(first.get("msg")), first.get("ctx", {}).get("param")
     param = ".".join(location) or None
     message = str(first.get("msg"))
@@ -54,9 +57,10 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(
-    ctx: ServerContext, metrics_registry: CollectorRegistry | None = None, api_key: str | None = None
+    ctx: ServerContext, metrics_registry: CollectorRegistry | None = None, api_key: str | APIKeyDigest | None = None
 ) -> FastAPI:
     app = FastAPI(title="folio", docs_url=None, redoc_url=None)
+    app.router.route_class = OffLoopBodyRoute  # the routes below, and the Ollama router's
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_body_bytes=ctx.limits.max_body_bytes)  # outermost: added last
@@ -121,14 +125,17 @@ def create_app(
     async def messages_count_tokens(body: CountTokensRequest) -> dict:
         return await count_tokens(ctx, body)
 
-    @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> dict:
-        ctx.check_model(body.model)
+    def tokenize_body(body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
-            tokens = encode_messages(ctx, body.messages, body.add_generation_prompt)
-        else:
-            tokens = ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
-        return {"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens}
+            return encode_messages(ctx, body.messages, body.add_generation_prompt)
+        return ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        ctx.check_model(body.model)
+        with ctx.admission.reserve(1):  # tokenizing costs what a generation's prompt does: it waits its turn
+            tokens = await run_in_threadpool(tokenize_body, body)
+        return await json_answer({"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens})
 
     @app.get("/tokenizer_info")
     async def tokenizer_info() -> dict:
@@ -141,9 +148,13 @@ def create_app(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
         ctx.check_model(body.model)
+        if len(body.tokens) > ctx.limits.max_prompt_tokens:
+            raise APIError(400, f"at most {ctx.limits.max_prompt_tokens} tokens can be detokenized at once "
+                           "(--max-request-tokens)", param="tokens")  # fmt: skip
         if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
             raise APIError(400, f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
-        return {"prompt": ctx.tokenizer.decode(body.tokens)}
+        with ctx.admission.reserve(1):
+            return {"prompt": await run_in_threadpool(ctx.tokenizer.decode, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -8,6 +8,8 @@ import uuid
 from collections.abc import AsyncIterator
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader, AnswerStream
 from folio.server.chat_prompt import prepare_chat
@@ -22,7 +24,8 @@ from folio.server.sse import DONE, event, guarded, usage
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
-    prepared = prepare_chat(ctx, body)  # everything is checked before the call takes anything
+    # Everything is checked before the call takes anything; templating and tokenizing off the event loop.
+    prepared = await run_in_threadpool(prepare_chat, ctx, body)
     prompt, prompt_ids, choice_params = prepared.prompt, prepared.prompt.token_ids, prepared.params
     head = {"id": f"chatcmpl-{uuid.uuid4().hex}", "created": int(time.time()), "model": ctx.model_name}
     with ctx.open_call(body.num_sequences, "beam_width" if body.use_beam_search else "n") as call:

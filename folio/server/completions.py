@@ -5,9 +5,13 @@ from __future__ import annotations
 import time
 import uuid
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from starlette.concurrency import run_in_threadpool
 
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.outputs import TokenLogprob
+from folio.sampling_params import SamplingParams
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
@@ -19,42 +23,64 @@ from folio.server.sse import DONE, event, guarded, usage
 
 
 def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
-    """(text, token ids) per prompt; text is None for prompts given as ids."""
+    """(text, token ids) per prompt; text is None for prompts given as ids. Their count is checked before
+    any is tokenized, their tokens together after."""
     prompt = body.prompt
     if isinstance(prompt, str):
-        return [(prompt, ctx.tokenizer.encode(prompt))]
-    if prompt and isinstance(prompt[0], str):
-        return [(p, ctx.tokenizer.encode(p)) for p in prompt]  # type: ignore[arg-type]
-    if prompt and isinstance(prompt[0], list):
-        return [(None, list(p)) for p in prompt]  # type: ignore[arg-type]
-    return [(None, list(prompt))]  # type: ignore[arg-type]
+        given: list = [prompt]
+    elif prompt and isinstance(prompt[0], str | list):
+        given = prompt
+    else:
+        given = [prompt]  # one prompt of token ids
+    ctx.limits.check_inputs(len(given), "prompt")
+    prompts = [(p, ctx.tokenizer.encode(p)) if isinstance(p, str) else (None, list(p)) for p in given]
+    ctx.limits.check_prompt_tokens(sum(len(ids) for _, ids in prompts), "prompt")
+    return prompts
 
 
-async def create_completion(ctx: ServerContext, body: CompletionRequest):
-    # Everything is checked before the call takes admission slots or engine requests.
+@dataclass
+class PreparedCompletion:
+    """A completion request checked whole: nothing is reserved yet."""
+
+    prompts: list[tuple[str | None, list[int]]]
+    choice_params: list[SamplingParams]  # one per sample of each prompt
+    echoes: list[str]  # per prompt: the text echoed before each choice's ("" without echo)
+
+
+def _prepare(ctx: ServerContext, body: CompletionRequest) -> PreparedCompletion:
+    """Everything checked and tokenized (on a worker thread: a request may hold thousands of prompts)."""
     ctx.check_model(body.model)
     body.reject_unsupported()
     prompts = _prompts(ctx, body)
     for _, ids in prompts:
         ctx.check_prompt(ids)
     n, samples = body.n, body.num_samples
-    count = len(prompts) * samples
     # best_of ranks samples by the sum of their tokens' logprobs, so it needs them even if not asked.
     logprobs = body.logprobs if samples == n else max(body.logprobs or 0, 0)
     limit = body.max_tokens or 16
     shortest = min(len(ids) for _, ids in prompts)
-    ctx.limits.check_logprobs(count, body.logprobs, min(limit, ctx.default_max_tokens(shortest)), "logprobs")
+    ctx.limits.check_logprobs(len(prompts) * samples, body.logprobs, min(limit, ctx.default_max_tokens(shortest)),
+                              "logprobs")  # fmt: skip
     longest = max(len(ids) for _, ids in prompts)
     ctx.limits.check_logprobs(len(prompts), body.num_prompt_logprobs, longest, "prompt_logprobs")
     choice_params = body.choice_params(ctx.limits, ctx.vocab_size, limit, samples, logprobs, body.num_prompt_logprobs)
     echoes = [(text if text is not None else ctx.tokenizer.decode(ids)) if body.echo else "" for text, ids in prompts]
+    return PreparedCompletion(prompts, choice_params, echoes)
+
+
+async def create_completion(ctx: ServerContext, body: CompletionRequest):
+    # Everything is checked before the call takes admission slots or engine requests.
+    prepared = await run_in_threadpool(_prepare, ctx, body)
+    prompts, echoes = prepared.prompts, prepared.echoes
+    n, samples = body.n, body.num_samples
+    count = len(prompts) * samples
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}  # fmt: skip
     prompt_tokens = sum(len(ids) for _, ids in prompts)
     param = "best_of" if samples > n else "beam_width" if body.use_beam_search else "n"
     with ctx.open_call(len(prompts) * body.num_sequences, param) as call:
         for _, ids in prompts:
-            call.generation.add(ids, choice_params, body.cache_salt, body.priority)
+            call.generation.add(ids, prepared.choice_params, body.cache_salt, body.priority)
         if body.stream:
             events = _stream(ctx, body, head, call.generation, prompts, echoes, prompt_tokens)
             return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)

@@ -8,6 +8,7 @@ as generation requests (continuous batching, chunked prefill) and takes an admis
 from __future__ import annotations
 
 import torch
+from starlette.concurrency import run_in_threadpool
 
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.sampling_params import PoolingParams, SamplingParams
@@ -23,7 +24,7 @@ EMBEDDING_PARAMS = SamplingParams(max_tokens=1, pooling=PoolingParams())
 
 async def create_embedding(ctx: ServerContext, body: EmbeddingRequest) -> dict:
     ctx.check_model(body.model)
-    inputs = body.token_inputs(ctx.tokenizer)
+    inputs = await run_in_threadpool(body.token_inputs, ctx.tokenizer, ctx.limits)  # off the event loop
     vectors = await embed_inputs(ctx, inputs, body.dimensions)
     data = [
         {"object": "embedding", "index": index, "embedding": encode_vector(vector, body.encoding_format or "float")}

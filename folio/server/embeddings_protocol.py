@@ -8,12 +8,11 @@ from typing import Literal
 from pydantic import Field, StrictInt, model_validator
 
 from folio.loaders.tokenizer import Tokenizer
-from folio.server.protocol import _Body
+from folio.server.limits import RequestLimits
+from folio.server.request_body import RequestBody
 
-MAX_INPUTS = 2048  # inputs in one request, as OpenAI allows
 
-
-class EmbeddingRequest(_Body):
+class EmbeddingRequest(RequestBody):
     model: str
     # Strict integers: JSON's true/false are no token ids (nor a dimension count).
     input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
@@ -33,12 +32,14 @@ class EmbeddingRequest(_Body):
         inputs = self.inputs
         if not inputs:
             raise ValueError("input must not be empty")
-        if len(inputs) > MAX_INPUTS:
-            raise ValueError(f"input may hold at most {MAX_INPUTS} inputs, got {len(inputs)}")
         if any(len(item) == 0 for item in inputs):
             raise ValueError("input must not hold an empty string or an empty list of token ids")
         return self
 
-    def token_inputs(self, tokenizer: Tokenizer) -> list[list[int]]:
-        """Each input's token ids: text is tokenized, token ids are taken as given."""
-        return [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in self.inputs]
+    def token_inputs(self, tokenizer: Tokenizer, limits: RequestLimits) -> list[list[int]]:
+        """Each input's token ids: text is tokenized, token ids are taken as given. Their count is checked
+        before any is tokenized (--max-request-inputs), their tokens together after (--max-request-tokens)."""
+        limits.check_inputs(len(self.inputs), "input")
+        inputs = [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in self.inputs]
+        limits.check_prompt_tokens(sum(len(ids) for ids in inputs), "input")
+        return inputs

@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterable, Callable, Coroutine
-from typing import Any, TypeVar
+from typing import Any
 
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
-T = TypeVar("T")
+from folio.server.answer_body import json_answer
 
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for a client that left; it is never delivered, only logged
 
@@ -28,9 +28,10 @@ async def _wait_for_disconnect(request: Request) -> None:
         pass
 
 
-async def cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, T]) -> T | Response:
+async def cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, Any]) -> Response:
     """Run `handler`; if the client disconnects first, cancel it (its finally blocks abort the engine
-    requests) and answer 499 to nobody."""
+    requests) and answer 499 to nobody. An answer that is not a Response yet is written as JSON off the
+    event loop (answer_body.py)."""
     work = asyncio.ensure_future(handler)
     watcher = asyncio.ensure_future(_wait_for_disconnect(request))
     try:
@@ -42,7 +43,8 @@ async def cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, T]
     if work.cancelled():
         await asyncio.gather(work, return_exceptions=True)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return work.result()
+    answer = work.result()
+    return answer if isinstance(answer, Response) else await json_answer(answer)
 
 
 class ClosingStreamingResponse(StreamingResponse):

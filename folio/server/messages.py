@@ -3,10 +3,11 @@ the dicts chat templates read (transformers' shape: a call's arguments as an obj
 
 from __future__ import annotations
 
-import json
 from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+
+from folio.server.request_body import load_json_text
 
 
 class TextPart(BaseModel):
@@ -24,8 +25,8 @@ class CalledFunction(BaseModel):
     @classmethod
     def _json_object(cls, value: str) -> str:
         try:
-            parsed = json.loads(value)
-        except json.JSONDecodeError as exc:
+            parsed = load_json_text(value)
+        except ValueError as exc:
             raise ValueError(f"a tool call's arguments must be a JSON object: {exc}") from None
         if not isinstance(parsed, dict):
             raise ValueError("a tool call's arguments must be a JSON object")
@@ -70,7 +71,7 @@ class ChatMessage(BaseModel):
         if self.tool_calls:
             message["tool_calls"] = [
                 {"id": c.id, "type": "function",
-                 "function": {"name": c.function.name, "arguments": json.loads(c.function.arguments)}}
+                 "function": {"name": c.function.name, "arguments": load_json_text(c.function.arguments)}}
                 for c in self.tool_calls
             ]  # fmt: skip
         if self.role == "tool":

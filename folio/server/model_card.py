@@ -1,5 +1,6 @@
 """What the model-listing routes (Ollama's /api/tags, /api/show, /api/ps) say about the served model:
-read once from its file at start-up, except its digest, hashed on first use."""
+read once from its file at start-up, except its digest, which ollama_routes.py hashes once, off the event
+loop, on first use (seconds for a file of several GB)."""
 
 from __future__ import annotations
 
@@ -58,9 +59,9 @@ class ModelCard:
     context_length: int
     embedding_length: int
     size_bytes: int  # on disk
+    modified_at: str  # the file's modification time, ISO 8601 (read once: the file may go while serving)
     resident_bytes: int | None = None  # weights and KV cache held in memory, where known
     loaded_at: float = field(default_factory=time.time)
-    _digest: str | None = field(default=None, repr=False)
 
     @classmethod
     def describe(
@@ -76,6 +77,7 @@ class ModelCard:
             context_length=context_length,
             embedding_length=config.hidden_size,
             size_bytes=_bytes_on_disk(path),
+            modified_at=iso_time(path.stat().st_mtime),
             resident_bytes=resident_bytes,
         )
 
@@ -83,18 +85,12 @@ class ModelCard:
     def format(self) -> str:
         return "gguf" if self.path.suffix == ".gguf" else "safetensors"
 
-    @property
-    def modified_at(self) -> str:
-        return iso_time(self.path.stat().st_mtime)
-
-    @property
-    def digest(self) -> str:
-        """sha256 of the model file (of config.json for a folder), as Ollama identifies a model."""
-        if self._digest is None:
-            target = self.path / "config.json" if self.path.is_dir() else self.path
-            with target.open("rb") as file:
-                self._digest = hashlib.file_digest(file, "sha256").hexdigest()
-        return self._digest
+    def compute_digest(self) -> str:
+        """sha256 of the model file (of config.json for a folder), as Ollama identifies a model. It reads
+        the whole file: call it off the event loop, once. OSError if the file is gone."""
+        target = self.path / "config.json" if self.path.is_dir() else self.path
+        with target.open("rb") as file:
+            return hashlib.file_digest(file, "sha256").hexdigest()
 
     def details(self) -> dict:
         return {

@@ -10,11 +10,13 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader
 from folio.server.chat_prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat
-from folio.server.chat_protocol import chat_request_from
+from folio.server.chat_protocol import ChatCompletionRequest, chat_request_from
 from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
 from folio.server.errors import APIError, error_for
@@ -109,7 +111,8 @@ async def ollama_chat(ctx: ServerContext, body: OllamaChatRequest):
     if not body.messages:  # Ollama's way of loading a model
         return _loaded(ctx, chat=True)
     openai_body = chat_request_from({**fields, "messages": _messages(body.messages), "tools": body.tools})
-    return await _answer(ctx, prepare_chat(ctx, openai_body, body.options.num_ctx), body.stream, clock, chat=True)
+    prepared = await run_in_threadpool(prepare_chat, ctx, openai_body, body.options.num_ctx)
+    return await _answer(ctx, prepared, body.stream, clock, chat=True)
 
 
 async def ollama_generate(ctx: ServerContext, body: OllamaGenerateRequest):
@@ -123,14 +126,19 @@ async def ollama_generate(ctx: ServerContext, body: OllamaGenerateRequest):
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": body.prompt})
     openai_body = chat_request_from({**fields, "messages": messages})
+    prepared = await run_in_threadpool(_prepare_generate, ctx, body, openai_body)
+    return await _answer(ctx, prepared, body.stream, clock, chat=False)
+
+
+def _prepare_generate(
+    ctx: ServerContext, body: OllamaGenerateRequest, openai_body: ChatCompletionRequest
+) -> PreparedChat:
     context = list(body.context or [])
     if body.raw or not ctx.tokenizer.chat_template:  # a base model's prompt is its own text
         ids = ctx.tokenizer.encode(body.prompt, add_special_tokens=not context)
         prompt = ChatPrompt(context + ids, AnswerReader(), None)
-        prepared = finish_preparing(ctx, openai_body, prompt, body.options.num_ctx)
-    else:
-        prepared = prepare_chat(ctx, openai_body, body.options.num_ctx, prefix_ids=context)
-    return await _answer(ctx, prepared, body.stream, clock, chat=False)
+        return finish_preparing(ctx, openai_body, prompt, body.options.num_ctx)
+    return prepare_chat(ctx, openai_body, body.options.num_ctx, prefix_ids=context)
 
 
 def _loaded(ctx: ServerContext, chat: bool) -> dict[str, Any]:

@@ -11,10 +11,10 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from folio.sampling_params import INT64_MAX
+from folio.sampling_params import INT64_MAX, INT64_MIN
 from folio.server.chat_protocol import ToolParam
 from folio.server.errors import APIError
-from folio.server.protocol import INT64_MIN
+from folio.server.request_body import RequestBody
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 # Options that size or place the model: folio sets them when it starts.
@@ -78,8 +78,7 @@ class OllamaOptions(BaseModel):
         return fields
 
 
-class _OllamaBody(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _OllamaBody(RequestBody):
     model: str = Field(min_length=1)
 
 
@@ -152,8 +151,7 @@ class OllamaEmbeddingsRequest(_OllamaBody):
     keep_alive: float | str | None = None
 
 
-class OllamaModelRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OllamaModelRequest(RequestBody):
     model: str | None = None
     name: str | None = None  # older clients send "name"
     verbose: bool = False

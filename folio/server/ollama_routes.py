@@ -8,15 +8,18 @@ as Ollama's `{"error": "..."}` (errors.py picks the format by path)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
+from starlette.concurrency import run_in_threadpool
 
 from folio import __version__
 from folio.reasoning import reasoning_enabled
+from folio.server.body_route import OffLoopBodyRoute
 from folio.server.context import ServerContext
 from folio.server.embeddings import embed_inputs
 from folio.server.errors import APIError
@@ -40,10 +43,30 @@ def _card(ctx: ServerContext) -> ModelCard:
     return ctx.model_card
 
 
-def _listing(ctx: ServerContext) -> dict[str, Any]:
+class ModelDigest:
+    """The served model file's sha256, hashed once on a worker thread; calls that come while it is being
+    hashed wait for that one hashing. A file that cannot be read (deleted while serving) is a 503, and the
+    next call tries again."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self._ctx = ctx
+        self._hashing: asyncio.Future[str] | None = None
+
+    async def get(self) -> str:
+        if self._hashing is None:
+            self._hashing = asyncio.ensure_future(run_in_threadpool(_card(self._ctx).compute_digest))
+        try:
+            return await asyncio.shield(self._hashing)  # a caller that leaves does not cancel the others' hashing
+        except OSError as exc:
+            self._hashing = None
+            raise APIError(503, f"the model file can no longer be read ({exc.strerror or type(exc).__name__}); "
+                           "the model stays loaded, but its digest is unknown") from None  # fmt: skip
+
+
+async def _listing(ctx: ServerContext, digest: ModelDigest) -> dict[str, Any]:
     card = _card(ctx)
     return {"name": card.name, "model": card.name, "modified_at": card.modified_at, "size": card.size_bytes,
-            "digest": card.digest, "details": card.details()}  # fmt: skip
+            "digest": await digest.get(), "details": card.details()}  # fmt: skip
 
 
 def _capabilities(ctx: ServerContext) -> list[str]:
@@ -60,24 +83,32 @@ async def _embed(ctx: ServerContext, body: OllamaEmbedRequest) -> dict:
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
         raise APIError(400, "input must not be empty", param="input")
-    inputs = [ctx.tokenizer.encode(text) for text in texts]
-    if body.truncate:  # Ollama cuts an input to the context rather than refusing it
-        inputs = [ids[: ctx.max_model_len] for ids in inputs]
+    inputs = await run_in_threadpool(_tokenize_inputs, ctx, texts, body.truncate)
     vectors = await embed_inputs(ctx, inputs, body.dimensions)
     return {"model": ctx.model_name, "embeddings": [v.float().tolist() for v in vectors],
             "total_duration": time.perf_counter_ns() - start, "load_duration": 0,
             "prompt_eval_count": sum(len(ids) for ids in inputs)}  # fmt: skip
 
 
+def _tokenize_inputs(ctx: ServerContext, texts: list[str], truncate: bool) -> list[list[int]]:
+    ctx.limits.check_inputs(len(texts), "input")
+    inputs = [ctx.tokenizer.encode(text) for text in texts]
+    if truncate:  # Ollama cuts an input to the context rather than refusing it
+        inputs = [ids[: ctx.max_model_len] for ids in inputs]
+    ctx.limits.check_prompt_tokens(sum(len(ids) for ids in inputs), "input")
+    return inputs
+
+
 async def _embeddings(ctx: ServerContext, body: OllamaEmbeddingsRequest) -> dict:
     check_ollama_model(ctx, body.model)
     body.options.check_extras()
-    [vector] = await embed_inputs(ctx, [ctx.tokenizer.encode(body.prompt)], None)
+    [vector] = await embed_inputs(ctx, await run_in_threadpool(_tokenize_inputs, ctx, [body.prompt], False), None)
     return {"embedding": vector.float().tolist()}
 
 
 def ollama_router(ctx: ServerContext) -> APIRouter:
-    router = APIRouter(prefix="/api")
+    router = APIRouter(prefix="/api", route_class=OffLoopBodyRoute)
+    digest = ModelDigest(ctx)
 
     @router.post("/chat")
     async def chat(request: Request, body: OllamaChatRequest):
@@ -101,12 +132,12 @@ def ollama_router(ctx: ServerContext) -> APIRouter:
 
     @router.get("/tags")
     async def tags() -> dict:
-        return {"models": [_listing(ctx)]}
+        return {"models": [await _listing(ctx, digest)]}
 
     @router.get("/ps")
     async def ps() -> dict:
         card = _card(ctx)
-        entry = {**_listing(ctx), "expires_at": iso_time(card.loaded_at + KEEP_LOADED), "size_vram": 0,
+        entry = {**await _listing(ctx, digest), "expires_at": iso_time(card.loaded_at + KEEP_LOADED), "size_vram": 0,
                  "size": card.resident_bytes or card.size_bytes, "context_length": card.context_length}  # fmt: skip
         return {"models": [entry]}
 
@@ -127,7 +158,7 @@ def ollama_router(ctx: ServerContext) -> APIRouter:
         # The served model is already here; pulling another would not change what this server runs.
         check_ollama_model(ctx, body.model_name)
         card = _card(ctx)
-        steps = [{"status": f"{card.name} is already here", "digest": f"sha256:{card.digest}",
+        steps = [{"status": f"{card.name} is already here", "digest": f"sha256:{await digest.get()}",
                   "total": card.size_bytes, "completed": card.size_bytes}, {"status": "success"}]  # fmt: skip
         if not body.stream:
             return steps[-1]

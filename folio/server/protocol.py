@@ -9,54 +9,20 @@ from __future__ import annotations
 
 import dataclasses
 import re
-from typing import Any, Literal
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic_core import PydanticCustomError
 
-from folio.sampling_params import INT64_MAX, MAX_LOGPROBS, SamplingParams
+from folio.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
 from folio.server.messages import ChatMessage
+from folio.server.request_body import RequestBody
 from folio.server.structured_fields import StructuredFields
 from folio.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per request
-INT64_MIN = -(2**63)  # seeds and priorities are int64, as in vLLM
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in plain ASCII decimal
-
-
-def _check_unicode(value: Any, path: str) -> None:
-    """JSON can escape a lone UTF-16 surrogate ("\\ud800"), which is no Unicode text: tokenizers and
-    encoders fail on it deep inside. Refuse it up front, naming where it is."""
-    if isinstance(value, str):
-        try:
-            value.encode("utf-8")
-        except UnicodeEncodeError:
-            raise PydanticCustomError(
-                "lone_surrogate",
-                "{param}: the text holds a lone UTF-16 surrogate, which is not valid Unicode",
-                {"param": path or "body"},
-            ) from None
-    elif isinstance(value, dict):
-        for key, item in value.items():
-            _check_unicode(key, path)
-            _check_unicode(item, f"{path}.{key}" if path else str(key))
-    elif isinstance(value, list):
-        for index, item in enumerate(value):
-            _check_unicode(item, f"{path}.{index}")
-
-
-class _Body(BaseModel):
-    """A whole request body: unknown fields, NaN/infinity and lone surrogates are refused."""
-
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
-
-    @model_validator(mode="before")
-    @classmethod
-    def _valid_unicode(cls, data: Any) -> Any:
-        _check_unicode(data, "")
-        return data
 
 
 class StreamOptions(BaseModel):
@@ -64,7 +30,7 @@ class StreamOptions(BaseModel):
     include_usage: bool = False
 
 
-class Strict(_Body):
+class Strict(RequestBody):
     _unsupported: tuple[str, ...] = ()
 
     def reject_unsupported(self) -> None:
@@ -97,7 +63,8 @@ class SamplingFields(StructuredFields, Strict):
     def token_logit_bias(self, vocab_size: int) -> dict[int, float]:
         bias: dict[int, float] = {}
         for key, value in (self.logit_bias or {}).items():
-            if not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
+            # The length first: int() refuses more than 4,300 digits with its own error.
+            if len(key) > len(str(vocab_size)) or not _TOKEN_ID.fullmatch(key) or int(key) >= vocab_size:
                 raise APIError(400, f"logit_bias keys must be token ids in [0, {vocab_size}), got {key!r}",
                                param="logit_bias")  # fmt: skip
             if not -100 <= value <= 100:
@@ -139,6 +106,7 @@ class SamplingFields(StructuredFields, Strict):
         """The engine parameters of every sample, checked whole (and against `limits`) before the call
         takes anything: the logit bias and the structured-output grammar are built once, shared.
         `tool_constraint` is the grammar of a forced tool call, which leaves no room for another."""
+        limits.check_priority(self.priority)
         limits.check_stop(self.stop_list)
         limits.check_logit_bias(len(self.logit_bias or {}))
         logit_bias = self.token_logit_bias(vocab_size)
@@ -254,7 +222,7 @@ class CompletionRequest(SamplingFields):
         return (self.beam_width or self.n) if self.use_beam_search else self.num_samples
 
 
-class TokenizeRequest(_Body):
+class TokenizeRequest(RequestBody):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
@@ -268,6 +236,6 @@ class TokenizeRequest(_Body):
         return self
 
 
-class DetokenizeRequest(_Body):
+class DetokenizeRequest(RequestBody):
     model: str | None = None
     tokens: list[int]

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from starlette.concurrency import run_in_threadpool
+
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.chat_prompt import PreparedChat, prepare_chat
 from folio.server.chat_protocol import chat_request_from
@@ -22,7 +24,7 @@ from folio.server.sse import guarded
 
 async def create_response(ctx: ServerContext, body: ResponsesRequest):
     chat = chat_request_from(body.chat_fields())
-    prepared = prepare_chat(ctx, chat)
+    prepared = await run_in_threadpool(prepare_chat, ctx, chat)
     shell = ResponseShell(ctx, body, chat)
     with ctx.open_call(1, "n") as call:
         call.generation.add(prepared.prompt.token_ids, prepared.params)

@@ -13,6 +13,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from folio.sampling_params import INT64_MAX, MAX_LOGPROBS
 from folio.server.errors import APIError
+from folio.server.request_body import RequestBody
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 HARMLESS_INCLUDES = {LOGPROBS_INCLUDE, "reasoning.encrypted_content"}  # the latter: folio encrypts nothing
@@ -55,8 +56,7 @@ class ReasoningConfig(BaseModel):
     generate_summary: str | None = None
 
 
-class ResponsesRequest(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ResponsesRequest(RequestBody):
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None

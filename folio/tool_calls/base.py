@@ -77,7 +77,7 @@ def call_from_object(item: Any, known: frozenset[str]) -> ToolCall | None:
     if isinstance(arguments, str):  # some models write the arguments as a JSON string
         try:
             arguments = json.loads(arguments)
-        except json.JSONDecodeError:
+        except (ValueError, RecursionError):  # json.loads recurses: a model can nest past the limit
             return None
     if not isinstance(arguments, dict):
         return None
@@ -85,7 +85,10 @@ def call_from_object(item: Any, known: frozenset[str]) -> ToolCall | None:
 
 
 def calls_from_objects(items: list[Any], known: frozenset[str]) -> list[ToolCall] | None:
-    calls = [call_from_object(item, known) for item in items]
+    try:
+        calls = [call_from_object(item, known) for item in items]
+    except RecursionError:  # arguments that json.loads took at the edge of the limit, written back out
+        return None
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
@@ -99,5 +102,8 @@ def json_values(text: str, separators: str = "") -> Iterator[Any]:
             position += 1
         if position == len(text):
             return
-        value, position = decoder.raw_decode(text, position)
+        try:
+            value, position = decoder.raw_decode(text, position)
+        except RecursionError:  # the decoder recurses: a model can nest deeper than Python allows
+            raise ValueError("JSON nested too deeply") from None
         yield value

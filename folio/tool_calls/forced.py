@@ -41,10 +41,10 @@ def parse_forced(text: str, named: str | None) -> list[ToolCall] | None:
     """The calls in a constrained answer; None if it does not parse (cut short by max_tokens)."""
     try:
         value = json.loads(text)
-    except json.JSONDecodeError:
+        if named is not None:
+            return [ToolCall.from_value(named, value)] if isinstance(value, dict) else None
+        if not isinstance(value, list):
+            return None
+        return [ToolCall.from_value(item["name"], item["arguments"]) for item in value]
+    except (ValueError, RecursionError):  # json recurses both ways: the grammar bounds no depth
         return None
-    if named is not None:
-        return [ToolCall.from_value(named, value)] if isinstance(value, dict) else None
-    if not isinstance(value, list):
-        return None
-    return [ToolCall.from_value(item["name"], item["arguments"]) for item in value]

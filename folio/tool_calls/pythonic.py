@@ -42,6 +42,6 @@ class PythonicFormat(ToolCallFormat):
                     return None
                 arguments = {kw.arg: _literal(kw.value) for kw in node.keywords if kw.arg is not None}
                 calls.append(call_from_object({"name": node.func.id, "arguments": arguments}, known))
-        except (SyntaxError, ValueError, TypeError, RecursionError):
+        except (SyntaxError, ValueError, TypeError, RecursionError, MemoryError):  # ast.parse: deep nesting
             return None
         return None if any(c is None for c in calls) else calls  # type: ignore[return-value]

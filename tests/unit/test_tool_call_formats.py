@@ -133,3 +133,28 @@ def test_forced_calls_follow_their_schema() -> None:
     assert parse_forced('[{"name": "get_weather", "arguments": {"city": "Paris"}}]', None) == [PARIS]
     assert parse_forced('{"city": "Paris"}', "get_weather") == [PARIS]
     assert parse_forced('{"city": "Par', "get_weather") is None  # cut short by max_tokens
+
+
+DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
+
+
+@pytest.mark.parametrize(
+    ("fmt", "text"),
+    [
+        (HermesFormat(), f'<tool_call>{{"name": "add", "arguments": {DEEP}}}</tool_call>'),
+        (HermesFormat(), f'<tool_call>{{"name": "add", "arguments": {json.dumps(DEEP)}}}</tool_call>'),
+        (Llama3JsonFormat(), f'{{"name": "add", "parameters": {{"a": {DEEP}}}}}'),
+        (MistralFormat(), f"[TOOL_CALLS]add[ARGS]{{\"a\": {DEEP}}}"),
+        (JsonFormat(), DEEP),
+        (PythonicFormat(), "[add(a=" + "-" * 200_000 + "1)]"),  # ast.parse raises MemoryError on it
+        (PythonicFormat(), "[add(a=" + "(" * 100_000 + "1" + ")" * 100_000 + ")]"),
+    ],
+)
+def test_a_call_nested_past_pythons_limits_is_prose(fmt: ToolCallFormat, text: str) -> None:
+    parsed = fmt.parse(text, KNOWN)
+    assert parsed.tool_calls == [] and parsed.content == text
+
+
+def test_a_forced_answer_nested_past_pythons_limits_does_not_parse() -> None:
+    assert parse_forced(f'[{{"name": "add", "arguments": {{"a": {DEEP}}}}}]', None) is None
+    assert parse_forced(f'{{"a": {DEEP}}}', "add") is None
