@@ -5,18 +5,26 @@
 (all of a split model's ranks: on one node by a STRICT_PACK placement group, or with `--nnodes H` over H
 nodes by a STRICT_SPREAD one, rank_hosts.py) and are pinned to their own cores where a host has enough;
 the ingress takes none.
+
+A Ray instance that folio starts listens on loopback only: Ray's services run whatever code a client that
+reaches them sends, so a Ray port open on a network would make `--api-key` protect nothing. Only a cluster
+given with `--ray-address` is joined as it is (docs/scale-out.md, "What must be trusted").
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
+import ipaddress
 import logging
 import math
 import os
 import signal
 import threading
+from collections.abc import Iterator
 
 import ray
+import ray._private.ray_constants as ray_constants
 from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
@@ -29,6 +37,7 @@ from folio.scale.ingress import FolioIngress
 from folio.scale.options import ReplicaOptions
 from folio.scale.replica import EngineReplica
 from folio.scale.request_router import FolioRequestRouter
+from folio.server.auth import APIKeyDigest
 from folio.server.serve import ServerOptions, warn_if_open
 
 logger = logging.getLogger("folio")
@@ -130,16 +139,45 @@ def build_application(
         logging_config=QUIET,
         graceful_shutdown_timeout_s=server.grace_period,
     )
-    return ingress.bind(engines, args, model_name, server, options.most_replicas)
+    # Ray shows a deployment's arguments (dashboard, state API): the key travels only as a salted digest.
+    digest = APIKeyDigest.of(server.api_key) if server.api_key is not None else None
+    keyless = dataclasses.replace(server, api_key=None)
+    return ingress.bind(engines, args, model_name, keyless, options.most_replicas, digest)
+
+
+LOOPBACK = "127.0.0.1"
+
+
+@contextlib.contextmanager
+def _local_only() -> Iterator[None]:
+    """Ray's local-only mode, its default on macOS and Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): the
+    node's address is 127.0.0.1, and with that address the GCS, raylet, workers, agents and metrics servers
+    bind to 127.0.0.1. Elsewhere ray.init turns `_node_ip_address="127.0.0.1"` into the node's network
+    address, and every one of them listens on all interfaces. The variable is read when Ray is imported,
+    too early to set it here: the constant it sets is switched for the call instead."""
+    previous = ray_constants.ENABLE_RAY_CLUSTER
+    ray_constants.ENABLE_RAY_CLUSTER = False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = previous
 
 
 def start_ray(options: ReplicaOptions) -> None:
+    """Join the cluster at `options.ray_address` as given, or start a Ray instance of our own that listens
+    on loopback only ("local": never one that RAY_ADDRESS or an earlier `ray start` points at)."""
     if ray.is_initialized():
         return
-    if options.ray_address is None:
-        ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True)
-    else:
+    if options.ray_address is not None:
         ray.init(address=options.ray_address, log_to_driver=True)
+        return
+    with _local_only():
+        ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
+                 _node_ip_address=LOOPBACK)  # fmt: skip
+    node = ray.util.get_node_ip_address()
+    if not ipaddress.ip_address(node).is_loopback:  # a later Ray that ignores the switch: refuse, not expose
+        ray.shutdown()
+        raise RuntimeError(f"Ray started on {node}, not on loopback: its ports would be open to the network")
 
 
 def start_http_proxy(host: str, port: int) -> None:

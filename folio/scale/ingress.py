@@ -3,6 +3,8 @@ streaming as `folio serve`), run as a Ray Serve ingress whose engine is the repl
 
 It tokenizes and validates here, so a replica only ever receives token ids, and admission counts every
 replica's requests at once (max_num_seqs x replicas running, `max_queue` more waiting, then 429).
+It checks `--api-key` against the salted digest that `build_application` binds in place of the key: Ray
+shows a deployment's arguments to whoever reads its dashboard or state API.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from folio.scale.replica_metrics import ReplicaMetricsCollector
 from folio.scale.router_metrics import ROUTER_REGISTRY
 from folio.server.admission import Admission
 from folio.server.app import create_app
+from folio.server.auth import APIKeyDigest
 from folio.server.context import ServerContext
 from folio.server.model_card import ModelCard
 from folio.server.serve import ServerOptions
@@ -47,7 +50,13 @@ class _RegistryCollector:
 
 class FolioIngress:
     async def __init__(
-        self, engine: DeploymentHandle, args: EngineArgs, model_name: str, options: ServerOptions, max_replicas: int
+        self,
+        engine: DeploymentHandle,
+        args: EngineArgs,
+        model_name: str,
+        options: ServerOptions,
+        max_replicas: int,
+        api_key: APIKeyDigest | None = None,
     ) -> None:
         checkpoint = open_checkpoint(
             resolve_model(args.model), resolve_dtype(args.dtype, default_device())[0], args.quantization
@@ -68,6 +77,8 @@ class FolioIngress:
             ),  # fmt: skip
         )
         self.options = options
+        # build_application binds a digest and no key; a key in `options` (bound by hand) still guards the app.
+        self.api_key: APIKeyDigest | str | None = api_key if api_key is not None else options.api_key
         self.reports: list[ReplicaReport] = []
         self._app_name = ray.serve.get_replica_context().app_name
         self._board = board_for(self._app_name)
@@ -79,7 +90,7 @@ class FolioIngress:
         registry.register(ReplicaMetricsCollector(lambda: self.reports))
         registry.register(_RegistryCollector(ROUTER_REGISTRY))
         registry.register(_AdmissionCollector(self.context))
-        return create_app(self.context, registry, self.options.api_key)
+        return create_app(self.context, registry, self.api_key)
 
     async def _refresh(self) -> None:
         try:
