@@ -13,10 +13,13 @@ from typing import Any
 
 import torch.distributed as dist
 
+from folio.distributed import wire
 from folio.distributed.context_parallel import ContextParallel
 from folio.distributed.pipeline_parallel import PipelineStage
 from folio.distributed.shm_reduce import SharedMemoryReducer
 from folio.distributed.tensor_parallel import TensorParallel
+
+_READ_NAME = wire.decoder(tuple[int, str] | None)  # a stage's shared-memory segment, from its first rank
 
 
 @dataclass(frozen=True)
@@ -60,8 +63,7 @@ def join_groups(
 def _shared_memory(tp_rank: int, tp_size: int, stage: int, control: Any) -> SharedMemoryReducer:
     """Each stage's first rank creates its stage's segment; every rank learns every stage's name."""
     reducer = SharedMemoryReducer(0, tp_size) if tp_rank == 0 else None
-    names: list[tuple[int, str] | None] = [None] * dist.get_world_size(control)
-    dist.all_gather_object(names, (stage, reducer.name) if reducer is not None else None, group=control)
+    names = wire.all_gather((stage, reducer.name) if reducer is not None else None, _READ_NAME, control)
     if reducer is None:
         name = next(found[1] for found in names if found is not None and found[0] == stage)
         reducer = SharedMemoryReducer(tp_rank, tp_size, name)

@@ -12,6 +12,7 @@ replaced whole.
 from __future__ import annotations
 
 import contextlib
+import os
 import socket
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
@@ -21,6 +22,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from folio.config import ParallelConfig
+from folio.distributed import rank_auth
 from folio.engine_args import EngineArgs
 from folio.worker.executor import start_ranks, stop_ranks
 
@@ -30,12 +32,12 @@ class RankHost:
     def __init__(self) -> None:
         self.processes: list[BaseProcess] = []
 
-    def start(self, parallel: ParallelConfig, device: str) -> int:
+    def start(self, parallel: ParallelConfig, device: str, secret: str) -> int:
         """Spawn this node's ranks; returns their count. They run until the model stops or this actor goes."""
         per_node = parallel.ranks_per_node
         assert parallel.master_addr is not None and parallel.master_port is not None
         self.processes, _ = start_ranks(None, parallel.node_rank * per_node, per_node, parallel.world_size,
-                                        parallel.master_addr, parallel.master_port, device)  # fmt: skip
+                                        parallel.master_addr, parallel.master_port, device, secret)  # fmt: skip
         return len(self.processes)
 
     def pids(self) -> list[int]:
@@ -61,12 +63,16 @@ def start_rank_hosts(args: EngineArgs, device: str) -> tuple[EngineArgs, list[ra
         raise ValueError(f"a replica over {args.nnodes} nodes needs a placement group of one bundle per node")
     args = replace(args, master_addr=ray.util.get_node_ip_address(), master_port=_free_port())
     parallel = args.parallel_config()
+    # This replica's own ranks read the secret from its environment (executor.py); Ray carries it to the
+    # other nodes' ranks, on the cluster Ray's own trust covers.
+    secret = rank_auth.secret_from_environment() or rank_auth.new_secret()
+    os.environ[rank_auth.SECRET_ENV] = secret
     hosts = []
     for node_rank in range(1, args.nnodes):
         strategy = PlacementGroupSchedulingStrategy(group, placement_group_bundle_index=node_rank)
         host = RankHost.options(scheduling_strategy=strategy).remote()  # type: ignore[attr-defined]
         hosts.append(host)
-        host.start.remote(replace(parallel, node_rank=node_rank), device)
+        host.start.remote(replace(parallel, node_rank=node_rank), device, secret)
     return args, hosts
 
 

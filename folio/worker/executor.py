@@ -19,7 +19,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from folio.config import ModelConfig, ParallelConfig
-from folio.distributed import rendezvous
+from folio.distributed import rank_auth, rendezvous
 from folio.distributed.tensor_parallel import CommStats
 from folio.step.runner_output import ModelRunnerOutput
 from folio.step.scheduler_output import SchedulerOutput
@@ -56,13 +56,15 @@ def rank_context() -> BaseContext:
 
 
 def start_ranks(
-    spec: WorkerSpec | None, first_rank: int, count: int, world_size: int, addr: str, port: int, device: str
-) -> tuple[list[BaseProcess], Any]:
+    spec: WorkerSpec | None, first_rank: int, count: int, world_size: int, addr: str, port: int, device: str,
+    secret: str,
+) -> tuple[list[BaseProcess], Any]:  # fmt: skip
     """Spawn ranks [first_rank, first_rank + count) of this host; rank 0 (if among them) gets `spec`
-    and the returned end of its pipe."""
+    and the returned end of its pipe. They prove `secret` to each other before anything else crosses."""
     context = rank_context()
     ours, theirs = context.Pipe() if first_rank == 0 else (None, None)
-    environment = dict(os.environ)  # the fork server's is the one it started with; a rank gets today's
+    # The fork server's environment is the one it started with; a rank gets today's, and the secret.
+    environment = {**rendezvous.loopback_environment(addr), **os.environ, rank_auth.SECRET_ENV: secret}
     processes = []
     for local in range(count):
         rank = first_rank + local
@@ -90,8 +92,14 @@ class SplitModelExecutor:
         self.config = config  # what callers read from an in-process runner
         parallel = spec.parallel
         addr, port = rendezvous.master_address(parallel.master_addr, parallel.master_port)
+        secret = rank_auth.secret_from_environment()
+        if secret is None:
+            secret = rank_auth.new_secret()
+            if parallel.nnodes > 1:
+                logger.warning("no %s was set, so this head host drew one: start `folio worker` on the other hosts "
+                               "with %s=%s", rank_auth.SECRET_ENV, rank_auth.SECRET_ENV, secret)  # fmt: skip
         self.processes, self.conn = start_ranks(spec, 0, parallel.ranks_per_node, parallel.world_size, addr, port,
-                                                device)  # fmt: skip
+                                                device, secret)  # fmt: skip
         self.stopped = False
         self.pending = 0  # steps sent whose results have not been read
         if parallel.nnodes > 1:

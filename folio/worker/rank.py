@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 
 from folio.config import CacheConfig, ParallelConfig, SpeculativeConfig
-from folio.distributed import rendezvous
+from folio.distributed import rank_auth, rendezvous, wire
 from folio.distributed.pipeline_parallel import building_stage
 from folio.distributed.tensor_parallel import COMM, CommStats, building
 from folio.distributed.topology import join_context, join_groups
@@ -49,6 +49,9 @@ class WorkerSpec:
     num_blocks: int
     speculative: SpeculativeConfig | None
     parallel: ParallelConfig
+
+
+_READ_SPEC = wire.decoder(WorkerSpec)
 
 
 @dataclass(frozen=True)
@@ -82,13 +85,11 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None,
     try:
         threads = rendezvous.pin_cores(place.local_rank, place.local_ranks)
         device = torch.device(place.device)
-        rendezvous.join(place.rank, place.world_size, place.master_addr, place.master_port, device)
-        # Objects travel on a gloo group: NCCL moves only device tensors.
+        secret = environment.get(rank_auth.SECRET_ENV, "")
+        rendezvous.join(place.rank, place.world_size, place.master_addr, place.master_port, device, secret)
+        # Values travel on a gloo group: NCCL moves only device tensors.
         control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
-        shared = [spec]
-        dist.broadcast_object_list(shared, src=0, group=control)
-        spec = shared[0]
-        assert spec is not None
+        spec = wire.broadcast(spec, _READ_SPEC, 0, control)
         runner, report = _build(spec, place, device, threads, control)
         if device.type == "cpu":  # as the engine does once its model and pool are loaded (folio/heap.py)
             reuse_large_allocations()

@@ -11,28 +11,51 @@ engine keeps up to P steps in flight (engine_core.py), and the scheduler keeps t
 On rank 0 of a pipeline a thread receives the results, so that the last stage never waits on stage
 0's compute; without a pipeline rank 0 reports its own result. Messages travel on their own gloo
 groups (torch.distributed needs every rank to create every group, in the same order), never mixed
-with the hidden states' sends.
+with the hidden states' sends, as typed msgpack (distributed/wire.py): a rank never unpickles what
+another sent.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
-import pickle
 import threading
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 
-from folio.distributed import rendezvous
+from folio.distributed import rendezvous, wire
+from folio.step.runner_output import ModelRunnerOutput
+from folio.step.scheduler_output import SchedulerOutput
 
 logger = logging.getLogger("folio")
 
 # Messages: engine -> rank 0 -> every rank ("step", SchedulerOutput) | ("stop", None) | ("keepalive",
 # None); engine -> rank 0 only ("stats", None). Rank 0 -> engine: ("ready" | "ok" | "error", payload).
+# The engine's pipe to rank 0 is its own child's; between ranks they travel as RankMessage (wire.py).
 Message = tuple[str, Any]
+
+
+@dataclass(frozen=True)
+class RankMessage:
+    """What the engine sends every rank, passed on from stage to stage."""
+
+    kind: Literal["step", "stop", "keepalive"]
+    step: SchedulerOutput | None = None
+
+
+@dataclass(frozen=True)
+class RankResult:
+    """The last stage's answer to one step; None tells rank 0's results thread to stop."""
+
+    output: ModelRunnerOutput | None
+
+
+_READ_MESSAGE = wire.decoder(RankMessage)
+_READ_RESULT = wire.decoder(RankResult)
 
 
 class _Posted:
@@ -42,7 +65,7 @@ class _Posted:
         self.works: list[tuple[Any, torch.Tensor, torch.Tensor]] = []
 
     def send(self, value: object, dst: int, group: Any) -> None:
-        data = torch.frombuffer(bytearray(pickle.dumps(value)), dtype=torch.uint8)
+        data = torch.frombuffer(bytearray(wire.encode(value)), dtype=torch.uint8)
         size = torch.tensor([data.numel()], dtype=torch.long)
         self.works.append((dist.isend(size, dst, group=group), size, data))
         self.works.append((dist.isend(data, dst, group=group), size, data))
@@ -54,12 +77,22 @@ class _Posted:
         self.works = []
 
 
-def receive_object(src: int, group: Any) -> Any:
-    size = torch.empty(1, dtype=torch.long)
-    dist.recv(size, src, group=group)
-    data = torch.empty(int(size.item()), dtype=torch.uint8)
-    dist.recv(data, src, group=group)
-    return pickle.loads(data.numpy().tobytes())
+def _on_wire(message: Message) -> RankMessage:
+    kind, payload = message
+    return RankMessage(kind, _without_grammars(payload) if kind == "step" else None)  # type: ignore[arg-type]
+
+
+def _without_grammars(step: SchedulerOutput) -> SchedulerOutput:
+    """The step as every rank reads it: a request's grammar stays with the scheduler, which sends its
+    bitmask in the step, and the runner never reads it (read back, its grammar would be compiled again)."""
+    if not any(r.sampling_params.structured_output is not None for r in step.new_requests):
+        return step
+    requests = tuple(
+        replace(r, sampling_params=replace(r.sampling_params, structured_output=None))
+        if r.sampling_params.structured_output is not None else r
+        for r in step.new_requests
+    )  # fmt: skip
+    return replace(step, new_requests=requests)
 
 
 class StepRelay:
@@ -89,18 +122,20 @@ class StepRelay:
     def next_message(self) -> Message:
         """The next message for this rank, passed on to the next stage and to this stage's ranks."""
         if self.stage_rank == 0:
-            message = self._read_engine() if self.rank == 0 else receive_object(self.prev_leader, self.forward_group)
-            if message[0] == "stats":
-                return message  # answered by rank 0 alone
+            if self.rank == 0:
+                engine_message = self._read_engine()
+                if engine_message[0] == "stats":
+                    return engine_message  # answered by rank 0 alone
+                message = _on_wire(engine_message)
+            else:
+                message = wire.receive(_READ_MESSAGE, self.prev_leader, self.forward_group)
             if self.next_leader is not None:
                 self.posted.send(message, self.next_leader, self.forward_group)
         else:
-            message = ("keepalive", None)
+            message = RankMessage("keepalive")
         if self.stage_group is not None and dist.get_world_size(self.stage_group) > 1:
-            shared = [message]
-            dist.broadcast_object_list(shared, src=self.leader, group=self.stage_group)
-            message = shared[0]
-        return message
+            message = wire.broadcast(message, _READ_MESSAGE, self.leader, self.stage_group)
+        return message.kind, message.step
 
     def _read_engine(self) -> Message:
         assert self.conn is not None
@@ -118,7 +153,7 @@ class StepRelay:
         if self.rank == 0:
             self.answer(("ok", result))
         else:
-            self.posted.send(result, 0, self.result_group)
+            self.posted.send(RankResult(result), 0, self.result_group)  # type: ignore[arg-type]
 
     def answer(self, message: Message) -> None:
         assert self.conn is not None
@@ -128,7 +163,7 @@ class StepRelay:
     def _collect_results(self) -> None:
         """Rank 0's thread: each result from the last stage, in order, to the engine."""
         try:
-            while (result := receive_object(self.reporter, self.result_group)) is not None:
+            while (result := wire.receive(_READ_RESULT, self.reporter, self.result_group).output) is not None:
                 self.answer(("ok", result))
         except Exception as exc:  # noqa: BLE001 - a dead peer ends the model; the engine must hear of it
             logger.error("rank 0 lost the last stage's results: %s", exc)
@@ -138,7 +173,7 @@ class StepRelay:
     def stop(self) -> None:
         """After "stop": the reporter ends rank 0's results thread; posted sends finish."""
         if self.rank == self.reporter and self.rank != 0:
-            self.posted.send(None, 0, self.result_group)
+            self.posted.send(RankResult(None), 0, self.result_group)
         self.posted.wait_all()
         if self.collector is not None:
             self.collector.join(timeout=rendezvous.KEEPALIVE_SECONDS)

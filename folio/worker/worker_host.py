@@ -1,7 +1,8 @@
 """`folio worker`: a host other than the head one starts its share of the model's ranks and waits.
 
-The ranks join the head host's rendezvous (MASTER_ADDR:MASTER_PORT) and receive the model, the
-cache size and every other setting from rank 0, so the command names only where to meet.
+The ranks join the head host's rendezvous (MASTER_ADDR:MASTER_PORT), prove they hold the model's rank
+secret (FOLIO_RANK_SECRET, the head's), and receive the model, the cache size and every other setting
+from rank 0, so the command names only where to meet.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import os
 import signal
 
 from folio.config import ParallelConfig
+from folio.distributed import rank_auth
 from folio.worker.executor import start_ranks, stop_ranks
 
 logger = logging.getLogger("folio")
@@ -25,9 +27,13 @@ def run_worker_host(parallel: ParallelConfig, device: str) -> int:
     if addr is None or port is None:
         raise ValueError("a worker host needs the head's rendezvous: --master-addr and --master-port (or "
                          "MASTER_ADDR and MASTER_PORT)")  # fmt: skip
+    secret = rank_auth.secret_from_environment()
+    if secret is None:
+        raise ValueError(f"a worker host needs the model's rank secret: set {rank_auth.SECRET_ENV} to the value the "
+                         "head host was given (or logged when it drew one)")  # fmt: skip
     per_node = parallel.ranks_per_node
     first = parallel.node_rank * per_node
-    processes, _ = start_ranks(None, first, per_node, parallel.world_size, addr, port, device)
+    processes, _ = start_ranks(None, first, per_node, parallel.world_size, addr, port, device, secret)
     logger.info("ranks %d-%d of %d started, joining %s:%d", first, first + per_node - 1, parallel.world_size, addr,
                 port)  # fmt: skip
 

@@ -13,15 +13,17 @@ import sys
 import pytest
 
 from folio import LLM
+from folio.distributed.rank_auth import SECRET_ENV
 from tests.api.server_runner import free_port
 from tests.parallel_compare import GREEDY, TINY_PROMPTS, compare
 from tests.tiny_models import make_tiny_model
 
 
 @pytest.mark.parametrize("flag", ["--tensor-parallel-size", "--pipeline-parallel-size", "--context-parallel-size"])
-def test_a_worker_host_joins_through_the_rendezvous(tmp_path, flag):
+def test_a_worker_host_joins_through_the_rendezvous(tmp_path, flag, monkeypatch):
     model = make_tiny_model("qwen2", tmp_path / "qwen2")
     port = free_port()
+    monkeypatch.setenv(SECRET_ENV, "the-secret-both-hosts-were-given")  # the head reads it from its environment
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port)}
     command = [sys.executable, "-m", "folio.cli", "worker", flag, "2", "--nnodes", "2", "--node-rank", "1"]
     worker = subprocess.Popen(command, env=env, stderr=subprocess.PIPE, text=True)
