@@ -18,6 +18,11 @@ that use them.
 
 A finished build is imported directly, without torch's build machinery. A kernel that cannot be built
 is None, reported once per process with the slower path its caller takes instead.
+
+Importing a build runs its code, so only this user's files are trusted: kernels/, kernels/v2/, the build
+folder and its .so must belong to this user and be writable by no one else (folio makes them so whatever
+the umask). A build that fails this is not imported but built anew in its place; a cache folder that fails
+it holds nothing that can be trusted, not even a new build, so the kernel is not used at all.
 """
 
 from __future__ import annotations
@@ -31,6 +36,7 @@ import os
 import platform
 import re
 import shutil
+import stat
 import sys
 import sysconfig
 import tempfile
@@ -60,6 +66,12 @@ _CPU_FIELDS = {"model name", "flags", "Features", "CPU implementer", "CPU archit
 # A compiler's or a shell's message, not ninja's echo of a command (whose paths may hold any word).
 _CAUSE = re.compile(r"\berror: |: not found$|: no such file or directory$|: permission denied$", re.IGNORECASE)
 _failed: set[str] = set()  # kernels already reported as unavailable in this process
+_refused: set[Path] = set()  # builds already reported as not safe to import in this process
+FOLDER_MODE = 0o755  # the umask can only take bits away: never writable by group or others
+
+
+class UntrustedCache(Exception):
+    """A kernel cache folder that someone else could write to: no build in it may be imported."""
 
 
 def cpu_features() -> str:
@@ -109,17 +121,59 @@ def load_extension(name: str, module_name: str, source: Path, what: str, fallbac
     try:
         directory = kernel_directory(name, module_name, source)
         return _import_built(directory) or _build_once(directory, name, module_name, source, what)
+    except UntrustedCache as exc:
+        _failed.add(name)
+        logger.warning("not using the compiled %s: %s; %s", what, exc, fallback)
+        return None
     except Exception as exc:  # no compiler, no ninja, a missing source or a build error
         _failed.add(name)
         logger.warning("could not build the %s (%s); %s", what, _reason(exc), fallback)
         return None
 
 
+def untrusted_reason(st: os.stat_result, uid: int) -> str | None:
+    """Why a file or folder with this stat is not safe to load code from for user `uid`, or None."""
+    if st.st_uid != uid:
+        return f"it belongs to uid {st.st_uid}, not to this user (uid {uid})"
+    writers = [who for who, bit in (("its group", stat.S_IWGRP), ("anyone", stat.S_IWOTH)) if st.st_mode & bit]
+    if writers:
+        return f"{' and '.join(writers)} can write to it (mode {stat.S_IMODE(st.st_mode):o})"
+    return None
+
+
+def _check_cache_folders(cache: Path) -> None:
+    """Raises UntrustedCache unless kernels/ and kernels/v2/ (`cache`), where they exist, are this user's alone."""
+    for folder in (cache.parent, cache):
+        try:
+            reason = untrusted_reason(folder.stat(), os.getuid())
+        except FileNotFoundError:
+            continue  # made by _make_cache_folders, and checked again after
+        if reason is not None:
+            raise UntrustedCache(f"the kernel cache folder {folder} is not safe to load code from: {reason} "
+                                 f"(chmod go-w it, or remove it)")  # fmt: skip
+
+
+def _make_cache_folders(cache: Path) -> None:
+    cache.parent.parent.mkdir(parents=True, exist_ok=True)  # FOLIO_HOME: models live there too
+    for folder in (cache.parent, cache):
+        folder.mkdir(mode=FOLDER_MODE, exist_ok=True)
+    _check_cache_folders(cache)  # they may have been there already, made by someone else
+
+
 def _import_built(directory: Path) -> ModuleType | None:
-    """The finished build in `directory`, or None if there is none."""
+    """The finished build in `directory`, or None if there is none or it is not safe to import."""
     library = next(directory.glob("*.so"), None)
     if library is None:
         return None
+    _check_cache_folders(directory.parent)
+    for path in (directory, library):
+        reason = untrusted_reason(path.stat(), os.getuid())
+        if reason is not None:
+            if library not in _refused:
+                _refused.add(library)
+                logger.warning("not importing %s, building it anew: %s is not safe to load code from: %s",
+                               library, path, reason)  # fmt: skip
+            return None
     # Named by its file: torch names a second build of one name in a process <name>_v1.
     spec = importlib.util.spec_from_file_location(library.stem, library)
     if spec is None or spec.loader is None:
@@ -132,15 +186,17 @@ def _import_built(directory: Path) -> ModuleType | None:
 
 
 def _build_once(directory: Path, name: str, module_name: str, source: Path, what: str) -> ModuleType:
+    _make_cache_folders(directory.parent)
     with _exclusive(directory.with_name(directory.name + ".lock"), what):
         module = _import_built(directory)  # another process may have built it while this one waited
         if module is not None:
             return module
         if compiler() is None:
             raise RuntimeError(f"no C++ compiler: {os.environ.get('CXX', 'c++')} not found")
-        _clear_leftovers(directory, name)
+        why = _why(directory, name)
+        _clear_leftovers(directory, name)  # with a build refused as unsafe
         _prune_unused(directory, name)
-        logger.warning("compiling the %s (%s; about 30 s, once) in %s", what, _why(directory, name), directory.parent)
+        logger.warning("compiling the %s (%s; about 30 s, once) in %s", what, why, directory.parent)
         return _compile(directory, module_name, source)
 
 
@@ -148,7 +204,6 @@ def _build_once(directory: Path, name: str, module_name: str, source: Path, what
 def _exclusive(path: Path, what: str) -> Iterator[None]:
     import fcntl  # POSIX only: elsewhere the build fails and is reported like any other
 
-    path.parent.mkdir(parents=True, exist_ok=True)
     with open(path, "a") as lock:  # never removed: another process may be waiting on this very file
         try:
             fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
@@ -191,6 +246,8 @@ def _prune_unused(directory: Path, name: str) -> None:
 
 
 def _why(directory: Path, name: str) -> str:
+    if any(directory.glob("*.so")):
+        return "its build was not safe to import"
     if any(directory.parent.glob(f"{name}-*/*.so")):
         return "its source, the CPU, Python or torch changed since it was last built"
     return "first use on this machine"
@@ -215,6 +272,7 @@ def _compile(directory: Path, module_name: str, source: Path) -> ModuleType:
                 verbose=False,
             )
         library = Path(module.__file__)
+        library.chmod(stat.S_IMODE(library.stat().st_mode) & ~0o022)  # the linker's mode follows the umask
         for file in staging.iterdir():  # objects, ninja's files, torch's lock: only the library is used
             if file.suffix not in (".so", ".cpp", ".h"):
                 file.unlink()

@@ -27,6 +27,13 @@ class Tokenizer:
     eos_token: str | None
     eos_token_ids: frozenset[int]
     _renders_tools: bool | None = field(default=None, init=False, repr=False, compare=False)
+    # The chat template compiled on first use (or why it would not compile), reused by every render.
+    _template: jinja2.Template | Exception | None = field(default=None, init=False, repr=False, compare=False)
+
+    def __getstate__(self) -> dict[str, Any]:
+        # Compiled template code does not pickle (the engine sends its tokenizer to the API side): the
+        # receiving side compiles its own on first use.
+        return {**self.__dict__, "_template": None}
 
     @classmethod
     def from_hf_folder(cls, folder: Path, extra_eos: list[int] | None = None) -> Tokenizer:
@@ -90,11 +97,8 @@ class Tokenizer:
             raise ChatTemplateError("this model has no chat template (is it a base model?); use a plain prompt")
         if not messages:
             raise ChatTemplateError("messages must not be empty")
-        env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        env.globals["raise_exception"] = _raise_template_error
-        env.filters["tojson"] = _tojson  # as transformers: no HTML escaping, keeps non-ASCII
+        template = self._compiled_template()
         try:
-            template = env.from_string(self.chat_template)
             return template.render(
                 **(template_kwargs or {}),
                 messages=messages,
@@ -105,6 +109,20 @@ class Tokenizer:
             )
         except Exception as exc:  # the sandbox raises TemplateError, the template's own code anything
             raise ChatTemplateError(f"chat template failed: {exc}") from exc
+
+    def _compiled_template(self) -> jinja2.Template:
+        """The chat template, compiled on first use (two threads may both compile it: the same result)."""
+        if self._template is None:
+            env = jinja2.sandbox.ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+            env.globals["raise_exception"] = _raise_template_error
+            env.filters["tojson"] = _tojson  # as transformers: no HTML escaping, keeps non-ASCII
+            try:
+                self._template = env.from_string(self.chat_template or "")
+            except Exception as exc:  # a syntax error: every render fails alike, none compiles it again
+                self._template = exc
+        if isinstance(self._template, Exception):
+            raise ChatTemplateError(f"chat template failed: {self._template}") from self._template
+        return self._template
 
     def encode_chat(self, messages: list[dict[str, Any]], add_generation_prompt: bool = True) -> list[int]:
         # The template writes BOS itself where the model wants one.

@@ -11,6 +11,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -267,3 +268,81 @@ def test_a_model_loads_the_kernels_of_its_weights_when_it_starts(tmp_path, monke
     monkeypatch.setattr(ops, "load", counting_load)
     LLM(make_tiny_model("llama", tmp_path / "llama"), quantization="nf4", kv_cache_memory="8MiB")
     assert calls  # before any generation
+
+
+def _planted(tmp_path: Path, name: str) -> Path:
+    """A build of `name` that answers 43, made in a FOLIO_HOME of its own (as anyone could)."""
+    source = _source(tmp_path / "planted-src", TINY.replace("42", "43"))
+    process = _start(name, source, _env(tmp_path / "planted-home"), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and out.split()[0] == "43", (out, err)
+    return next(kernel_directory(name, f"folio_{name}", source).glob("*.so"))
+
+
+def _run(name: str, source: Path, home: Path) -> tuple[str, str]:
+    process = _start(name, source, _env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0, (out, err)
+    return out.split()[0], err
+
+
+def test_a_build_others_could_write_is_never_imported(tmp_path, monkeypatch):
+    home, source = tmp_path / "home", _source(tmp_path / "src")
+    monkeypatch.setenv("FOLIO_HOME", str(tmp_path / "planted-home"))  # where _planted's key is computed
+    planted = _planted(tmp_path, "tiny_trust")
+    monkeypatch.setenv("FOLIO_HOME", str(home))
+    assert _run("tiny_trust", source, home)[0] == "42"
+    directory = kernel_directory("tiny_trust", "folio_tiny_trust", source)
+    library = directory / "folio_tiny_trust.so"
+    shutil.copyfile(planted, library)  # someone else's code in this user's build folder
+
+    library.chmod(0o775)  # writable by the group: not imported, built anew in its place
+    answer, err = _run("tiny_trust", source, home)
+    assert answer == "42" and _compiles(err) == 1, err
+    assert str(library) in err and "write" in err
+    assert library.stat().st_mode & 0o022 == 0
+
+    shutil.copyfile(planted, library)
+    cache = directory.parent
+    cache.chmod(0o777)  # the cache folder itself: nothing in it can be trusted, not even a new build
+    answer, err = _run("tiny_trust", source, home)
+    assert answer == "None" and FALLBACK in err and str(cache) in err and _compiles(err) == 0, err
+    cache.chmod(0o755)  # the same build, now only this user's: imported as it is
+    answer, err = _run("tiny_trust", source, home)
+    assert answer == "43" and _compiles(err) == 0, err
+
+
+def test_new_kernel_folders_and_builds_are_writable_only_by_their_user(tmp_path, monkeypatch):
+    home, source = tmp_path / "home", _source(tmp_path / "src")
+    monkeypatch.setenv("FOLIO_HOME", str(home))
+    process = _start("tiny_umask", source, _env(home), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                     preexec_fn=lambda: os.umask(0o002))  # fmt: skip
+    out, err = process.communicate(timeout=120)
+    assert process.returncode == 0 and out.split()[0] == "42", (out, err)
+    directory = kernel_directory("tiny_umask", "folio_tiny_umask", source)
+    for path in (home / "kernels", directory.parent, directory, directory / "folio_tiny_umask.so"):
+        assert path.stat().st_mode & 0o022 == 0, (path, oct(path.stat().st_mode))
+        assert path.stat().st_uid == os.getuid()
+
+
+def test_only_this_users_unshared_files_are_trusted(tmp_path, monkeypatch):
+    uid = os.getuid()
+
+    def fake(mode: int, owner: int) -> os.stat_result:
+        return os.stat_result((mode, 0, 0, 1, owner, 0, 0, 0, 0, 0))
+
+    assert cpp_extension.untrusted_reason(fake(0o100755, uid), uid) is None
+    assert cpp_extension.untrusted_reason(fake(0o40700, uid), uid) is None
+    assert "uid 4242" in cpp_extension.untrusted_reason(fake(0o100755, 4242), uid)
+    assert "group" in cpp_extension.untrusted_reason(fake(0o40775, uid), uid)
+    assert "anyone" in cpp_extension.untrusted_reason(fake(0o100757, uid), uid)
+    if uid != 0:
+        return  # only root can give a file to another user
+    home, source = tmp_path / "home", _source(tmp_path / "src")
+    monkeypatch.setenv("FOLIO_HOME", str(home))
+    assert _run("tiny_owner", source, home)[0] == "42"
+    library = next(kernel_directory("tiny_owner", "folio_tiny_owner", source).glob("*.so"))
+    os.chown(library, 4242, -1)  # another user's file, though no one else can write it
+    answer, err = _run("tiny_owner", source, home)
+    assert answer == "42" and _compiles(err) == 1 and "uid 4242" in err, err
+    assert library.stat().st_uid == uid
