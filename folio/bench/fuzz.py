@@ -1,10 +1,11 @@
 """`folio bench fuzz`: schemathesis against a real folio server, from the server's own OpenAPI schema.
 
 Every operation gets requests that fit the schema (positive) and requests that break it (negative),
-sent one at a time. The bar: every answer is 2xx or 4xx, every 4xx is in its API's error format
-(OpenAI's, Ollama's or Anthropic's), no stream carries a server error, and at the end the server is
-alive and holds nothing (admission, running, waiting and KV cache all zero). Failures are kept as
-samples (request and answer, cut short).
+sent one at a time; and a share of the cases are hostile shapes schemathesis never writes (deep nesting,
+huge lists, lone surrogates, NaN: fuzz_hostile.py) at every POST route. The bar: every answer is 2xx or
+4xx (a hostile shape 4xx), every 4xx is in its API's error format (OpenAI's, Ollama's or Anthropic's),
+no stream carries a server error, and at the end the server is alive and holds nothing (admission,
+running, waiting and KV cache all zero). Failures are kept as samples (request and answer, cut short).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from urllib.parse import urlsplit
 
 from tqdm import tqdm
 
+from folio.bench.fuzz_hostile import HostileCase, hostile_cases
 from folio.bench.robustness_run import RobustnessRun, stream_error
 
 if TYPE_CHECKING:
@@ -25,19 +27,20 @@ if TYPE_CHECKING:
     from schemathesis import GenerationMode
 
 POST_WEIGHT = 10  # generation endpoints take most cases: their bodies are where the parameters are
+HOSTILE_SHARE = 0.3  # of the cases: hostile shapes (fuzz_hostile.py), spread over every POST route
 
 
 @dataclass(kw_only=True)
 class FuzzReport(RobustnessRun):
     base_url: str
     by_operation: dict[str, dict[str, int]] = field(default_factory=dict)  # "POST /v1/completions" -> status -> n
+    by_shape: dict[str, dict[str, int]] = field(default_factory=dict)  # hostile shape -> status -> n
 
-    def record_case(self, operation: str, status: str, problem: str | None, case: Any, answer: str) -> None:
+    def record_case(self, operation: str, status: str, problem: str | None, body: str | None, answer: str) -> None:
         per_operation = self.by_operation.setdefault(operation, {})
         per_operation[status] = per_operation.get(status, 0) + 1
-        body = getattr(case, "body", None)
         sample = {"operation": operation, "problem": problem, "answer": answer[:2000],
-                  "body": json.dumps(body, default=repr)[:2000] if body is not None else None}  # fmt: skip
+                  "body": body[:2000] if body is not None else None}  # fmt: skip
         self.record(status, problem, sample)
 
 
@@ -85,6 +88,11 @@ def _problem(response: requests.Response) -> str | None:
     return None
 
 
+def _body(case: Any) -> str | None:
+    body = getattr(case, "body", None)
+    return json.dumps(body, default=repr) if body is not None else None
+
+
 def _runs(operations: list[Any]) -> list[tuple[Any, GenerationMode, int]]:
     """(operation, mode, weight), lightest first: POST operations weigh POST_WEIGHT times a GET's, and the
     cases a light run could not use (a GET without inputs has one case) go to the runs after it."""
@@ -109,27 +117,62 @@ def _served_schema(base_url: str) -> dict[str, Any]:
     return schema
 
 
-def run_fuzz(base_url: str, num_cases: int, seed: int = 0, request_timeout: float = 300.0) -> FuzzReport:
-    """About `num_cases` requests (the last operation may find fewer distinct ones than it was given)."""
+def run_fuzz(
+    base_url: str, num_cases: int, seed: int = 0, request_timeout: float = 300.0, hostile_share: float = HOSTILE_SHARE
+) -> FuzzReport:
+    """About `num_cases` requests (the last operation may find fewer distinct ones than it was given):
+    `hostile_share` of them hostile shapes (fuzz_hostile.py), the rest schemathesis's."""
     import requests
     import schemathesis
 
     started = time.monotonic()
     report = FuzzReport(base_url=base_url)
-    schema = schemathesis.openapi.from_dict(_served_schema(base_url))
+    served = _served_schema(base_url)
+    schema = schemathesis.openapi.from_dict(served)
     operations = [result.ok() for result in schema.get_all_operations()]
     runs = _runs(operations)
     weight_left = sum(weight for *_, weight in runs)
+    hostile = hostile_cases(served, round(num_cases * hostile_share), seed, _served_model(served))
     # disable=None: a bar on a terminal, silence in logs and tests.
     with requests.Session() as session, tqdm(total=num_cases, unit="case", disable=None) as bar:
-        for operation, mode, weight in runs:
-            count = max(1, (num_cases - report.requests) * weight // weight_left)
+        for operation, mode, weight in runs if len(hostile) < num_cases else ():
+            count = max(1, (num_cases - len(hostile) - report.requests) * weight // weight_left)
             weight_left -= weight
             bar.set_postfix_str(f"{operation.method.upper()} {operation.path} ({mode.value})")
             _fuzz_operation(operation, mode, count, seed, report, session, request_timeout, bar)
+        bar.set_postfix_str("hostile shapes")
+        for case in hostile:
+            _send_hostile(case, report, session, request_timeout)
+            bar.update()
     report.settle(base_url)
     report.elapsed_s = round(time.monotonic() - started, 1)
     return report
+
+
+def _served_model(schema: dict[str, Any]) -> str:
+    """The model name `_served_schema` pinned."""
+    for component in schema.get("components", {}).get("schemas", {}).values():
+        if "enum" in component.get("properties", {}).get("model", {}):
+            return component["properties"]["model"]["enum"][0]
+    return ""
+
+
+def _send_hostile(case: HostileCase, report: FuzzReport, session: requests.Session, timeout: float) -> None:
+    import requests
+
+    name = f"POST {case.path}"
+    try:
+        response = session.post(report.base_url + case.path, data=case.body, timeout=timeout,
+                                headers={"content-type": "application/json"})  # fmt: skip
+    except requests.RequestException as exc:
+        status, problem, answer = "no answer", f"no answer: {type(exc).__name__}", str(exc)
+    else:
+        status, problem, answer = str(response.status_code), _problem(response), response.text
+        if problem is None and case.refused and response.ok:
+            problem = f"a body with {case.shape} was accepted"
+    per_shape = report.by_shape.setdefault(case.shape, {})
+    per_shape[status] = per_shape.get(status, 0) + 1
+    report.record_case(name, status, problem, case.body[:2000].decode(errors="replace"), answer)
 
 
 def _fuzz_operation(
@@ -150,10 +193,10 @@ def _fuzz_operation(
         try:
             response = case.call(base_url=report.base_url, session=session, timeout=timeout)
         except requests.RequestException as exc:
-            report.record_case(name, "no answer", f"no answer: {type(exc).__name__}", case, str(exc))
+            report.record_case(name, "no answer", f"no answer: {type(exc).__name__}", _body(case), str(exc))
             bar.update()
             return
-        report.record_case(name, str(response.status_code), _problem(response), case, response.text)
+        report.record_case(name, str(response.status_code), _problem(response), _body(case), response.text)
         bar.update()
 
     # Unsatisfiable: nothing of this mode can be made for this operation (e.g. breaking a GET without inputs).

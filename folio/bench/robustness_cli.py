@@ -11,7 +11,7 @@ from pathlib import Path
 
 from folio.bench.flags import add_output_dir, command_line
 from folio.bench.folio_server import folio_server, resident_mib
-from folio.bench.fuzz import run_fuzz
+from folio.bench.fuzz import HOSTILE_SHARE, run_fuzz
 from folio.bench.overload import OverloadConfig, run_overload
 from folio.bench.robustness_report import format_fuzz, format_overload, write_fuzz, write_overload
 from folio.engine_args import EngineArgs
@@ -25,13 +25,17 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "fuzz",
         help="schemathesis against folio serve: only 2xx/4xx, the server alive and empty at the end",
         description="Generate requests from the server's own OpenAPI schema with schemathesis (fitting it and "
-        "breaking it), send them one at a time, and check that every answer is 2xx or 4xx in OpenAI's error "
-        "format, that no stream ends with a server error, and that afterwards the server is healthy and holds "
-        "no admission slot, request or KV block.",
+        "breaking it) and hostile shapes beside them (deep nesting, huge lists, lone surrogates, NaN at every POST "
+        "route), send them one at a time, and check that every answer is 2xx or 4xx in its API's error format (a "
+        "hostile shape 4xx), that no stream ends with a server error, and that afterwards the server is healthy and "
+        "holds no admission slot, request or KV block.",
     )
     fuzz.add_argument("model", nargs="?", default="smollm2-135m")
     fuzz.add_argument("--cases", type=int, default=10_000, help="requests to generate (default 10000)")
     fuzz.add_argument("--seed", type=int, default=0, help="hypothesis seed (default 0)")
+    fuzz.add_argument("--hostile-share", type=float, default=HOSTILE_SHARE,
+                      help="share of the cases that are hostile shapes: deep nesting, huge lists, lone surrogates, "
+                      f"NaN (default {HOSTILE_SHARE})")  # fmt: skip
     fuzz.add_argument("--base-url", default=None, help="fuzz this running folio server instead of starting one")
     add_output_dir(fuzz)
     EngineArgs.add_cli_args(fuzz)
@@ -65,14 +69,16 @@ def _server_flags(args: argparse.Namespace, *extra: str) -> list[str]:
 def _run_fuzz(args: argparse.Namespace) -> int:
     if args.cases < 1:
         raise ValueError("--cases must be at least 1")
+    if not 0 <= args.hostile_share <= 1:
+        raise ValueError("--hostile-share must be in [0, 1]")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if args.base_url is not None:
-        report = run_fuzz(args.base_url.rstrip("/"), args.cases, args.seed)
+        report = run_fuzz(args.base_url.rstrip("/"), args.cases, args.seed, hostile_share=args.hostile_share)
         report.server = {"base_url": args.base_url}
     else:
         with tempfile.TemporaryDirectory() as tmp:
             with folio_server(args.model, _server_flags(args), Path(tmp) / "server.log") as running:
-                report = run_fuzz(running.base_url, args.cases, args.seed)
+                report = run_fuzz(running.base_url, args.cases, args.seed, hostile_share=args.hostile_share)
             report.server = {"command": running.command}
     report.command, report.date_utc = command_line(args), date
     print(format_fuzz(report))

@@ -21,7 +21,12 @@ def format_fuzz(report: FuzzReport) -> str:
     lines = [f"{report.requests} cases in {report.elapsed_s:.0f} s against {report.base_url}"]
     lines += [f"  {operation:<28} " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items()))
               for operation, statuses in sorted(report.by_operation.items())]  # fmt: skip
-    lines.append(f"failures (5xx, unformatted 4xx, stream errors, no answer): {report.failures}")
+    if report.by_shape:
+        lines.append("hostile shapes:")
+        lines += [f"  {shape:<28} " + ", ".join(f"{s}: {n}" for s, n in sorted(statuses.items()))
+                  for shape, statuses in sorted(report.by_shape.items())]  # fmt: skip
+    lines.append(f"failures (5xx, unformatted 4xx, accepted hostile shapes, stream errors, no answer): "
+                 f"{report.failures}")  # fmt: skip
     lines += [f"  {s['operation']}: {s['problem']}: {s['answer'][:200]}" for s in report.samples[:5]]
     lines.append(_state_line(report.final_state))
     lines.append("PASSED" if report.passed else "FAILED")
@@ -58,7 +63,9 @@ def _stacked_statuses(ax: Any, report: FuzzReport, operations: list[str], status
         left = [a + b for a, b in zip(left, widths, strict=True)]
     ax.set_xlabel("cases")
     ax.legend(title="status", fontsize=8)
-    ax.set_title(f"schemathesis: {report.requests} cases, {report.failures} failures", fontsize=10)
+    hostile = sum(sum(counts.values()) for counts in report.by_shape.values())
+    ax.set_title(f"schemathesis and {hostile} hostile shapes: {report.requests} cases, {report.failures} failures",
+                 fontsize=10)  # fmt: skip
 
 
 def write_overload(report: OverloadReport, json_path: Path, png_path: Path) -> None:

@@ -12,6 +12,7 @@ import pytest
 from folio import LLM
 from folio.bench.folio_server import resident_mib
 from folio.bench.fuzz import run_fuzz
+from folio.bench.fuzz_hostile import SHAPES
 from folio.bench.overload import OverloadConfig, run_overload
 from folio.cli import main
 from folio.server.serve import ServerOptions
@@ -25,13 +26,25 @@ def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smol
     with running_server(llm, MODEL) as (url, _):
         # A seed whose 200 cases both reach the engine and are refused at every generation endpoint (checked
         # below): a chat completion that fits the schema often breaks a rule of folio's own.
-        report = run_fuzz(url, num_cases=200, seed=6)
+        report = run_fuzz(url, num_cases=200, seed=6, hostile_share=0)
     assert report.failures == 0, report.samples
     assert report.final_state["settled"] and report.passed
     assert report.requests >= 100
     generation = [report.by_operation[f"POST {path}"] for path in ("/v1/completions", "/v1/chat/completions",
                                                                   "/api/chat", "/api/generate")]  # fmt: skip
     assert all("200" in statuses and "400" in statuses for statuses in generation)  # reached the engine, and not
+
+
+def test_hostile_shapes_at_every_post_route_get_4xx_in_their_apis_format(smollm2_gguf):
+    llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_model_len=48)
+    with running_server(llm, MODEL) as (url, _):
+        report = run_fuzz(url, num_cases=80, seed=1, hostile_share=1.0)
+    assert report.failures == 0, report.samples
+    assert report.passed and report.requests == 80
+    assert set(report.by_shape) == set(SHAPES)
+    refused = [statuses for shape, statuses in report.by_shape.items() if SHAPES[shape][1]]
+    assert all(status.startswith("4") for statuses in refused for status in statuses)
+    assert {"POST /api/chat", "POST /v1/messages", "POST /v1/responses"} <= set(report.by_operation)
 
 
 def test_ten_times_the_capacity_gets_only_200_and_429(smollm2_gguf):
@@ -55,9 +68,13 @@ def test_the_commands_start_a_server_and_write_their_results(tiny_chat_model, tm
     assert main(["bench", "fuzz", str(tiny_chat_model), "--cases", "24", "--output-dir", str(out)]) == 0
     assert main(["bench", "overload", str(tiny_chat_model), "--duration", "2", "--max-queue", "1",
                  "--max-num-seqs", "1", "--output-dir", str(out)]) == 0  # fmt: skip
+    assert main(["bench", "stall", str(tiny_chat_model), "--phase-seconds", "1.5", "--output-dir", str(out)]) == 0
     printed = capsys.readouterr().out
-    assert printed.count("PASSED") == 2
-    results = sorted(out.glob("*.json"))
+    assert printed.count("PASSED") == 2 and "/health latency" in printed
+    stall = json.loads(next(out.glob("stall_*.json")).read_text())
+    assert {a["status"] for a in stall["attacks"]} == {400} and len(stall["summary"]["attacks"]) >= 1
+    assert stall["summary"]["health_ms"]["quiet"]["n"] > 0 and stall["summary"]["health_ms"]["attack"]["n"] > 0
+    results = sorted(p for p in out.glob("*.json") if not p.name.startswith("stall"))
     assert [p.name.split("_")[0] for p in results] == ["fuzz", "overload"]
     assert all(p.with_suffix(".png").is_file() for p in results)
     fuzz, overload = (json.loads(p.read_text()) for p in results)
