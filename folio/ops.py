@@ -25,7 +25,7 @@ from folio.cpp_extension import compiler, load_extension
 
 SOURCES = Path(__file__).parent / "csrc"
 
-KernelName = Literal["paged_decode", "fused_ops", "decode_stack", "int8_dot", "q8_linear", "nf4_linear"]
+KernelName = Literal["paged_decode", "fused_ops", "decode_stack", "int8_dot", "q8_linear", "nf4_linear", "json_shape"]
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,12 @@ KERNELS: dict[KernelName, Kernel] = {
             "q8_linear",
             "int8 weight kernel",
             "8-bit weights are widened for a PyTorch matmul instead (slower at small batches)",
+        ),
+        Kernel(
+            "json_shape",
+            "JSON body scanner",
+            "large request bodies are parsed whole before their shape is checked (a hostile body of a few MiB "
+            "holds the interpreter for tens of milliseconds)",
         ),
         Kernel(
             "nf4_linear",

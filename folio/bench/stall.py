@@ -29,6 +29,7 @@ from folio.engine_args import EngineArgs
 from folio.results import result_paths, write_json
 
 PROBE_PERIOD_S = 0.02
+ATTACK_INTERVAL_S = 0.25  # at most four hostile requests a second (--attack-interval)
 BODY_BYTES = 4 * 2**20 - 4096  # just under folio's default --max-request-bytes: parsed, not refused for size
 
 
@@ -53,6 +54,9 @@ def _attack_bodies(model: str) -> list[tuple[str, str, bytes]]:
 class StallReport:
     base_url: str
     phase_s: float
+    # Seconds from one hostile request's start to the next's (0: back to back). The client runs on the
+    # server's machine, so a flood of them would measure the client's own load as much as the server's.
+    attack_interval_s: float = 0.0
     health: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # phase -> (t, latency ms)
     gaps: dict[str, list[tuple[float, float]]] = field(default_factory=dict)  # phase -> (t, gap between events ms)
     attacks: list[dict[str, Any]] = field(default_factory=list)  # name, status, seconds
@@ -137,6 +141,7 @@ def _attack(client: httpx.Client, bodies: list[tuple[str, str, bytes]], phases: 
         status = client.post(path, content=body, headers={"content-type": "application/json"}).status_code
         report.attacks.append({"name": name, "status": status, "seconds": round(time.monotonic() - sent, 4)})
         index += 1
+        time.sleep(max(0.0, report.attack_interval_s - (time.monotonic() - sent)))
 
 
 def _recording(work: Any, report: StallReport) -> Any:
@@ -151,8 +156,8 @@ def _recording(work: Any, report: StallReport) -> Any:
     return run
 
 
-def run_stall(base_url: str, model: str, phase_s: float) -> StallReport:
-    report = StallReport(base_url=base_url, phase_s=phase_s)
+def run_stall(base_url: str, model: str, phase_s: float, attack_interval_s: float = ATTACK_INTERVAL_S) -> StallReport:
+    report = StallReport(base_url=base_url, phase_s=phase_s, attack_interval_s=attack_interval_s)
     bodies = _attack_bodies(model)
     phases = _Phases()
     clients = [httpx.Client(base_url=base_url, timeout=120) for _ in range(3)]
@@ -183,8 +188,9 @@ def run_stall(base_url: str, model: str, phase_s: float) -> StallReport:
 
 def format_stall(report: StallReport) -> str:
     summary = report.summary()
-    lines = [f"{report.phase_s:.0f} s quiet, then {report.phase_s:.0f} s of refused multi-MiB bodies, against "
-             f"{report.base_url}"]  # fmt: skip
+    pace = f"one every {report.attack_interval_s:g} s" if report.attack_interval_s else "back to back"
+    lines = [f"{report.phase_s:.0f} s quiet, then {report.phase_s:.0f} s of refused multi-MiB bodies ({pace}), "
+             f"against {report.base_url}"]  # fmt: skip
     for what, key in (("/health latency", "health_ms"), ("gaps between stream events", "stream_gap_ms")):
         for phase in ("quiet", "attack"):
             s = summary[key].get(phase, {})
@@ -219,6 +225,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
     )  # fmt: skip
     stall.add_argument("model", nargs="?", default="smollm2-135m")
     stall.add_argument("--phase-seconds", type=float, default=20.0, help="length of each phase (default 20)")
+    stall.add_argument("--attack-interval", type=float, default=ATTACK_INTERVAL_S, help="seconds from one hostile "
+                       f"request's start to the next's; 0: back to back (default {ATTACK_INTERVAL_S})")  # fmt: skip
     stall.add_argument("--base-url", default=None, help="measure this running server instead of starting one")
     stall.add_argument("--served-model", default=None, help="the model name the --base-url server serves")
     add_output_dir(stall)
@@ -227,17 +235,19 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
 
 
 def _run(args: argparse.Namespace) -> int:
-    if args.phase_seconds <= 0:
-        raise ValueError("--phase-seconds must be positive")
+    if args.phase_seconds <= 0 or args.attack_interval < 0:
+        raise ValueError("--phase-seconds must be positive and --attack-interval at least 0")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
     if args.base_url is not None:
-        report = run_stall(args.base_url.rstrip("/"), args.served_model or args.model, args.phase_seconds)
+        report = run_stall(
+            args.base_url.rstrip("/"), args.served_model or args.model, args.phase_seconds, args.attack_interval
+        )
         report.server = {"base_url": args.base_url}
     else:
         with tempfile.TemporaryDirectory() as tmp:
             flags = EngineArgs.from_cli_args(args).to_cli_flags()
             with folio_server(args.model, flags, Path(tmp) / "server.log") as running:
-                report = run_stall(running.base_url, args.model, args.phase_seconds)
+                report = run_stall(running.base_url, args.model, args.phase_seconds, args.attack_interval)
             report.server = {"command": running.command}
     report.command, report.date_utc = command_line(args), date
     print(format_stall(report))

@@ -23,7 +23,7 @@ from folio.server.anthropic_messages import count_tokens, create_message
 from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
 from folio.server.auth import APIKeyDigest, APIKeyMiddleware
 from folio.server.body_limit import BodySizeLimit, too_large_message
-from folio.server.body_route import OffLoopBodyRoute
+from folio.server.body_route import OffLoopBodyRoute, warm_json_scanner
 from folio.server.chat import create_chat_completion
 from folio.server.chat_prompt import encode_messages
 from folio.server.chat_protocol import ChatCompletionRequest
@@ -61,6 +61,7 @@ def create_app(
 ) -> FastAPI:
     app = FastAPI(title="folio", docs_url=None, redoc_url=None)
     app.router.route_class = OffLoopBodyRoute  # the routes below, and the Ollama router's
+    warm_json_scanner()
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
     app.add_middleware(BodySizeLimit, max_body_bytes=ctx.limits.max_body_bytes)  # outermost: added last

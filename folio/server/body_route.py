@@ -8,20 +8,32 @@ milliseconds (json.loads, RequestBody's walk, pydantic), during which no other r
 again, so FastAPI's own pass costs nothing. Small bodies go the same way on the loop, so a body gets the
 same answer whatever its size (FastAPI's own reading answers a body nested past json's recursion limit
 with a bare "There was an error parsing the body").
+
+A thread does not free the loop from json.loads, though: it holds the GIL for its whole call (~50 ms for a
+body of a million one-character prompts). So a large body's bytes are first scanned by the json_shape
+kernel (csrc/json_shape.cpp), without the GIL and without building anything, and a body that breaks
+RequestBody's rules on depth, entries, NaN or surrogates is refused from the scan alone. The kernel is built
+on a thread when the app is made (`warm_json_scanner`); until it is there, large bodies go the slow way.
 """
 
 from __future__ import annotations
 
 import email.message
 import json
+import threading
 from collections.abc import Callable, Coroutine
+from types import ModuleType
 from typing import Any
 
+import torch
 from fastapi import Request, Response
 from fastapi.exceptions import RequestValidationError
 from fastapi.routing import APIRoute
 from pydantic import BaseModel, ValidationError
 from starlette.concurrency import run_in_threadpool
+
+from folio import ops
+from folio.server.request_body import BODY_FAULTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, body_fault
 
 OFF_LOOP_BYTES = 64 * 1024  # below this, parsing and validating takes well under a millisecond
 
@@ -37,8 +49,44 @@ def _is_json(request: Request) -> bool:
     return message.get_content_maintype() == "application" and (subtype == "json" or subtype.endswith("+json"))
 
 
+class _Scanner:
+    """The json_shape kernel once loaded; None before (or where it cannot be built)."""
+
+    module: ModuleType | None = None
+    started = False
+    lock = threading.Lock()
+
+
+def warm_json_scanner() -> None:
+    """Load (building it if need be) the json_shape kernel on a thread of its own, once per process."""
+    with _Scanner.lock:
+        if _Scanner.started:
+            return
+        _Scanner.started = True
+
+    def load() -> None:
+        _Scanner.module = ops.load("json_shape")
+
+    threading.Thread(target=load, name="folio-json-scanner", daemon=True).start()
+
+
+def _scan(body: bytes) -> None:
+    """Raise the RequestValidationError of the first fault the kernel finds in `body`'s bytes, if it is loaded."""
+    scanner = _Scanner.module
+    if scanner is None:
+        return
+    kind, _, path = scanner.scan_json(torch.frombuffer(bytearray(body), dtype=torch.uint8), MAX_JSON_DEPTH,
+                                      MAX_JSON_ITEMS)  # fmt: skip
+    if kind:
+        fault = body_fault(BODY_FAULTS[kind - 1], path or "body")
+        raise RequestValidationError([{"type": fault.type, "loc": ("body",), "msg": fault.message(),
+                                       "input": {}, "ctx": fault.context}])  # fmt: skip
+
+
 def parse_and_validate(model: type[BaseModel], body: bytes) -> BaseModel:
     """The body as `model`, or the RequestValidationError FastAPI would have raised (locations under "body")."""
+    if len(body) > OFF_LOOP_BYTES:
+        _scan(body)
     try:
         data = json.loads(body)
     except json.JSONDecodeError as exc:

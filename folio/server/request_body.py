@@ -23,8 +23,10 @@ from pydantic_core import PydanticCustomError
 MAX_JSON_DEPTH = 64  # levels of objects and lists; a tool's JSON schema needs a dozen
 MAX_JSON_ITEMS = 65_536  # entries of one object, or of one list that holds texts or objects
 
-# What `_validation_message` (app.py) reads: the error types raised here, each with a "param" in its ctx.
-BODY_ERROR_TYPES = frozenset({"lone_surrogate", "not_finite", "too_deep", "too_many_items"})
+# The faults found here, in the order the json_shape kernel numbers them (1, 2, ...): the error types
+# `_validation_message` (app.py) reads, each with a "param" in its ctx.
+BODY_FAULTS = ("too_deep", "too_many_items", "not_finite", "lone_surrogate")
+BODY_ERROR_TYPES = frozenset(BODY_FAULTS)
 
 _PATH_KEYS = 8  # a path longer than this is cut short in the message
 _Node = tuple[Any, str | int | None, "Any", int]  # (value, its key in its parent, the parent's node, depth)
@@ -39,12 +41,21 @@ def _path(node: _Node | None) -> str:
     return ".".join(keys[:_PATH_KEYS]) + ("..." if len(keys) > _PATH_KEYS else "") or "body"
 
 
-def _fault(kind: str, message: str, node: _Node | None) -> PydanticCustomError:
-    return PydanticCustomError(kind, "{param}: " + message, {"param": _path(node)})
+def body_fault(
+    kind: str, param: str, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS
+) -> PydanticCustomError:
+    """The error for a fault of `kind` (one of BODY_FAULTS) at `param`, found here or by the kernel."""
+    message = {
+        "too_deep": f"JSON nested more than {max_depth} levels deep",
+        "too_many_items": f"a list or object may hold at most {max_items} entries (a list of integers alone more)",
+        "not_finite": "NaN and Infinity are not JSON numbers",
+        "lone_surrogate": "the text holds a lone UTF-16 surrogate, which is not valid Unicode",
+    }[kind]
+    return PydanticCustomError(kind, "{param}: " + message, {"param": param})
 
 
-def check_json_value(value: Any) -> None:
-    """Raise a PydanticCustomError (one of BODY_ERROR_TYPES) naming where `value` first breaks a rule."""
+def check_json_value(value: Any, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS) -> None:
+    """Raise a PydanticCustomError (one of BODY_FAULTS) naming where `value` first breaks a rule."""
     stack: list[_Node] = [(value, None, None, 0)]
     while stack:
         node = stack.pop()
@@ -52,18 +63,16 @@ def check_json_value(value: Any) -> None:
         if isinstance(item, dict):
             entries: Any = item.items()
         elif isinstance(item, list):
-            if len(item) > MAX_JSON_ITEMS and not all(type(x) is int for x in item):
-                raise _fault("too_many_items", f"a list may hold at most {MAX_JSON_ITEMS} texts or objects, this one "
-                             f"holds {len(item)}", node)  # fmt: skip
+            if len(item) > max_items and not all(type(x) is int for x in item):
+                raise body_fault("too_many_items", _path(node), max_depth, max_items)
             entries = enumerate(item)
         else:
             _check_scalar(item, node)
             continue
-        if depth >= MAX_JSON_DEPTH:
-            raise _fault("too_deep", f"JSON nested more than {MAX_JSON_DEPTH} levels deep", node)
-        if isinstance(item, dict) and len(item) > MAX_JSON_ITEMS:
-            raise _fault("too_many_items", f"an object may hold at most {MAX_JSON_ITEMS} entries, this one holds "
-                         f"{len(item)}", node)  # fmt: skip
+        if depth >= max_depth:
+            raise body_fault("too_deep", _path(node), max_depth, max_items)
+        if isinstance(item, dict) and len(item) > max_items:
+            raise body_fault("too_many_items", _path(node), max_depth, max_items)
         for key, child in entries:
             if type(key) is str:
                 _check_scalar(key, node)
@@ -82,10 +91,9 @@ def _check_scalar(item: Any, node: _Node) -> None:
             try:
                 item.encode("utf-8")
             except UnicodeEncodeError:
-                raise _fault("lone_surrogate", "the text holds a lone UTF-16 surrogate, which is not valid Unicode",
-                             node) from None  # fmt: skip
+                raise body_fault("lone_surrogate", _path(node)) from None
     elif isinstance(item, float) and not math.isfinite(item):
-        raise _fault("not_finite", f"{item} is not a JSON number", node)
+        raise body_fault("not_finite", _path(node))
 
 
 def load_json_text(text: str) -> Any:

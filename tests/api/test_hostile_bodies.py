@@ -64,8 +64,8 @@ HOSTILE = {
     "nested past the depth cap": ("[" * (MAX_JSON_DEPTH + 1) + "]" * (MAX_JSON_DEPTH + 1), "nested"),
     "a lone surrogate": ('"\\ud800"', "surrogate"),
     "a lone surrogate as a key": ('{"\\udc00": 1}', "surrogate"),
-    "NaN": ("NaN", "not a JSON number"),
-    "an overflowing number": ("[1e999]", "not a JSON number"),
+    "NaN": ("NaN", "not JSON numbers"),
+    "an overflowing number": ("[1e999]", "not JSON numbers"),
     "too many texts in one list": (json.dumps(["a"] * (MAX_JSON_ITEMS + 1)), "at most"),
 }
 

@@ -10,21 +10,24 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 from fastapi import FastAPI
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from fastapi.testclient import TestClient
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic_core import PydanticCustomError
 
-from folio.server import request_body
+from folio import ops
+from folio.server import body_route, request_body
 from folio.server.answer_body import json_pieces
 from folio.server.body_route import OFF_LOOP_BYTES, OffLoopBodyRoute
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
 from folio.server.ollama_routes import ModelDigest
 from folio.server.protocol import CompletionRequest
-from folio.server.request_body import MAX_JSON_DEPTH, MAX_JSON_ITEMS, check_json_value, load_json_text
+from folio.server.request_body import BODY_FAULTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, check_json_value, load_json_text
 
 
 def _fault(value) -> tuple[str, str]:
@@ -60,9 +63,12 @@ def test_long_lists_of_token_ids_and_paired_surrogates_pass():
 
 
 @settings(max_examples=200, deadline=None)
-@given(st.recursive(st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
-                    | st.text(), lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner,
-                                                                                               max_size=4)))  # fmt: skip
+@given(
+    st.recursive(
+        st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False) | st.text(),
+        lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(), inner, max_size=4),
+    )
+)
 def test_any_json_a_client_can_send_within_the_caps_passes(value):
     check_json_value(value)
 
@@ -166,3 +172,64 @@ def test_a_deleted_model_file_is_a_503_not_a_500(tmp_path):
     assert caught.value.status == 503
     card.path.write_bytes(b"back")  # the next call tries again
     assert len(asyncio.run(digest.get())) == 64
+
+
+@pytest.fixture(scope="module")
+def scanner():
+    module = ops.load("json_shape")
+    if module is None:  # no compiler here: large bodies take the Python path alone
+        pytest.skip("the json_shape kernel cannot be built on this machine")
+    return module
+
+
+def _scan(scanner, text: str, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS):
+    kind, _, path = scanner.scan_json(torch.frombuffer(bytearray(text.encode()), dtype=torch.uint8), max_depth,
+                                      max_items)  # fmt: skip
+    return (BODY_FAULTS[kind - 1], path or "body") if kind else None
+
+
+def _walk(value, max_depth: int = MAX_JSON_DEPTH, max_items: int = MAX_JSON_ITEMS):
+    try:
+        check_json_value(value, max_depth, max_items)
+    except PydanticCustomError as exc:
+        return exc.type, exc.context["param"]
+    return None
+
+
+@pytest.mark.parametrize(
+    "value",
+    [{"a": [1, 2, "x"]}, {"a": {"b": [float("nan")]}}, {"a": "x\ud800y"}, {"\udc00": 1}, [[[[[]]]]], [[[[1]]]],
+     {"a": 1, "b": 2, "c": 3}, {"a": [1, 2, 3, 4]}, {"a": [1.0, 2, 3]}, {"a": [True, 1, 2]}, {"p": ["x\udfff"]},
+     {"m": [{"role": "u", "content": float("-inf")}]}, {"ok": "smile \U0001f600", "n": [-1, 2]}],
+)  # fmt: skip
+def test_the_kernel_finds_the_fault_the_check_finds_and_names_it_alike(scanner, value):
+    assert _scan(scanner, json.dumps(value), 4, 3) == _walk(value, 4, 3)
+
+
+_TEXT = st.text(alphabet=st.sampled_from(["a", "\u00e9", "\U0001f600", "\ud800", "\udbff", "\udc00", '"', "\\"]))
+_JSON = st.recursive(
+    st.none() | st.booleans() | st.integers() | st.floats() | _TEXT,
+    lambda inner: st.lists(inner, max_size=5) | st.dictionaries(st.text(max_size=3), inner, max_size=5),
+    max_leaves=40,
+)
+
+
+@settings(max_examples=400, deadline=None)
+@given(_JSON)
+def test_the_kernel_refuses_exactly_what_the_check_refuses(scanner, value):
+    """Small caps, so that nesting, long lists, NaN and surrogates all come up: the kernel may never refuse
+    what the check takes from the same text, nor take what it refuses (json.dumps escapes every surrogate;
+    two that pair up in the text are one character once read)."""
+    text = json.dumps(value)
+    assert (_scan(scanner, text, 3, 3) is None) == (_walk(json.loads(text), 3, 3) is None)
+
+
+def test_a_large_body_is_refused_from_the_kernels_scan_alone(scanner, monkeypatch):
+    monkeypatch.setattr(body_route._Scanner, "module", scanner)
+    parsed = []
+    monkeypatch.setattr(body_route.json, "loads", lambda body: parsed.append(body))
+    big = ('{"model": "m", "prompt": [' + ",".join(['"a"'] * (MAX_JSON_ITEMS + 1)) + "]}").encode()
+    with pytest.raises(RequestValidationError) as caught:
+        body_route.parse_and_validate(CompletionRequest, big)
+    [error] = caught.value.errors()
+    assert (error["type"], error["ctx"]["param"]) == ("too_many_items", "prompt") and not parsed
