@@ -110,7 +110,9 @@ def _probe(client: httpx.Client, phases: _Phases, report: StallReport) -> None:
     while not phases.stop.is_set():
         sent = time.monotonic()
         client.get("/health").raise_for_status()
-        report.health.setdefault(phases.name, []).append((phases.now(), (time.monotonic() - sent) * 1000))
+        report.health.setdefault(phases.name, []).append(
+            (round(phases.now(), 3), round((time.monotonic() - sent) * 1000, 3))
+        )
         time.sleep(max(0.0, PROBE_PERIOD_S - (time.monotonic() - sent)))
 
 
@@ -129,7 +131,9 @@ def _stream(client: httpx.Client, model: str, phases: _Phases, report: StallRepo
                     continue
                 arrived = time.monotonic()
                 if last is not None:
-                    report.gaps.setdefault(phases.name, []).append((phases.now(), (arrived - last) * 1000))
+                    report.gaps.setdefault(phases.name, []).append(
+                        (round(phases.now(), 3), round((arrived - last) * 1000, 3))
+                    )
                 last = arrived
 
 

@@ -38,6 +38,11 @@ def _challenge(store: dist.TCPStore, rank: int) -> None:
         rank_auth.authenticate(store, rank, WORLD, "not-the-secret")
 
 
+def _as_tcp_init(store: dist.TCPStore) -> dist.PrefixStore:
+    """The store as `init_method="tcp://..."` hands it to the process group (folio's ranks joined so)."""
+    return dist.PrefixStore("default_pg", store)
+
+
 def as_master(port: int, marker: str) -> None:
     listener = socket.socket()
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -47,14 +52,14 @@ def as_master(port: int, marker: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, WORLD, True, timedelta(seconds=90), wait_for_workers=False,
                           master_listen_fd=listener.detach())  # fmt: skip
     _challenge(store, 0)
-    dist.init_process_group("gloo", store=store, rank=0, world_size=WORLD, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=_as_tcp_init(store), rank=0, world_size=WORLD, timeout=timedelta(seconds=60))
     dist.broadcast_object_list([Payload(marker)], src=0)  # what a worker read its settings from
 
 
 def as_last_stage(port: int, marker: str) -> None:
     store = dist.TCPStore("127.0.0.1", port, WORLD, False, timedelta(seconds=90))
     _challenge(store, 1)
-    dist.init_process_group("gloo", store=store, rank=1, world_size=WORLD, timeout=timedelta(seconds=60))
+    dist.init_process_group("gloo", store=_as_tcp_init(store), rank=1, world_size=WORLD, timeout=timedelta(seconds=60))
     dist.broadcast_object_list([None], src=0)  # the settings from rank 0
     # The groups rank 1 of a two-stage pipeline creates (step_relay.py), in the same order.
     for ranks in ([0], [1]):
