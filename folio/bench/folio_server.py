@@ -6,13 +6,17 @@ from __future__ import annotations
 
 import shlex
 import sys
-from collections.abc import Iterator
+import tempfile
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, TypeVar
 
 from folio.bench.llama_cpp_server import free_port, stop_process
 from folio.bench.serve_compare import STARTUP_TIMEOUT_S, STOP_GRACE_S, start_process, wait_until_ready
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -33,6 +37,17 @@ def folio_server(model: str, flags: list[str], log_path: Path) -> Iterator[Runni
         yield RunningServer(base_url, process.pid, shlex.join(argv))
     finally:
         stop_process(process, grace=STOP_GRACE_S)
+
+
+def against_server(
+    model: str, flags: list[str], base_url: str | None, measure: Callable[[str], T]
+) -> tuple[T, dict[str, Any]]:
+    """`measure(url)` on the server already running at `base_url`, or on a `folio serve` started for it
+    (and stopped after); with what it ran against, for the result's `server` field."""
+    if base_url is not None:
+        return measure(base_url.rstrip("/")), {"base_url": base_url}
+    with tempfile.TemporaryDirectory() as tmp, folio_server(model, flags, Path(tmp) / "server.log") as running:
+        return measure(running.base_url), {"command": running.command}
 
 
 def resident_mib(pid: int) -> float | None:

@@ -10,7 +10,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from folio.bench.flags import add_output_dir, command_line
-from folio.bench.folio_server import folio_server, resident_mib
+from folio.bench.folio_server import against_server, folio_server, resident_mib
 from folio.bench.fuzz import HOSTILE_SHARE, run_fuzz
 from folio.bench.overload import OverloadConfig, run_overload
 from folio.bench.robustness_report import format_fuzz, format_overload, write_fuzz, write_overload
@@ -72,14 +72,10 @@ def _run_fuzz(args: argparse.Namespace) -> int:
     if not 0 <= args.hostile_share <= 1:
         raise ValueError("--hostile-share must be in [0, 1]")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if args.base_url is not None:
-        report = run_fuzz(args.base_url.rstrip("/"), args.cases, args.seed, hostile_share=args.hostile_share)
-        report.server = {"base_url": args.base_url}
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            with folio_server(args.model, _server_flags(args), Path(tmp) / "server.log") as running:
-                report = run_fuzz(running.base_url, args.cases, args.seed, hostile_share=args.hostile_share)
-            report.server = {"command": running.command}
+    report, report.server = against_server(
+        args.model, _server_flags(args), args.base_url,
+        lambda url: run_fuzz(url, args.cases, args.seed, hostile_share=args.hostile_share),
+    )  # fmt: skip
     report.command, report.date_utc = command_line(args), date
     print(format_fuzz(report))
     json_path, png_path = result_paths(Path(args.output_dir), "fuzz", args.model, date, f"{args.cases}cases")

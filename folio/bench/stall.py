@@ -12,7 +12,6 @@ stream's events (median, p99, max), and each attack's answers and how long each 
 from __future__ import annotations
 
 import argparse
-import tempfile
 import threading
 import time
 from dataclasses import asdict, dataclass, field
@@ -23,7 +22,7 @@ from typing import Any
 import httpx
 
 from folio.bench.flags import add_output_dir, command_line
-from folio.bench.folio_server import folio_server
+from folio.bench.folio_server import against_server
 from folio.bench.plots import figure
 from folio.engine_args import EngineArgs
 from folio.results import result_paths, write_json
@@ -242,17 +241,11 @@ def _run(args: argparse.Namespace) -> int:
     if args.phase_seconds <= 0 or args.attack_interval < 0:
         raise ValueError("--phase-seconds must be positive and --attack-interval at least 0")
     date = datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ")
-    if args.base_url is not None:
-        report = run_stall(
-            args.base_url.rstrip("/"), args.served_model or args.model, args.phase_seconds, args.attack_interval
-        )
-        report.server = {"base_url": args.base_url}
-    else:
-        with tempfile.TemporaryDirectory() as tmp:
-            flags = EngineArgs.from_cli_args(args).to_cli_flags()
-            with folio_server(args.model, flags, Path(tmp) / "server.log") as running:
-                report = run_stall(running.base_url, args.model, args.phase_seconds, args.attack_interval)
-            report.server = {"command": running.command}
+    served = args.served_model or args.model if args.base_url is not None else args.model
+    report, report.server = against_server(
+        args.model, EngineArgs.from_cli_args(args).to_cli_flags(), args.base_url,
+        lambda url: run_stall(url, served, args.phase_seconds, args.attack_interval),
+    )  # fmt: skip
     report.command, report.date_utc = command_line(args), date
     print(format_stall(report))
     json_path, png_path = result_paths(Path(args.output_dir), "stall", args.model, date, f"{args.phase_seconds:g}s")
