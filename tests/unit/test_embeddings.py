@@ -17,6 +17,8 @@ from folio.engine_args import EngineArgs
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.embedding_format import encode_vector, fit_dimensions
 from folio.server.embeddings_protocol import EmbeddingRequest
+from folio.server.errors import APIError
+from folio.server.limits import RequestLimits
 from folio.step.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from folio.worker.batch_inputs import prepare_batch
 from folio.worker.pooling import PoolSpan, pool_embeddings
@@ -137,8 +139,6 @@ def test_pooling_is_an_engine_flag():
         {"input": ["a", ""]},
         {"input": [[]]},
         {"input": [[1], []]},
-        {"input": ["a"] * 2049},
-        {"input": [[1]] * 2049},
         {"input": "a", "dimensions": 0},
         {"input": "a", "encoding_format": "bf16"},
         {"input": "a", "suffix": "x"},  # unknown fields are refused
@@ -160,10 +160,22 @@ class _Words:
 
 def test_every_input_form_becomes_token_ids():
     def ids(given):
-        return EmbeddingRequest(model="m", input=given).token_inputs(_Words())
+        return EmbeddingRequest(model="m", input=given).token_inputs(_Words(), RequestLimits())
 
     assert ids("ab c") == [[2, 1]]
     assert ids(["ab", "abc d"]) == [[2], [3, 1]]
     assert ids([7, 8]) == [[7, 8]]
     assert ids([7] * 5000) == [[7] * 5000]  # one input of many tokens, not many inputs
     assert ids([[7], [8, 9]]) == [[7], [8, 9]]
+
+
+@pytest.mark.parametrize(
+    ("given", "flag"),
+    [(["a"] * 2049, "--max-request-inputs"), ([[1]] * 2049, "--max-request-inputs"),
+     (["a b c d e f"] * 10, "--max-request-tokens"), ([[1] * 30] * 2, "--max-request-tokens")],
+)  # fmt: skip
+def test_too_many_inputs_or_tokens_are_400(given, flag):
+    limits = RequestLimits(max_inputs=2048, max_prompt_tokens=50)
+    with pytest.raises(APIError, match=flag) as caught:
+        EmbeddingRequest(model="m", input=given).token_inputs(_Words(), limits)
+    assert caught.value.status == 400 and caught.value.param == "input"
