@@ -15,16 +15,13 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import ipaddress
 import logging
 import math
 import os
 import signal
 import threading
-from collections.abc import Iterator
 
 import ray
-import ray._private.ray_constants as ray_constants
 from ray import serve
 from ray.serve import context as serve_context
 from ray.serve.config import AutoscalingConfig, RequestRouterConfig
@@ -34,6 +31,7 @@ from ray.serve.schema import LoggingConfig
 from folio.engine_args import EngineArgs
 from folio.scale.board import NAMESPACE
 from folio.scale.ingress import FolioIngress
+from folio.scale.loopback import LOOPBACK, local_only, on_loopback_node
 from folio.scale.options import ReplicaOptions
 from folio.scale.replica import EngineReplica
 from folio.scale.request_router import FolioRequestRouter
@@ -145,24 +143,6 @@ def build_application(
     return ingress.bind(engines, args, model_name, keyless, options.most_replicas, digest)
 
 
-LOOPBACK = "127.0.0.1"
-
-
-@contextlib.contextmanager
-def _local_only() -> Iterator[None]:
-    """Ray's local-only mode, its default on macOS and Windows (RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0): the
-    node's address is 127.0.0.1, and with that address the GCS, raylet, workers, agents and metrics servers
-    bind to 127.0.0.1. Elsewhere ray.init turns `_node_ip_address="127.0.0.1"` into the node's network
-    address, and every one of them listens on all interfaces. The variable is read when Ray is imported,
-    too early to set it here: the constant it sets is switched for the call instead."""
-    previous = ray_constants.ENABLE_RAY_CLUSTER
-    ray_constants.ENABLE_RAY_CLUSTER = False
-    try:
-        yield
-    finally:
-        ray_constants.ENABLE_RAY_CLUSTER = previous
-
-
 def start_ray(options: ReplicaOptions) -> None:
     """Join the cluster at `options.ray_address` as given, or start a Ray instance of our own that listens
     on loopback only ("local": never one that RAY_ADDRESS or an earlier `ray start` points at)."""
@@ -171,11 +151,11 @@ def start_ray(options: ReplicaOptions) -> None:
     if options.ray_address is not None:
         ray.init(address=options.ray_address, log_to_driver=True)
         return
-    with _local_only():
+    with local_only():
         ray.init(address="local", num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=True,
                  _node_ip_address=LOOPBACK)  # fmt: skip
-    node = ray.util.get_node_ip_address()
-    if not ipaddress.ip_address(node).is_loopback:  # a later Ray that ignores the switch: refuse, not expose
+    if not on_loopback_node():  # a later Ray that ignores the switch: refuse, not expose
+        node = ray.util.get_node_ip_address()
         ray.shutdown()
         raise RuntimeError(f"Ray started on {node}, not on loopback: its ports would be open to the network")
 

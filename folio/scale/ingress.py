@@ -25,6 +25,7 @@ from folio.loaders.model_loader import open_checkpoint
 from folio.platform import default_device, resolve_dtype
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.jobs import ReplicaDescription
+from folio.scale.loopback import replica_grpc_on_loopback
 from folio.scale.remote_engine import RemoteEngine
 from folio.scale.replica_metrics import ReplicaMetricsCollector
 from folio.scale.router_metrics import ROUTER_REGISTRY
@@ -58,6 +59,7 @@ class FolioIngress:
         max_replicas: int,
         api_key: APIKeyDigest | None = None,
     ) -> None:
+        replica_grpc_on_loopback()
         checkpoint = open_checkpoint(
             resolve_model(args.model), resolve_dtype(args.dtype, default_device())[0], args.quantization
         )

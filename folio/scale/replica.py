@@ -28,6 +28,7 @@ from folio.platform import default_device
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
 from folio.scale.jobs import EngineJob, JobFailure, ReplicaDescription
+from folio.scale.loopback import replica_grpc_on_loopback
 from folio.scale.rank_hosts import start_rank_hosts, stop_rank_hosts
 from folio.server.metrics import ServerMetrics
 from folio.step.kv_blocks import KVBlocks
@@ -53,6 +54,7 @@ class EngineReplica:
         self, args: EngineArgs, model_name: str, cores_per_replica: int = 0, role: str = "engine",
         prefill: DeploymentHandle | None = None, first_core: int = 0,
     ) -> None:  # fmt: skip
+        replica_grpc_on_loopback()
         context = serve.get_replica_context()
         self.name = context.replica_id.unique_id
         self.role = role

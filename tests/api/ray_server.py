@@ -3,6 +3,7 @@ test cluster for the servers that join one, for the Ray tests (tests/api/test_ra
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import signal
 import subprocess
@@ -26,15 +27,40 @@ from tests.api.server_runner import MODEL, free_port
 KEY = "ray-test-key"
 
 
+def is_loopback(ip: str) -> bool:
+    address = ipaddress.ip_address(ip.split("%")[0])
+    mapped = getattr(address, "ipv4_mapped", None)  # gRPC's IPv6 socket bound to ::ffff:127.0.0.1
+    return (mapped or address).is_loopback
+
+
+def bound_sockets(root: psutil.Process) -> dict[str, list[str]]:
+    """'name pid' -> 'ip:port' of every listening TCP socket and bound UDP socket of `root` and the
+    processes under it (a server that started Ray: the GCS, the raylet, and the workers under it)."""
+    found: dict[str, list[str]] = {}
+    for process in [root, *root.children(recursive=True)]:
+        try:
+            name = process.name()
+            sockets = process.net_connections(kind="inet")
+        except psutil.NoSuchProcess:  # a worker that just exited
+            continue
+        for sock in sockets:
+            if sock.status == psutil.CONN_LISTEN or (sock.status == psutil.CONN_NONE and sock.laddr):
+                found.setdefault(f"{name} {process.pid}", []).append(f"{sock.laddr.ip}:{sock.laddr.port}")
+    return found
+
+
 class RayServer:
-    def __init__(self, *replica_flags: str, model: str = MODEL, cpus: int = 1) -> None:
+    def __init__(
+        self, *replica_flags: str, model: str = MODEL, cpus: int = 1, environment: dict[str, str] | None = None
+    ) -> None:
         self.port = free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-ray-", suffix=".log")  # noqa: SIM115
         command = [sys.executable, "-m", "folio.cli", "serve", model, *(replica_flags or ("--replicas", "2")),
                    "--cpus-per-replica", str(cpus), "--port", str(self.port), "--num-kv-blocks", "256",
                    "--max-num-seqs", "8", "--api-key", KEY]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+        env = {**os.environ, **(environment or {})}
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env)
 
     def wait_ready(self, timeout: float, replicas: int = 2, role: str = "engine") -> None:
         deadline = time.monotonic() + timeout

@@ -126,7 +126,8 @@ def test_tokenize_takes_an_admission_slot(served):
     try:
         response = httpx.post(f"{url}/tokenize", json={"prompt": "Hi"})
         assert response.status_code == 429 and response.headers["retry-after"]
-        assert httpx.post(f"{url}/v1/messages/count_tokens", json=ROUTES["/v1/messages/count_tokens"]).status_code == 429
+        counted = httpx.post(f"{url}/v1/messages/count_tokens", json=ROUTES["/v1/messages/count_tokens"])
+        assert counted.status_code == 429
     finally:
         held.release()
     assert httpx.post(f"{url}/tokenize", json={"prompt": "Hi"}).json()["count"] > 0

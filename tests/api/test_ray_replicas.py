@@ -27,7 +27,9 @@ from folio import LLM, SamplingParams
 from tests.api.ray_server import (
     KEY,
     RayServer,
+    bound_sockets,
     completion_texts,
+    is_loopback,
     ray_test_cluster,
     routed_delta,
     shutdown_serve,
@@ -47,7 +49,8 @@ TENANT_B = "You are a travel agent who only talks about trains across the Alps a
 
 @pytest.fixture(scope="module")
 def ray_server():
-    server = RayServer()
+    # RAY_ADDRESS names another cluster: `folio serve --replicas` starts its own Ray all the same.
+    server = RayServer(environment={"RAY_ADDRESS": "203.0.113.9:6379"})
     try:
         server.wait_ready(timeout=240)
         yield server
@@ -183,6 +186,29 @@ def test_every_api_answers_through_the_replicas(ray_server, ray_client, client):
     ours, theirs = ray_client.chat.completions.create(**ask), client.chat.completions.create(**ask)
     assert [(c.function.name, c.function.arguments) for c in ours.choices[0].message.tool_calls] == [
         (c.function.name, c.function.arguments) for c in theirs.choices[0].message.tool_calls]  # fmt: skip
+
+
+# Ray's processes under the server, by the names psutil reads (workers retitle themselves "ray::<what>").
+RAY_PROCESSES = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::ServeController",
+                 "ray::ProxyActor")  # fmt: skip
+
+
+def test_every_port_of_the_ray_it_started_is_on_loopback(ray_server):
+    """Ray's services run whatever a client that reaches them sends (folio/scale/deploy.py): a port open
+    on a network would make --api-key protect nothing. Every listener under the server, Ray's included."""
+    server = psutil.Process(ray_server.process.pid)
+    deadline = time.monotonic() + 60
+    while True:  # the agents open their ports a moment after ray.init returns
+        found = bound_sockets(server)
+        # A worker's title carries the method it runs ("ray::ServeController.listen_for_change").
+        missing = [name for name in RAY_PROCESSES if not any(key.split()[0].startswith(name) for key in found)]
+        if not missing:
+            break
+        assert time.monotonic() < deadline, f"no listening socket yet for {missing}: {found}"
+        time.sleep(0.5)
+    exposed = [f"{name}: {address}" for name, addresses in found.items() for address in addresses
+               if not is_loopback(address.rsplit(":", 1)[0])]  # fmt: skip
+    assert not exposed, "listening beyond loopback:\n" + "\n".join(exposed)
 
 
 def test_errors_auth_and_health(ray_server, ray_client):

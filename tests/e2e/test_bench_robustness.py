@@ -38,9 +38,9 @@ def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smol
 def test_hostile_shapes_at_every_post_route_get_4xx_in_their_apis_format(smollm2_gguf):
     llm = LLM(smollm2_gguf, kv_cache_memory="64MiB", max_model_len=48)
     with running_server(llm, MODEL) as (url, _):
-        report = run_fuzz(url, num_cases=80, seed=1, hostile_share=1.0)
+        report = run_fuzz(url, num_cases=42, seed=1, hostile_share=1.0)  # three a POST route
     assert report.failures == 0, report.samples
-    assert report.passed and report.requests == 80
+    assert report.passed and report.requests == 42
     assert set(report.by_shape) == set(SHAPES)
     refused = [statuses for shape, statuses in report.by_shape.items() if SHAPES[shape][1]]
     assert all(status.startswith("4") for statuses in refused for status in statuses)

@@ -144,7 +144,7 @@ DEEP = "[" * 100_000 + "]" * 100_000  # json.loads raises RecursionError on it
         (HermesFormat(), f'<tool_call>{{"name": "add", "arguments": {DEEP}}}</tool_call>'),
         (HermesFormat(), f'<tool_call>{{"name": "add", "arguments": {json.dumps(DEEP)}}}</tool_call>'),
         (Llama3JsonFormat(), f'{{"name": "add", "parameters": {{"a": {DEEP}}}}}'),
-        (MistralFormat(), f"[TOOL_CALLS]add[ARGS]{{\"a\": {DEEP}}}"),
+        (MistralFormat(), f'[TOOL_CALLS]add[ARGS]{{"a": {DEEP}}}'),
         (JsonFormat(), DEEP),
         (PythonicFormat(), "[add(a=" + "-" * 200_000 + "1)]"),  # ast.parse raises MemoryError on it
         (PythonicFormat(), "[add(a=" + "(" * 100_000 + "1" + ")" * 100_000 + ")]"),
