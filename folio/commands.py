@@ -12,15 +12,11 @@ from typing import Any
 from tqdm import tqdm
 
 from folio import LLM
-from folio.config import ParallelConfig, parse_memory
+from folio.config import ParallelConfig
 from folio.engine_args import EngineArgs
-from folio.eval.agreement import run_agreement
-from folio.eval.perplexity import run_perplexity
-from folio.kv_calc import KV_DTYPES, WEIGHT_FORMATS, load_shape, report
-from folio.loaders.catalog import CATALOG, list_pulled, pull, resolve_model
+from folio.loaders.catalog import CATALOG, list_pulled, pull
+from folio.paths import atomic_open
 from folio.platform import default_device
-from folio.quantize.quantize_model import QuantizeOptions, quantize_checkpoint
-from folio.results import atomic_open, result_paths, write_json
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from folio.scale.options import ReplicaOptions
 from folio.scale.routing import RoutingConfig
@@ -317,63 +313,3 @@ def _priority_range(policy: str, given: str | None) -> tuple[int, int] | None:
     if not sep or not INT64_MIN <= bounds[0] <= bounds[1] <= INT64_MAX:
         raise ValueError(f"--priority-range takes LOW:HIGH, two 64-bit integers with LOW <= HIGH; got {given!r}")
     return bounds
-
-
-def cmd_kv_calc(args: argparse.Namespace) -> int:
-    if args.kv_dtype not in KV_DTYPES:
-        raise ValueError(f"--kv-dtype must be one of {', '.join(KV_DTYPES)}")
-    if args.weights not in WEIGHT_FORMATS:
-        raise ValueError(f"--weights must be one of {', '.join(WEIGHT_FORMATS)}")
-    if any(n < 1 for n in (args.seq_len or []) + args.batch):
-        raise ValueError("--seq-len and --batch values must be positive")
-    given = Path(args.model)
-    path = given if given.suffix == ".json" and given.is_file() else resolve_model(args.model)
-    shape = load_shape(path)
-    seq_lens = args.seq_len or sorted({1024, 4096, shape.config.max_position_embeddings})
-    memory = parse_memory(args.memory)
-    print(report(shape, seq_lens, args.batch, args.kv_dtype, memory, args.weights, args.mha))
-    return 0
-
-
-def cmd_eval(args: argparse.Namespace) -> int:
-    skip = ("quantization", "enable_prefix_caching", "kv_cache_dtype")
-    engine = {k: v for k, v in EngineArgs.from_cli_args(args).llm_kwargs().items() if k not in skip}
-    if args.eval_command == "perplexity":
-        result: Any = run_perplexity(args.model, args.quantization, args.num_tokens, args.context,
-                                     kv_cache_dtype=args.kv_cache_dtype, **engine)  # fmt: skip
-        print(f"{_described(result)}: perplexity {result.perplexity:.3f} over {result.num_predicted} tokens in "
-              f"{result.num_windows} windows of {result.context} ({result.elapsed_s:.1f} s)")  # fmt: skip
-    else:
-        result = run_agreement(args.model, args.quantization, args.kv_cache_dtype, args.num_prompts, args.max_tokens,
-                               args.reference, **engine)  # fmt: skip
-        share = 100 * result.mean_prefix_share
-        print(f"{_described(result)} against {result.reference} in float32: {result.identical}/{result.num_prompts} "
-              f"continuations identical over {result.max_tokens} greedy tokens; mean agreeing prefix "
-              f"{share:.1f}%")  # fmt: skip
-    tags = [result.quantization, result.dtype]
-    if result.kv_cache_dtype != "auto":
-        tags.append(f"kv-{result.kv_cache_dtype}")
-    if result.activation_bits != 16:
-        tags.append(f"a{result.activation_bits}")
-    path, _ = result_paths(Path(args.output_dir), args.eval_command, result.model, result.date_utc, *tags)
-    write_json(path, result.to_dict())
-    print(f"wrote {path}")
-    return 0
-
-
-def _described(result: Any) -> str:
-    bits = f", {result.activation_bits}-bit activations" if result.activation_bits != 16 else ""
-    return f"{result.model} ({result.quantization} weights, {result.dtype}{bits}, KV {result.kv_cache_dtype})"
-
-
-def cmd_quantize(args: argparse.Namespace) -> int:
-    options = QuantizeOptions(args.method, args.group_size, args.calibration_samples, args.calibration_length,
-                              args.seed)  # fmt: skip
-    output = Path(args.output)
-    if output.exists() and any(output.iterdir()):
-        raise ValueError(f"{output} exists and is not empty; choose a new --output")
-    report = quantize_checkpoint(args.source, output, options)
-    calibrated = f", calibrated on {report.calibration_tokens} tokens" if report.calibration_tokens else ""
-    print(f"wrote {output}: {report.layers} layers as {report.method}{calibrated}; "
-          f"{report.checkpoint_bytes / 2**20:.1f} MiB of safetensors in {report.seconds:.0f} s")  # fmt: skip
-    return 0

@@ -21,7 +21,7 @@ _MEASURED: dict[tuple[str, str], Any] = {}  # (dtype, device) -> MachinePeaks
 def peaks_measured_once(monkeypatch):
     """`measure_peaks` (and so `measure_machine_peaks`, which calls it) measuring each dtype on each device
     once a session, best of REPEATS, at its first call; every later call gets that measurement."""
-    from folio.bench import decode, parallel, quant_table, roofline, spec, structured, throughput
+    from folio_tools.bench import decode, parallel, quant_table, roofline, spec, structured, throughput
 
     real = roofline.measure_peaks
 

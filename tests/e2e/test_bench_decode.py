@@ -36,7 +36,7 @@ def test_decode_bench_end_to_end(smollm2_gguf, tmp_path, capsys):
 
 
 def test_decode_bench_refuses_an_unknown_peer(tmp_path):
-    from folio.bench.decode import DecodeConfig, run_decode
+    from folio_tools.bench.decode import DecodeConfig, run_decode
 
     with pytest.raises(ValueError, match="unknown peer"):
         run_decode(DecodeConfig("smollm2-135m", peer="vllm"), "cmd")

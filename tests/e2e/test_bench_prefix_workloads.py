@@ -12,15 +12,15 @@ import time
 import httpx
 import numpy as np
 import pytest
+from folio_tools.bench import serve_client
+from folio_tools.bench.datasets import LengthRange, output_lens
+from folio_tools.bench.serve import ServeConfig, run_serve
+from folio_tools.bench.serve_client import ServeRequest, Target, conversations, run_rate
+from folio_tools.bench.serve_metrics import NOT_REPORTED, parse_prefix_cache, prefix_cache_delta
+from folio_tools.bench.serve_prefix_workloads import make_document, sharegpt_answers
+from folio_tools.bench.serve_report import format_table
+from folio_tools.bench.serve_workload import build_serve_requests, load_tokenizer
 
-from folio.bench import serve_client
-from folio.bench.datasets import LengthRange, output_lens
-from folio.bench.serve import ServeConfig, run_serve
-from folio.bench.serve_client import ServeRequest, Target, conversations, run_rate
-from folio.bench.serve_metrics import NOT_REPORTED, parse_prefix_cache, prefix_cache_delta
-from folio.bench.serve_prefix_workloads import make_document, sharegpt_answers
-from folio.bench.serve_report import format_table
-from folio.bench.serve_workload import build_serve_requests, load_tokenizer
 from folio.cli import main
 from tests.api.server_runner import running_server
 from tests.tiny_models import make_tiny_chat_model

@@ -8,12 +8,12 @@ import json
 import os
 
 import pytest
+from folio_tools.bench.folio_server import resident_mib
+from folio_tools.bench.fuzz import run_fuzz
+from folio_tools.bench.fuzz_hostile import SHAPES
+from folio_tools.bench.overload import OverloadConfig, run_overload
 
 from folio import LLM
-from folio.bench.folio_server import resident_mib
-from folio.bench.fuzz import run_fuzz
-from folio.bench.fuzz_hostile import SHAPES
-from folio.bench.overload import OverloadConfig, run_overload
 from folio.cli import main
 from folio.server.serve import ServerOptions
 from tests.api.server_runner import MODEL, running_server

@@ -9,13 +9,13 @@ import sys
 
 import numpy as np
 import pytest
-
-from folio.bench.datasets import LengthRange, chat_prompts, chat_requests, random_requests
-from folio.bench.roofline import TokenCost
-from folio.bench.serve import ServeConfig, run_serve
-from folio.bench.serve_client import (
+from folio_tools.bench.datasets import LengthRange, chat_prompts, chat_requests, random_requests
+from folio_tools.bench.roofline import TokenCost
+from folio_tools.bench.serve import ServeConfig, run_serve
+from folio_tools.bench.serve_client import (
     arrival_offsets,
 )
+
 from folio.cli import main
 from tests.api.server_runner import free_port, running_server
 from tests.tiny_models import make_tiny_chat_model
@@ -63,9 +63,8 @@ def test_serve_end_to_end_at_two_rates(tiny_llama, base_url, tmp_path, capsys):
     assert report["server"]["models"] == [MODEL]
 
     # The same seeded workload, rebuilt here: ignore_eos makes every request decode exactly its length.
+    from folio_tools.bench.datasets import prompt_vocabulary
     from tokenizers import Tokenizer
-
-    from folio.bench.datasets import prompt_vocabulary
 
     vocabulary = prompt_vocabulary(Tokenizer.from_file(str(tiny_llama / "tokenizer.json")), 320, set())
     workload = random_requests(vocabulary, 8, LengthRange(4, 24), LengthRange(2, 8), seed=3)

@@ -7,15 +7,15 @@ import sys
 
 import numpy as np
 import pytest
-from tokenizers import AddedToken, Tokenizer, models
-
-from folio.bench.datasets import (
+from folio_tools.bench.datasets import (
     LengthRange,
     humaneval_prompts,
     humaneval_requests,
     prompt_vocabulary,
     random_requests,
 )
+from tokenizers import AddedToken, Tokenizer, models
+
 from folio.cli import main
 from tests.tiny_models import make_tiny_model
 from tests.utilisation import plausible
@@ -81,7 +81,7 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
 
 def test_sampled_throughput_runs_both_engines_with_the_same_settings(tiny_llama, tmp_path, monkeypatch):
     """--temperature/--top-p/--top-k sample in folio (seeded a request) and in transformers alike."""
-    from folio.bench import hf_peer
+    from folio_tools.bench import hf_peer
 
     seen = []
     generate = hf_peer.run_hf
@@ -90,7 +90,7 @@ def test_sampled_throughput_runs_both_engines_with_the_same_settings(tiny_llama,
         seen.append(args[5] if len(args) > 5 else kwargs.get("generate_kwargs"))
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr("folio.bench.throughput.run_hf", recording_run_hf)
+    monkeypatch.setattr("folio_tools.bench.throughput.run_hf", recording_run_hf)
     out_dir = tmp_path / "results"
     code = main([
         "bench", "throughput", str(tiny_llama), "--num-prompts", "4", "--input-len-range", "4:12",
@@ -143,7 +143,7 @@ def test_missing_optional_package_gives_one_line(tiny_llama, tmp_path, capsys, m
     monkeypatch.setitem(sys.modules, module, None)  # makes `import module` raise ImportError
     code = main(["bench", "throughput", str(tiny_llama), "--output-dir", str(tmp_path), *argv])
     assert code == 1
-    assert capsys.readouterr().err.strip() == f"folio: error: {message}: pip install 'folio[bench]'"
+    assert capsys.readouterr().err.strip() == f"folio: error: {message}: pip install -e ./tools"
 
 
 def _tokenizer_with_specials() -> Tokenizer:

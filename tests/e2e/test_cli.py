@@ -162,7 +162,7 @@ def test_eval_agreement_against_the_dequantized_model(smollm2_gguf, tmp_path, ca
 
 
 def test_prefix_share_counts_up_to_the_first_difference():
-    from folio.eval.agreement import prefix_share
+    from folio_tools.eval.agreement import prefix_share
 
     assert prefix_share([1, 2, 3, 4], [1, 2, 9, 4]) == 0.5
     assert prefix_share([1, 2], [1, 2]) == 1.0 and prefix_share([5], [6]) == 0.0

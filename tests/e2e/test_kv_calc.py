@@ -4,9 +4,7 @@ config agree with the tensors on disk, and the fits-in-memory arithmetic is righ
 from __future__ import annotations
 
 import torch
-
-from folio.cli import main
-from folio.kv_calc import (
+from folio_tools.kv_calc import (
     KV_DTYPES,
     kv_bytes_per_sequence,
     kv_bytes_per_token,
@@ -14,6 +12,8 @@ from folio.kv_calc import (
     params_from_config,
     window_tokens_held,
 )
+
+from folio.cli import main
 from folio.worker.model_runner import kv_bytes_per_token as engine_kv_bytes
 from tests.tiny_models import make_tiny_model
 

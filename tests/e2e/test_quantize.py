@@ -95,7 +95,7 @@ def folio_logits(folder, **kwargs):
 def random_calibration(monkeypatch):
     """The tiny models' word-level vocabulary maps ShareGPT text to one unknown token, which makes every
     calibration input alike; seeded random token windows exercise GPTQ and AWQ properly instead."""
-    from folio.eval import corpus
+    from folio_tools.eval import corpus
 
     def windows(encode, num_samples, length, seed=0):
         generator = torch.Generator().manual_seed(seed)

@@ -64,7 +64,9 @@ def test_the_wheel_carries_every_kernel_and_installs_with_the_fast_paths(tmp_pat
     (wheel,) = (tmp_path / "dist").glob("folio-*.whl")
     expected = _kernel_files([p.relative_to(REPO).as_posix() for p in (REPO / "folio").rglob("*")])
     assert len(expected) >= 7  # six kernels and int8_dot's header
-    assert _kernel_files(zipfile.ZipFile(wheel).namelist()) == expected
+    names = zipfile.ZipFile(wheel).namelist()
+    assert _kernel_files(names) == expected
+    assert not [name for name in names if name.startswith(("folio_tools", "folio/bench"))]  # the runtime alone
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path)
@@ -78,3 +80,10 @@ def test_the_wheel_carries_every_kernel_and_installs_with_the_fast_paths(tmp_pat
     assert "compiling" not in installed.stderr  # the same sources: the checkout's builds are shared
     version = _run([venv / "bin" / "folio", "--version"], cwd=tmp_path)
     assert version.stdout.strip() == f"folio {__version__}"
+    # The tools are not in this environment (the project's editable folio_tools is not importable from
+    # it): their commands say how to get them, in one line.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONPATH"}
+    bench = subprocess.run([venv / "bin" / "folio", "bench", "decode", "m"], cwd=tmp_path, env=env,
+                           capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bench.returncode == 1 and bench.stderr.count("\n") == 1, bench.stderr
+    assert "one of folio's tools" in bench.stderr and "pip install -e ./tools" in bench.stderr

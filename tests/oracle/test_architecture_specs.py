@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from folio_tools.kv_calc import load_shape
 
-from folio.kv_calc import load_shape
 from folio.layers.attention.alibi import alibi_slopes
 from folio.loaders.hf_folder import read_hf_config
 from folio.models.registry import all_architectures, architecture_named, config_from_hf, gguf_architecture

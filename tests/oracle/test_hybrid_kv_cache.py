@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from folio_tools.kv_calc import window_tokens_held
 
 from folio import LLM, SamplingParams
 from folio.engine.request import Request
-from folio.kv_calc import window_tokens_held
 
 PROMPT_TOKENS = 1_500  # three windows
 GREEDY = SamplingParams(max_tokens=16, temperature=0, ignore_eos=True, logprobs=2)

@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
+from folio_tools.eval.perplexity import score_windows
 
 from folio import LLM
-from folio.eval.perplexity import score_windows
 from tests.tiny_models import VOCAB, make_tiny_model
 
 transformers = pytest.importorskip("transformers")

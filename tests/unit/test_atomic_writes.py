@@ -10,12 +10,11 @@ from typing import Any
 
 import pytest
 import torch
+from folio_tools import results
+from folio_tools.quantize import export
+from folio_tools.quantize.export import write_checkpoint
+from folio_tools.results import save_figure, write_json
 from safetensors.torch import load_file
-
-from folio import results
-from folio.quantize import export
-from folio.quantize.export import write_checkpoint
-from folio.results import save_figure, write_json
 
 RESULT = {"benchmark": "throughput", "results": {"folio": {"output_tokens_per_s": 12.5}}}
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import shlex
 
 import pytest
+from folio_tools.bench.flags import command_line
 
-from folio.bench.flags import command_line
 from folio.cli import build_parser
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 
+from folio import cli
 from folio.cli import parse
 
 
@@ -25,3 +26,28 @@ def test_unknown_flags_are_still_refused(capsys):
     assert "unrecognized arguments: --bogus" in capsys.readouterr().err
     with pytest.raises(SystemExit):
         parse(["bench", "decode", "m", "--bogus"])
+
+
+class _BrokenEntry:
+    """An entry point whose distribution is listed but whose package cannot be imported."""
+
+    def load(self):
+        raise ModuleNotFoundError("No module named 'folio_tools'")
+
+
+@pytest.mark.parametrize("entries", [[], [_BrokenEntry()]], ids=["not-installed", "not-importable"])
+@pytest.mark.parametrize("words", [["bench", "decode", "m", "--rounds", "3"], ["kv-calc", "m"], ["eval", "--help"]])
+def test_a_tool_command_without_the_tools_says_how_to_install_them(monkeypatch, capsys, entries, words):
+    monkeypatch.setattr(cli, "entry_points", lambda group: entries)
+    assert cli.main(words) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"`folio {words[0]}` is one of folio's tools" in err
+    assert "pip install -e ./tools" in err
+    if entries:
+        assert "No module named 'folio_tools'" in err
+
+
+def test_the_runtime_commands_work_without_the_tools(monkeypatch):
+    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    args = parse(["serve", "m", "--port", "9"])
+    assert (args.command, args.port) == ("serve", 9)

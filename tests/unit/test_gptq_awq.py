@@ -4,14 +4,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from folio_tools.quantize.awq import output_error, search_scales
+from folio_tools.quantize.calibration import InputStatistics
+from folio_tools.quantize.gptq import gptq_quantize
+from folio_tools.quantize.group_quantizer import group_params, rtn_int_groups
+from folio_tools.quantize.quantize_model import fold_awq_scales
 
 from folio import LLM
 from folio.layers.linear import Linear
-from folio.quantize.awq import output_error, search_scales
-from folio.quantize.calibration import InputStatistics
-from folio.quantize.gptq import gptq_quantize
-from folio.quantize.group_quantizer import group_params, rtn_int_groups
-from folio.quantize.quantize_model import fold_awq_scales
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.tiny_models import make_tiny_model
 

@@ -1,9 +1,11 @@
-"""One-way layers: the runtime (everything that serves a request) never imports the tools (everything
-that measures or prepares), nothing imports the command line, and no two packages import each other.
+"""One-way layers: the runtime (everything that serves a request, the `folio` package) never imports the
+tools (everything that measures or prepares, the `folio_tools` package in tools/), nothing imports the
+command line, and no two packages import each other.
 
-A package is `folio/<name>/` or a top-level `folio/<name>.py`. Every import counts, function-local
-ones too; only `if TYPE_CHECKING:` blocks are left out (annotations, never executed). A function-local
-import of a folio module is itself a violation: it is how a cycle hides from a check like this one.
+A package is `folio/<name>/` or a top-level `folio/<name>.py`, and the same under tools/folio_tools/.
+Every import counts, function-local ones too; only `if TYPE_CHECKING:` blocks are left out (annotations,
+never executed). A function-local import of a folio module is itself a violation: it is how a cycle hides
+from a check like this one.
 """
 
 from __future__ import annotations
@@ -13,13 +15,26 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
-FOLIO = Path(__file__).resolve().parents[2] / "folio"
+REPO = Path(__file__).resolve().parents[2]
+FOLIO = REPO / "folio"
+FOLIO_TOOLS = REPO / "tools" / "folio_tools"
 
-# The command line sits on top: it parses flags and dispatches to the runtime (run, chat, serve, ...)
-# and to the tools (bench, eval, quantize, kv-calc). Nothing imports it.
+# The command line sits on top: it parses flags and dispatches to the runtime (run, chat, serve, ...).
+# The tools add their own commands (bench, eval, quantize, kv-calc) through an entry point, which
+# folio.cli loads by name, never by import. Nothing imports the command line.
 CLI = frozenset({"folio.cli", "folio.commands", "folio.__main__"})
 # Tools measure or prepare; they may import the runtime and each other (without cycles), never the CLI.
-TOOLS = frozenset({"folio.bench", "folio.eval", "folio.quantize", "folio.kv_calc", "folio.results"})
+TOOLS = frozenset(
+    {
+        "folio_tools",
+        "folio_tools.cli",  # registers the tools' subcommands on the runtime's parser
+        "folio_tools.bench",
+        "folio_tools.eval",
+        "folio_tools.quantize",
+        "folio_tools.kv_calc",
+        "folio_tools.results",
+    }
+)
 # The runtime serves requests; it never imports a tool or the CLI.
 RUNTIME = frozenset(
     {
@@ -39,7 +54,7 @@ RUNTIME = frozenset(
         "folio.paths",
         "folio.platform",
         "folio.reasoning",  # <think> text split from the answer
-        "folio.quant",  # runtime weight formats (int8, int4, nf4, GGUF blocks); offline quantizers: folio.quantize
+        "folio.quant",  # runtime weight formats (int8, int4, nf4, GGUF blocks); offline: folio_tools.quantize
         "folio.sample",
         "folio.sampling_params",
         "folio.scale",  # replicas on Ray Serve (the optional extra folio[ray])
@@ -55,7 +70,7 @@ RUNTIME = frozenset(
 
 @dataclass(frozen=True)
 class Import:
-    module: str  # the importing module, e.g. folio.bench.serve
+    module: str  # the importing module, e.g. folio_tools.bench.serve
     target: str  # the imported module, e.g. folio.loaders.catalog
     line: int
     local: bool  # inside a function body
@@ -69,7 +84,7 @@ class Import:
 
 
 def package_of(module: str) -> str:
-    """folio.bench.serve -> folio.bench; folio.cli -> folio.cli; folio -> folio."""
+    """folio_tools.bench.serve -> folio_tools.bench; folio.cli -> folio.cli; folio -> folio."""
     return ".".join(module.split(".")[:2])
 
 
@@ -96,8 +111,9 @@ def _function_nodes(tree: ast.AST) -> set[int]:
     }
 
 
-def imports_of(path: Path, root: Path) -> Iterator[Import]:
-    """Every import of a `root`-package module in `path`, with relative imports resolved."""
+def imports_of(path: Path, root: Path, roots: tuple[Path, ...] = ()) -> Iterator[Import]:
+    """Every import of a module of `root` (or of `roots`) in `path`, with relative imports resolved."""
+    roots = roots or (root,)
     module = module_name(path, root)
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     tree = ast.parse(path.read_text(encoding="utf-8"))
@@ -114,22 +130,27 @@ def imports_of(path: Path, root: Path) -> Iterator[Import]:
             else:
                 base = node.module or ""
             # `from folio import commands` imports the module folio.commands, not only the package folio
-            submodules = [f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}", root)]
+            submodules = [f"{base}.{alias.name}" for alias in node.names if _is_module(f"{base}.{alias.name}", roots)]
             targets = submodules or [base]
         else:
             continue
         for target in targets:
-            if target == root.name or target.startswith(root.name + "."):
+            if any(target == r.name or target.startswith(r.name + ".") for r in roots):
                 yield Import(module, target, node.lineno, id(node) in in_functions)
 
 
-def _is_module(name: str, root: Path) -> bool:
-    relative = Path(*name.split(".")[1:])
-    return (root / relative).with_suffix(".py").is_file() or (root / relative / "__init__.py").is_file()
+def _is_module(name: str, roots: tuple[Path, ...]) -> bool:
+    head, *rest = name.split(".")
+    relative = Path(*rest)
+    return any(
+        (root / relative).with_suffix(".py").is_file() or (root / relative / "__init__.py").is_file()
+        for root in roots
+        if root.name == head
+    )
 
 
-def all_imports(root: Path) -> list[Import]:
-    return [imp for path in sorted(root.rglob("*.py")) for imp in imports_of(path, root)]
+def all_imports(*roots: Path) -> list[Import]:
+    return [imp for root in roots for path in sorted(root.rglob("*.py")) for imp in imports_of(path, root, roots)]
 
 
 def package_edges(imports: list[Import], exempt: frozenset[tuple[str, str]] = frozenset()) -> dict[str, set[str]]:
@@ -167,14 +188,16 @@ def _report(violations: list[object]) -> str:
     return "\n".join(f"  {v}" for v in violations)
 
 
-IMPORTS = all_imports(FOLIO)
+IMPORTS = all_imports(FOLIO, FOLIO_TOOLS)
 
 
 def test_every_package_has_a_layer() -> None:
-    packages = {module_name(p, FOLIO) for p in FOLIO.glob("*.py")} | {
-        f"folio.{p.name}" for p in FOLIO.iterdir() if (p / "__init__.py").is_file()
+    packages = {
+        package_of(name)
+        for root in (FOLIO, FOLIO_TOOLS)
+        for name in [module_name(p, root) for p in root.glob("*.py")]
+        + [f"{root.name}.{p.name}" for p in root.iterdir() if (p / "__init__.py").is_file()]
     }
-    packages = {package_of(p) for p in packages}
     assert not packages - (CLI | TOOLS | RUNTIME), "give each new package a layer in this test"
     assert not (CLI & TOOLS) and not (CLI & RUNTIME) and not (TOOLS & RUNTIME)
 
@@ -198,6 +221,12 @@ def test_no_cycles_between_modules() -> None:
 def test_the_runtime_never_imports_a_tool_or_the_cli() -> None:
     bad = [imp for imp in IMPORTS if imp.edge[0] in RUNTIME and imp.edge[1] in TOOLS | CLI]
     assert not bad, "the runtime imports a tool or the command line:\n" + _report(bad)
+
+
+def test_the_runtime_package_never_imports_the_tools_package() -> None:
+    """The command line included: the runtime wheel installs and serves without folio_tools."""
+    bad = [imp for imp in IMPORTS if imp.edge[0] in RUNTIME | CLI and imp.target.split(".")[0] == FOLIO_TOOLS.name]
+    assert not bad, "the folio package imports folio_tools (load it through the entry point):\n" + _report(bad)
 
 
 def test_tools_never_import_the_cli() -> None:

@@ -9,11 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from folio.bench import llama_cpp_build as build
-from folio.bench import llama_cpp_peer as peer
-from folio.bench import llama_cpp_server as server
-from folio.bench.llama_cpp_build import LlamaCppBinaries, LlamaCppBuildError
+from folio_tools.bench import llama_cpp_build as build
+from folio_tools.bench import llama_cpp_peer as peer
+from folio_tools.bench import llama_cpp_server as server
+from folio_tools.bench.llama_cpp_build import LlamaCppBinaries, LlamaCppBuildError
 
 
 def _fake_install(home: Path, version: str, commit: str | None = "0c1e57098", executable: bool = True,
@@ -170,7 +169,7 @@ def test_serve_cli_passes_flags_through(tmp_path: Path, monkeypatch: pytest.Monk
 
 def test_batched_bench_rates_by_parallel_sequences(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """folio bench decode's peer: llama-batched-bench's JSONL lines, its S_TG keyed by parallel sequences."""
-    from folio.bench import decode
+    from folio_tools.bench import decode
 
     folder = _fake_install(tmp_path, "0.3.36")
     script = folder / "bin" / "llama-batched-bench"

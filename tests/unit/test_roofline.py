@@ -6,9 +6,9 @@ import dataclasses
 
 import pytest
 import torch
+from folio_tools.bench import roofline
+from folio_tools.bench.roofline import MachinePeaks, TokenCost, measure_peaks, multiplied_parameters
 
-from folio.bench import roofline
-from folio.bench.roofline import MachinePeaks, TokenCost, measure_peaks, multiplied_parameters
 from folio.config import ModelConfig
 
 

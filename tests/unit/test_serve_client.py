@@ -15,14 +15,13 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-
-from folio.bench import serve, serve_client
-from folio.bench.cli import add_bench_parser
-from folio.bench.datasets import LengthRange
-from folio.bench.flags import command_line
-from folio.bench.roofline import MachinePeaks
-from folio.bench.serve import ServeConfig, run_serve, workload_config
-from folio.bench.serve_client import (
+from folio_tools.bench import serve, serve_client
+from folio_tools.bench.cli import add_bench_parser
+from folio_tools.bench.datasets import LengthRange
+from folio_tools.bench.flags import command_line
+from folio_tools.bench.roofline import MachinePeaks
+from folio_tools.bench.serve import ServeConfig, run_serve, workload_config
+from folio_tools.bench.serve_client import (
     ServeRequest,
     Target,
     arrival_offsets,
@@ -32,7 +31,7 @@ from folio.bench.serve_client import (
     run_rate,
     send_request,
 )
-from folio.bench.serve_stats import (
+from folio_tools.bench.serve_stats import (
     RequestRecord,
 )
 

@@ -7,9 +7,9 @@ import json
 from types import SimpleNamespace
 
 import pytest
+from folio_tools.bench.step_profile import ProfileConfig, _op_table, format_tables, run_profile, run_profile_command
 from torch.autograd import DeviceType
 
-from folio.bench.step_profile import ProfileConfig, _op_table, format_tables, run_profile, run_profile_command
 from folio.cli import build_parser
 from tests.tiny_models import make_tiny_model
 

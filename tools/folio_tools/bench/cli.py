@@ -1,0 +1,48 @@
+"""`folio bench ...`: one sub-subcommand per benchmark. Each benchmark module registers its own parser
+(`add_parser`), which stores its runner in `args.bench_run`; adding a benchmark is one more entry in
+BENCHMARKS."""
+
+from __future__ import annotations
+
+import argparse
+
+from folio_tools.bench import (
+    decode,
+    parallel,
+    quant_table,
+    robustness_cli,
+    serve,
+    serve_compare,
+    spec,
+    stall,
+    step_profile,
+    structured,
+    throughput,
+)
+
+BENCHMARKS = (
+    throughput,
+    serve,
+    serve_compare,
+    structured,
+    decode,
+    quant_table,
+    robustness_cli,
+    stall,
+    spec,
+    parallel,
+    step_profile,
+)
+
+
+def add_bench_parser(subparsers: argparse._SubParsersAction) -> None:
+    """Add `bench` and its benchmarks to the `folio` parser's subcommands (folio_tools/cli.py calls this)."""
+    bench = subparsers.add_parser("bench", help="measure folio's speed, side by side with a peer engine")
+    bench.set_defaults(tool_run=run_bench)
+    benchmarks = bench.add_subparsers(dest="bench_command", required=True, metavar="BENCHMARK")
+    for benchmark in BENCHMARKS:
+        benchmark.add_parser(benchmarks)
+
+
+def run_bench(args: argparse.Namespace) -> int:
+    return args.bench_run(args)
