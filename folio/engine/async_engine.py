@@ -18,6 +18,7 @@ called so the server can report unhealthy and exit.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -27,7 +28,6 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
-from folio.engine.engine_call import EngineCall
 from folio.engine.engine_core import EngineCore
 from folio.engine.generation import Generation
 from folio.engine.output_processor import OutputDelta, OutputProcessor
@@ -40,6 +40,35 @@ from folio.worker.executor import WorkerDiedError
 
 logger = logging.getLogger("folio")
 T = TypeVar("T")
+
+
+@dataclass
+class EngineCall:
+    """A function to run on the engine thread between steps, its result handed back to an event loop."""
+
+    fn: Callable[[EngineCore], object]
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future[object]
+
+    def settle(self, engine: EngineCore) -> None:
+        try:
+            result, error = self.fn(engine), None
+        except Exception as exc:
+            result, error = None, exc
+        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody is waiting
+            self.loop.call_soon_threadsafe(self._resolve, result, error)
+
+    def fail(self, error: Exception) -> None:
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self._resolve, None, error)
+
+    def _resolve(self, result: object, error: Exception | None) -> None:
+        if self.future.done():  # the caller gave up waiting
+            return
+        if error is not None:
+            self.future.set_exception(error)
+        else:
+            self.future.set_result(result)
 
 
 class EngineObserver(Protocol):

@@ -1,7 +1,7 @@
 """`Generation`: the engine requests behind one API call, whichever engine runs them.
 
 The engine may be a loop on a thread of this process (`AsyncEngine`) or in a process of its own
-(server/process_engine.py); both take requests, streams and aborts through `RequestSink`.
+(server/process_client.py); both take requests, streams and aborts through `RequestSink`.
 """
 
 from __future__ import annotations

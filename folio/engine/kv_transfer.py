@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from folio.engine.engine_core import EngineCore
 from folio.kv_cache.hashing import BlockKey, extend_block_keys
-from folio.step.kv_blocks import KVBlocks, KVLayout
+from folio.step.kv_blocks import KVBlocks
 from folio.worker.kv_block_io import kv_layout, read_kv_blocks, write_kv_blocks
 from folio.worker.model_runner import ModelRunner
 
@@ -25,10 +25,6 @@ def _runner(core: EngineCore) -> ModelRunner:
         raise ValueError("handing KV blocks between engines needs whole-model engines (no tensor, pipeline or "
                          "context parallelism)")  # fmt: skip
     return core.runner
-
-
-def layout_of(core: EngineCore) -> KVLayout:
-    return kv_layout(_runner(core), core.kv_cache_dtype)
 
 
 def prompt_keys(core: EngineCore, token_ids: list[int], cache_salt: str | None) -> list[BlockKey]:

@@ -3,8 +3,10 @@
 There are no prefill or decode phases: every request has `num_computed_tokens` and `num_tokens`, and
 each step gives running requests their next tokens first (1 for a decode, a chunk for a prompt that is
 still being prefilled), then admits waiting requests while budget, sequence slots and KV blocks last.
-When a running request needs a block and none is free, the most recently admitted request is
-preempted: its blocks are freed and it goes back to the front of the queue to be recomputed.
+When a running request needs a block and none is free, the least urgent request not yet given tokens
+this step (the largest (priority, arrival): the lowest priority, then the latest arrival) is preempted:
+its blocks are freed and it goes back to the queue at its arrival place, ahead of later arrivals, to be
+recomputed.
 Beam search groups run their beams as ordinary requests (see beam_group.py).
 """
 

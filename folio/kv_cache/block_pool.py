@@ -91,11 +91,6 @@ class BlockPool:
             self._cached[group, key] = block
             self.keys[block] = (group, key)
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._cached.values()):
-            self.keys[block] = None
-        self._cached.clear()
-
     def _forget(self, block: int) -> None:
         key = self.keys[block]
         if key is not None:

@@ -14,8 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from folio.config import ModelConfig
-from folio.models.base import CausalLM, CheckpointRename
-from folio.models.weights import StackedMapping
+from folio.models.base import CausalLM
 
 HFConfig = dict[str, Any]  # a parsed config.json
 
@@ -70,15 +69,3 @@ class Architecture:
         if binds != self.decode_stack:
             verb = "binds" if binds else "does not bind"
             raise ValueError(f"{self.name}: decode_stack={self.decode_stack} but its model class {verb} one")
-
-    @property
-    def fused_params(self) -> StackedMapping:
-        """Checkpoint tensors stacked into one layer: (fused layer, checkpoint name, shard id); the model
-        class declares them beside its layers (`stacked_params`)."""
-        return self.model_class.stacked_params
-
-    @property
-    def hf_rename(self) -> CheckpointRename:
-        """Hugging Face checkpoint name (and layout) -> the model's own; applied by load_weights, after a
-        GGUF file's names became Hugging Face ones (`checkpoint_rename` on the model class)."""
-        return self.model_class.checkpoint_rename

@@ -1,5 +1,5 @@
 """What every route handler needs: the engine, the tokenizer, the served name, admission and limits;
-and `EngineCall`, one API call's hold on the server."""
+and `AdmittedCall`, one API call's hold on the server."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from folio.server.limits import RequestLimits
 from folio.server.model_card import ModelCard
 
 
-class EngineCall:
+class AdmittedCall:
     """One API call's admission slots and engine requests, given back together by `close()`
     (idempotent). As a context manager it closes on every exit, unless the handler handed the call
     to a streaming response (`hand_off`), whose own cleanup closes it when the stream ends."""
@@ -29,11 +29,11 @@ class EngineCall:
         self.generation.close()
         self.reservation.release()
 
-    def hand_off(self) -> EngineCall:
+    def hand_off(self) -> AdmittedCall:
         self._handed_off = True
         return self
 
-    def __enter__(self) -> EngineCall:
+    def __enter__(self) -> AdmittedCall:
         return self
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
@@ -81,9 +81,9 @@ class ServerContext:
     def default_max_tokens(self, prompt_len: int) -> int:
         return self.max_model_len - prompt_len
 
-    def open_call(self, num_sequences: int, param: str) -> EngineCall:
+    def open_call(self, num_sequences: int, param: str) -> AdmittedCall:
         """Admission for `num_sequences` engine requests: 503 if the engine has died, 400 if the request
         alone exceeds the server's capacity, 429 if the server is full."""
         if not self.engine.is_alive:
             raise APIError(503, "the engine has stopped after an internal error", code="engine_dead")
-        return EngineCall(self.admission.reserve(num_sequences, param), self.engine.generation())
+        return AdmittedCall(self.admission.reserve(num_sequences, param), self.engine.generation())

@@ -103,10 +103,6 @@ class MaskTiming:
     num_steps: int = 0  # sampling steps with at least one masked row
     seconds: float = 0.0
 
-    @property
-    def ms_per_mask(self) -> float:
-        return 1000 * self.seconds / self.num_masks if self.num_masks else 0.0
-
 
 def allowed_tokens(
     grammars: Sequence[TokenGrammar | None], vocab_size: int, timing: MaskTiming | None = None

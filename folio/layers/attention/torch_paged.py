@@ -11,7 +11,7 @@ import torch
 import torch.nn.functional as F
 
 from folio.layers.attention.kv_tensors import LayerKV
-from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata
+from folio.layers.attention.metadata import AttentionGroup
 
 
 def attend_group(
@@ -45,20 +45,3 @@ def attend_group(
         q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale, enable_gqa=num_heads != k.shape[1]
     )
     return attended.transpose(1, 2).reshape(-1, num_heads * head_dim)
-
-
-def paged_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    cache: LayerKV,
-    meta: AttentionMetadata,
-    block_size: int,
-    scale: float,
-    sliding_window: int | None = None,
-) -> torch.Tensor:
-    """query: [T, H, D]; key/value: this step's [T, Hkv, D] (already written to the cache) -> [T, H * D]."""
-    out = query.new_empty(meta.num_tokens, query.shape[1] * query.shape[2])
-    for group in meta.groups:
-        out[group.token_rows] = attend_group(group, query, key, value, cache, block_size, scale, sliding_window)
-    return out
