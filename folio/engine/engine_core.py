@@ -15,6 +15,7 @@ from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
+from folio.engine.stats import SchedulerStats
 from folio.heap import reuse_large_allocations
 from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
 from folio.kv_cache.manager import KVCacheManager
@@ -191,6 +192,9 @@ class EngineCore:
 
     def abort_request(self, request_id: str, reason: FinishReason = FinishReason.ABORT) -> Request | None:
         return self.scheduler.abort_request(request_id, reason)
+
+    def make_stats(self) -> SchedulerStats:
+        return self.scheduler.make_stats()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished or bool(self.in_flight)

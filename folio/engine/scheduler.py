@@ -24,6 +24,7 @@ from folio.engine.beam_scheduling import BeamScheduling
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.runner_view import RunnerView
 from folio.engine.speculation import SpecDecodeStats, drafts_to_verify
+from folio.engine.stats import SchedulerStats
 from folio.engine.structured_output import StructuredOutputManager
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
@@ -57,6 +58,12 @@ class Scheduler(BeamScheduling):
         # Requests in a step whose result has not come back (a pipeline runs several steps at once):
         # they get no tokens and are never preempted until it does.
         self.in_flight: set[str] = set()
+
+    def make_stats(self) -> SchedulerStats:
+        """This moment's counters and gauges, as a value (metrics, replicas' load, benchmarks)."""
+        return SchedulerStats.reading(len(self.running), len(self.waiting), self.num_preemptions,
+                                      self.kv.pool.usage_ratio, self.kv.capacity_tokens, self.spec_stats,
+                                      self.structured.timing)  # fmt: skip
 
     # -- queue management --------------------------------------------------------------------------
     def add_request(self, request: Request, forks: list[Request] | None = None) -> None:

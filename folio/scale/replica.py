@@ -72,7 +72,7 @@ class EngineReplica:
         self._board = board_for(self._app_name)
         self._reporter = asyncio.get_event_loop().create_task(self._report_forever())
         logger.info("%s replica %s serving %s (KV cache %d tokens)", role, self.name, model_name,
-                    self.llm.engine.kv.capacity_tokens)  # fmt: skip
+                    self.llm.engine.make_stats().kv_capacity_tokens)  # fmt: skip
 
     # -- what the ingress calls ----------------------------------------------------------------------
     def describe(self) -> ReplicaDescription:
@@ -103,21 +103,20 @@ class EngineReplica:
             raise EngineDeadError(f"replica {self.name}: the engine thread has stopped")
 
     def record_routing_stats(self) -> dict[str, float]:
-        scheduler = self.llm.engine.scheduler
-        return {"running": len(scheduler.running), "waiting": len(scheduler.waiting),
-                "kv_usage": self.llm.engine.kv.pool.usage_ratio}  # fmt: skip
+        stats = self.llm.engine.make_stats()
+        return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_usage": stats.kv_usage_ratio}
 
     def report(self) -> ReplicaReport:
-        scheduler = self.llm.engine.scheduler
+        stats = self.llm.engine.make_stats()
         return ReplicaReport(
             replica=self.name,
             role=self.role,
             pid=os.getpid(),
             host=socket.gethostname(),
             alive=self.engine.is_alive,
-            running=len(scheduler.running),
-            waiting=len(scheduler.waiting),
-            kv_usage=self.llm.engine.kv.pool.usage_ratio,
+            running=stats.num_running,
+            waiting=stats.num_waiting,
+            kv_usage=stats.kv_usage_ratio,
             metrics_text=generate_latest(self.metrics.registry).decode(),
         )
 

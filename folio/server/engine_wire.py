@@ -41,7 +41,7 @@ class EngineInfo:
             hidden_size=config.hidden_size,
             max_model_len=engine.max_model_len,
             max_num_seqs=engine.scheduler_config.max_num_seqs,
-            kv_capacity_tokens=engine.kv.capacity_tokens,
+            kv_capacity_tokens=engine.make_stats().kv_capacity_tokens,
             dtype=str(llm.dtype).removeprefix("torch."),
             model_card=ModelCard.describe(
                 model_name,

@@ -7,8 +7,6 @@ first scheduled, TTFT at its first sampled token, ITL between consecutive tokens
 
 from __future__ import annotations
 
-from dataclasses import replace
-
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
 
 from folio.engine.engine_core import EngineCore
@@ -124,7 +122,7 @@ class ServerMetrics:
         self._refresh_gauges()
 
     def _count_speculation(self) -> None:
-        now, seen = self.engine.scheduler.spec_stats, self._spec_seen
+        now, seen = self.engine.make_stats().spec_decoding, self._spec_seen
         if now.num_drafts == seen.num_drafts:
             return
         self.spec_drafts.inc(now.num_drafts - seen.num_drafts)
@@ -134,10 +132,10 @@ class ServerMetrics:
             before = seen.accepted_per_position[position] if position < len(seen.accepted_per_position) else 0
             if count > before:
                 self.spec_per_position.labels(self._model_name, str(position)).inc(count - before)
-        self._spec_seen = replace(now, accepted_per_position=list(now.accepted_per_position))
+        self._spec_seen = now
 
     def _refresh_gauges(self) -> None:
-        scheduler = self.engine.scheduler
-        self.running.set(len(scheduler.running))
-        self.waiting.set(len(scheduler.waiting))
-        self.kv_usage.set(self.engine.kv.pool.usage_ratio)
+        stats = self.engine.make_stats()
+        self.running.set(stats.num_running)
+        self.waiting.set(stats.num_waiting)
+        self.kv_usage.set(stats.kv_usage_ratio)

@@ -119,6 +119,24 @@ def test_tiny_pool_preempts_and_matches_unconstrained_run():
     assert constrained == reference
 
 
+def test_make_stats_is_a_reading_that_stays_as_read():
+    kv = KVCacheManager(16, 4)
+    scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=8, max_num_seqs=1, max_model_len=1000), kv)
+    scheduler.add_request(Request("a", list(range(1, 20)), SamplingParams(max_tokens=5)))
+    scheduler.add_request(Request("b", list(range(1, 5)), SamplingParams(max_tokens=5)))
+    empty = scheduler.make_stats()
+    assert (empty.num_running, empty.num_waiting, empty.kv_usage_ratio, empty.kv_capacity_tokens) == (0, 2, 0.0, 64)
+    scheduler.schedule()
+    scheduler.spec_stats.record(3, 2)
+    stats = scheduler.make_stats()
+    assert (stats.num_running, stats.num_waiting) == (1, 1)
+    assert stats.kv_usage_ratio == 1 - kv.pool.num_free_blocks / 16 > 0
+    assert stats.spec_decoding.accepted_per_position == [1, 1, 0]
+    scheduler.spec_stats.record(3, 3)  # the engine steps on; the reading does not change under its reader
+    assert stats.spec_decoding.num_drafts == 1 and stats.spec_decoding.accepted_per_position == [1, 1, 0]
+    assert empty.spec_decoding.num_drafts == 0
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     prompt_lens=st.lists(st.integers(1, 40), min_size=1, max_size=8),

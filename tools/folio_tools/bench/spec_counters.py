@@ -54,7 +54,7 @@ class SpecCounts:
 
 
 def from_engine(stats: SpecDecodeStats) -> SpecCounts:
-    """A reading of an in-process engine's counters (`llm.engine.scheduler.spec_stats`)."""
+    """A reading of an in-process engine's counters (`llm.engine.make_stats().spec_decoding`)."""
     return SpecCounts(stats.num_drafts, stats.num_draft_tokens, stats.num_accepted_tokens, "engine",
                       tuple(stats.accepted_per_position))  # fmt: skip
 

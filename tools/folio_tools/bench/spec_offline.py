@@ -3,7 +3,7 @@ each workload's requests sent one at a time, greedy, to every variant in turn (t
 request to the next), so that a slow spell of the machine falls on all of them alike.
 
 Per request: its wall time (prefill included), output tokens, TTFT and TPOT from the engine's timestamps.
-The drafts come from the engine's own counters (`llm.engine.scheduler.spec_stats`), read before and after
+The drafts come from the engine's own counters (`llm.engine.make_stats().spec_decoding`), read before and after
 each workload. Every answer is compared with its baseline's: greedy speculation keeps the target's tokens.
 MFU and MBU (`batch1_utilisation`) count the target's shapes, the weight bytes its greedy
 steps read (roofline.py) and its KV format as loaded.
@@ -128,14 +128,14 @@ def run_offline(
 def _run_workload(variants: list[Variant], llms: dict[str, Any], workload: str, prompts: list[list[int]],
                   params: SamplingParams, costs: dict[str, TokenCost], peaks: MachinePeaks) -> list[Cell]:  # fmt: skip
     samples: dict[str, list[_Sample]] = {v.name: [] for v in variants}
-    before = {v.name: from_engine(llms[v.name].engine.scheduler.spec_stats) for v in variants}
+    before = {v.name: from_engine(llms[v.name].engine.make_stats().spec_decoding) for v in variants}
     for i, prompt_ids in enumerate(prompts):
         for j in range(len(variants)):  # rotated: each variant goes first as often as the others
             variant = variants[(i + j) % len(variants)]
             samples[variant.name].append(_run_one(llms[variant.name], prompt_ids, params))
     cells = []
     for variant in variants:
-        spec = from_engine(llms[variant.name].engine.scheduler.spec_stats).since(before[variant.name])
+        spec = from_engine(llms[variant.name].engine.make_stats().spec_decoding).since(before[variant.name])
         mine, theirs = samples[variant.name], samples[variant.baseline]
         matches = sum(a.output_ids == b.output_ids for a, b in zip(mine, theirs, strict=True))
         lengths = [(s.prompt_len, len(s.output_ids)) for s in mine]

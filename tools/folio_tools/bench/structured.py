@@ -199,8 +199,7 @@ def _run_folio(
     warm = StructuredOutputParams(json=SCHEMAS[chats[0][0]])
     llm.generate(prompts[:2], [SamplingParams(max_tokens=8, structured_output=warm), SamplingParams(max_tokens=8)],
                  use_tqdm=False)  # fmt: skip
-    timing = llm.engine.scheduler.structured.timing
-    before = (timing.num_steps, timing.num_masks, timing.seconds)
+    before = llm.engine.make_stats().mask_timing
     bound_params = [
         SamplingParams(max_tokens=config.max_tokens, temperature=config.temperature, seed=config.seed + i,
                        structured_output=StructuredOutputParams(json=SCHEMAS[name]))
@@ -209,10 +208,11 @@ def _run_folio(
     start = time.perf_counter()
     outputs = llm.generate(prompts, bound_params)
     elapsed = time.perf_counter() - start
+    after = llm.engine.make_stats().mask_timing
     lengths = [len(o.outputs[0].token_ids) for o in outputs]
     prompt_lens = [len(p) for p in prompts]
-    constrained = RunResult("json_schema", elapsed, sum(lengths), timing.num_steps - before[0],
-                            timing.num_masks - before[1], timing.seconds - before[2],
+    constrained = RunResult("json_schema", elapsed, sum(lengths), after.num_steps - before.num_steps,
+                            after.num_masks - before.num_masks, after.seconds - before.seconds,
                             cost.requests_mfu(zip(prompt_lens, lengths, strict=True), elapsed, peaks))  # fmt: skip
     num_valid = sum(is_valid(o.outputs[0].text, SCHEMAS[name]) for o, (name, _) in zip(outputs, chats, strict=True))
     num_finished = sum(o.outputs[0].finish_reason == "stop" for o in outputs)

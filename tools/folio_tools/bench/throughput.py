@@ -94,11 +94,11 @@ def run_folio(
     sampling = sampling or BenchSampling()
     params = [sampling.folio_params(r.output_len, seed + i) for i, r in enumerate(requests)]
     prompts = [r.prompt_token_ids for r in requests]
-    preempted = llm.engine.scheduler.num_preemptions
+    preempted = llm.engine.make_stats().num_preemptions
     start = time.perf_counter()
     outputs = llm.generate(prompts, params, use_tqdm=use_tqdm)
     elapsed = time.perf_counter() - start
-    preempted = llm.engine.scheduler.num_preemptions - preempted
+    preempted = llm.engine.make_stats().num_preemptions - preempted
     generated = sum(len(o.outputs[0].token_ids) for o in outputs)
     wanted = sum(r.output_len for r in requests)
     if generated != wanted:
