@@ -20,9 +20,9 @@ from folio.platform import default_device
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from folio.scale.options import ReplicaOptions
 from folio.scale.routing import RoutingConfig
-from folio.server.batch_file import batch_lines, run_batch
-from folio.server.chat_options import ChatOptions
+from folio.server.context import ChatOptions
 from folio.server.limits import RequestLimits
+from folio.server.openai.batch_file import batch_lines, run_batch
 from folio.server.serve import (
     ServerOptions,
     StartupInterrupted,

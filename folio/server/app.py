@@ -19,25 +19,25 @@ from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from folio.server.answer_body import json_answer
-from folio.server.anthropic_messages import count_tokens, create_message
-from folio.server.anthropic_protocol import CountTokensRequest, MessagesRequest
+from folio.server.anthropic.protocol import CountTokensRequest, MessagesRequest
+from folio.server.anthropic.routes import count_tokens, create_message
 from folio.server.auth import APIKeyDigest, APIKeyMiddleware
 from folio.server.body_limit import BodySizeLimit, too_large_message
 from folio.server.body_route import OffLoopBodyRoute, warm_json_scanner
-from folio.server.chat import create_chat_completion
-from folio.server.chat_prompt import encode_messages
-from folio.server.chat_protocol import ChatCompletionRequest
-from folio.server.completions import create_completion
 from folio.server.context import ServerContext
-from folio.server.embeddings import create_embedding
-from folio.server.embeddings_protocol import EmbeddingRequest
 from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
-from folio.server.ollama_routes import ollama_router
-from folio.server.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from folio.server.ollama.routes import ollama_router
+from folio.server.openai.chat.prompt import encode_messages
+from folio.server.openai.chat.protocol import ChatCompletionRequest
+from folio.server.openai.chat.routes import create_chat_completion
+from folio.server.openai.completions import create_completion
+from folio.server.openai.embeddings.protocol import EmbeddingRequest
+from folio.server.openai.embeddings.routes import create_embedding
+from folio.server.openai.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
+from folio.server.openai.responses.protocol import ResponsesRequest
+from folio.server.openai.responses.routes import create_response
 from folio.server.request_body import BODY_ERROR_TYPES
-from folio.server.responses_api import create_response
-from folio.server.responses_protocol import ResponsesRequest
 
 logger = logging.getLogger("folio")
 

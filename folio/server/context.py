@@ -1,5 +1,6 @@
 """What every route handler needs: the engine, the tokenizer, the served name, admission and limits;
-and `AdmittedCall`, one API call's hold on the server."""
+`ChatOptions`, how chat answers are read (which tool-call format, whether to split out reasoning); and
+`AdmittedCall`, one API call's hold on the server."""
 
 from __future__ import annotations
 
@@ -7,12 +8,27 @@ from dataclasses import dataclass, field
 from types import TracebackType
 
 from folio.loaders.tokenizer import Tokenizer
+from folio.reasoning import REASONING_CHOICES
 from folio.server.admission import Admission, Reservation
-from folio.server.chat_options import ChatOptions
 from folio.server.engine_client import EngineClient, GenerationStream
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
 from folio.server.model_card import ModelCard
+from folio.tool_calls.registry import PARSER_CHOICES
+
+
+@dataclass(frozen=True)
+class ChatOptions:
+    tool_call_parser: str = "auto"  # auto: from the chat template (folio's own prompt if it shows no tools)
+    reasoning_parser: str = "auto"  # auto: split <think> when the chat template mentions it
+
+    def __post_init__(self) -> None:
+        if self.tool_call_parser not in PARSER_CHOICES:
+            raise ValueError(f"unknown tool-call parser {self.tool_call_parser!r}; choose one of "
+                             f"{', '.join(PARSER_CHOICES)}")  # fmt: skip
+        if self.reasoning_parser not in REASONING_CHOICES:
+            raise ValueError(f"unknown reasoning parser {self.reasoning_parser!r}; choose one of "
+                             f"{', '.join(REASONING_CHOICES)}")  # fmt: skip
 
 
 class AdmittedCall:

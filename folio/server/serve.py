@@ -27,8 +27,7 @@ from folio.engine.llm import LLM
 from folio.engine_args import EngineArgs
 from folio.server.admission import Admission
 from folio.server.app import create_app
-from folio.server.chat_options import ChatOptions
-from folio.server.context import ServerContext
+from folio.server.context import ChatOptions, ServerContext
 from folio.server.engine_client import EngineClient
 from folio.server.engine_wire import EngineInfo
 from folio.server.limits import RequestLimits

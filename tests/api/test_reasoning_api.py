@@ -9,7 +9,7 @@ import openai
 import pytest
 
 from folio import LLM
-from folio.server.chat_options import ChatOptions
+from folio.server.context import ChatOptions
 from folio.server.serve import ServerOptions
 from tests.api.server_runner import MODEL, running_server
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi import FastAPI, Request
 
 from folio.cli import main
-from folio.server.batch_file import run_batch
+from folio.server.openai.batch_file import run_batch
 from tests.api.server_runner import MODEL
 
 GOOD = {"model": MODEL, "prompt": "The capital of France is", "max_tokens": 3, "temperature": 0}

@@ -15,10 +15,10 @@ from pydantic import ValidationError
 from folio.config import SchedulerConfig
 from folio.engine_args import EngineArgs
 from folio.sampling_params import PoolingParams, SamplingParams
-from folio.server.embedding_format import encode_vector, fit_dimensions
-from folio.server.embeddings_protocol import EmbeddingRequest
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
+from folio.server.openai.embeddings.format import encode_vector, fit_dimensions
+from folio.server.openai.embeddings.protocol import EmbeddingRequest
 from folio.step.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
 from folio.worker.batch_inputs import prepare_batch
 from folio.worker.pooling import PoolSpan, pool_embeddings

@@ -25,8 +25,8 @@ from folio.server.answer_body import json_pieces
 from folio.server.body_route import OFF_LOOP_BYTES, OffLoopBodyRoute
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
-from folio.server.ollama_routes import ModelDigest
-from folio.server.protocol import CompletionRequest
+from folio.server.ollama.routes import ModelDigest
+from folio.server.openai.protocol import CompletionRequest
 from folio.server.request_body import BODY_FAULTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, check_json_value, load_json_text
 
 

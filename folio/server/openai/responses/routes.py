@@ -9,16 +9,16 @@ from typing import Any
 from starlette.concurrency import run_in_threadpool
 
 from folio.engine.updates import EngineDeadError, RequestFailedError
-from folio.server.chat_prompt import PreparedChat, prepare_chat
-from folio.server.chat_protocol import chat_request_from
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
-from folio.server.logprobs_format import TokenText, chat_logprobs
-from folio.server.responses_items import ResponseShell, output_items, response_logprobs, usage
-from folio.server.responses_protocol import ResponsesRequest
-from folio.server.responses_stream import ResponseEvents
+from folio.server.openai.chat.prompt import PreparedChat, prepare_chat
+from folio.server.openai.chat.protocol import chat_request_from
+from folio.server.openai.logprobs_format import TokenText, chat_logprobs
+from folio.server.openai.responses.items import ResponseShell, output_items, response_logprobs, usage
+from folio.server.openai.responses.protocol import ResponsesRequest
+from folio.server.openai.responses.stream import ResponseEvents
 from folio.server.sse import guarded
 
 

@@ -15,14 +15,14 @@ from starlette.concurrency import run_in_threadpool
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader
-from folio.server.chat_prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat
-from folio.server.chat_protocol import ChatCompletionRequest, chat_request_from
 from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
 from folio.server.errors import APIError, error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.model_card import iso_time
-from folio.server.ollama_protocol import GeneratingBody, OllamaChatRequest, OllamaGenerateRequest, OllamaMessage
+from folio.server.ollama.protocol import GeneratingBody, OllamaChatRequest, OllamaGenerateRequest, OllamaMessage
+from folio.server.openai.chat.prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat
+from folio.server.openai.chat.protocol import ChatCompletionRequest, chat_request_from
 from folio.server.sse import guarded
 from folio.tool_calls.types import ToolCall
 

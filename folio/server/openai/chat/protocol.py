@@ -8,8 +8,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from folio.sampling_params import INT64_MAX, MAX_LOGPROBS
 from folio.server.errors import APIError
-from folio.server.messages import ChatMessage
-from folio.server.protocol import SamplingFields
+from folio.server.openai.chat.messages import ChatMessage
+from folio.server.openai.protocol import SamplingFields
 from folio.tool_calls.types import FunctionTool
 
 MAX_TOOLS = 128  # as OpenAI

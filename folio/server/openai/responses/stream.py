@@ -8,11 +8,11 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from folio.server.chat_answer import AnswerPiece
-from folio.server.chat_prompt import PreparedChat
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import APIError
-from folio.server.logprobs_format import TokenText, chat_logprobs
-from folio.server.responses_items import ResponseShell, call_item, message_item, reasoning_item, usage
+from folio.server.openai.chat.prompt import PreparedChat
+from folio.server.openai.logprobs_format import TokenText, chat_logprobs
+from folio.server.openai.responses.items import ResponseShell, call_item, message_item, reasoning_item, usage
 
 
 class ResponseEvents:

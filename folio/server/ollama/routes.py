@@ -21,18 +21,18 @@ from folio import __version__
 from folio.reasoning import reasoning_enabled
 from folio.server.body_route import OffLoopBodyRoute
 from folio.server.context import ServerContext
-from folio.server.embeddings import embed_inputs
 from folio.server.errors import APIError
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.model_card import ModelCard, iso_time
-from folio.server.ollama_chat import NDJSON, check_ollama_model, ollama_chat, ollama_generate
-from folio.server.ollama_protocol import (
+from folio.server.ollama.chat import NDJSON, check_ollama_model, ollama_chat, ollama_generate
+from folio.server.ollama.protocol import (
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
     OllamaGenerateRequest,
     OllamaModelRequest,
 )
+from folio.server.openai.embeddings.routes import embed_inputs
 
 KEEP_LOADED = 10 * 365 * 24 * 3600  # /api/ps's expires_at: the model stays loaded while the server runs
 

@@ -13,10 +13,10 @@ from folio.loaders.tokenizer import ChatTemplateError
 from folio.reasoning import prompt_opens_thinking, reasoning_enabled
 from folio.sampling_params import SamplingParams
 from folio.server.chat_answer import AnswerReader
-from folio.server.chat_protocol import ChatCompletionRequest
 from folio.server.context import ServerContext
 from folio.server.errors import APIError
-from folio.server.messages import ChatMessage
+from folio.server.openai.chat.messages import ChatMessage
+from folio.server.openai.chat.protocol import ChatCompletionRequest
 from folio.structured.params import StructuredOutputParams
 from folio.tool_calls.forced import forced_schema
 from folio.tool_calls.prompting import messages_with_tool_text

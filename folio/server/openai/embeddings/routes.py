@@ -13,10 +13,10 @@ from starlette.concurrency import run_in_threadpool
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.context import ServerContext
-from folio.server.embedding_format import encode_vector, fit_dimensions
-from folio.server.embeddings_protocol import EmbeddingRequest
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import APIError, error_for
+from folio.server.openai.embeddings.format import encode_vector, fit_dimensions
+from folio.server.openai.embeddings.protocol import EmbeddingRequest
 
 # The engine's pooling (None: its --pooling option), normalised as OpenAI's embeddings are.
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1, pooling=PoolingParams())

@@ -12,14 +12,14 @@ from starlette.concurrency import run_in_threadpool
 
 from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader, AnswerStream
-from folio.server.chat_prompt import prepare_chat
-from folio.server.chat_protocol import ChatCompletionRequest
 from folio.server.choices import collect
 from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
-from folio.server.logprobs_format import TokenText, chat_logprobs
+from folio.server.openai.chat.prompt import prepare_chat
+from folio.server.openai.chat.protocol import ChatCompletionRequest
+from folio.server.openai.logprobs_format import TokenText, chat_logprobs
 from folio.server.sse import DONE, event, guarded, usage
 
 

@@ -12,8 +12,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field
 
 from folio.sampling_params import INT64_MAX, INT64_MIN
-from folio.server.chat_protocol import ToolParam
 from folio.server.errors import APIError
+from folio.server.openai.chat.protocol import ToolParam
 from folio.server.request_body import RequestBody
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}

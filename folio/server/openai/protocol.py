@@ -16,9 +16,9 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from folio.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingParams
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
-from folio.server.messages import ChatMessage
+from folio.server.openai.chat.messages import ChatMessage
+from folio.server.openai.structured_fields import StructuredFields
 from folio.server.request_body import RequestBody
-from folio.server.structured_fields import StructuredFields
 from folio.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per request

@@ -17,8 +17,8 @@ from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
-from folio.server.logprobs_format import TokenText, completion_logprobs, prompt_positions, vllm_prompt_logprobs
-from folio.server.protocol import CompletionRequest
+from folio.server.openai.logprobs_format import TokenText, completion_logprobs, prompt_positions, vllm_prompt_logprobs
+from folio.server.openai.protocol import CompletionRequest
 from folio.server.sse import DONE, event, guarded, usage
 
 

@@ -8,9 +8,9 @@ import uuid
 from typing import Any
 
 from folio.server.chat_answer import Answer
-from folio.server.chat_protocol import ChatCompletionRequest
 from folio.server.context import ServerContext
-from folio.server.responses_protocol import ResponsesRequest
+from folio.server.openai.chat.protocol import ChatCompletionRequest
+from folio.server.openai.responses.protocol import ResponsesRequest
 from folio.tool_calls.types import ToolCall
 
 

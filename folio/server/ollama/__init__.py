@@ -1,0 +1,1 @@
+"""Ollama's API (/api/*): generate, chat, embed, and the model listing routes."""

@@ -1,0 +1,1 @@
+"""OpenAI's Responses API: the request, its output items, the event stream, the route."""
