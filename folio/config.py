@@ -7,11 +7,17 @@ from typing import Any
 
 import torch
 
-from folio.kv_cache.quant import kv_format
-
 POSITION_EMBEDDINGS = ("rope", "learned", "alibi")
 # How an embedding request pools its prompt's final hidden states into one vector (see SchedulerConfig.pooling).
 POOLING_METHODS = ("last", "mean")
+# The KV cache's formats (kv_cache/quant.py): the model's own dtype, or 8-bit K/V with per-token scales.
+KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+ACTIVATION_BITS_CHOICES = (16, 8)  # 8: projections quantize their inputs per token (quant/activation_bits.py)
+
+
+def check_kv_cache_dtype(name: str) -> None:
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
 
 
 @dataclass
@@ -101,7 +107,7 @@ class CacheConfig:
             raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
         if self.num_blocks is not None and self.num_blocks <= 0:
             raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
-        kv_format(self.kv_cache_dtype)  # raises on an unknown name
+        check_kv_cache_dtype(self.kv_cache_dtype)
 
 
 @dataclass

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 
 from folio.config import (
+    ACTIVATION_BITS_CHOICES,
     CPU_COLLECTIVES,
     POOLING_METHODS,
     SPECULATIVE_METHODS,
@@ -25,7 +26,6 @@ DEFAULT_MODEL = "smollm2-135m"
 BATCHING_CHOICES = ("continuous", "static", "dynamic")
 QUANTIZATION_CHOICES = ("none", "int8", "int4", "nf4")
 KV_CACHE_DTYPE_CHOICES = ("auto", "int8", "fp8")
-ACTIVATION_BITS_CHOICES = (16, 8)  # folio/quant/activation_bits.py
 SWITCHES_OFF_BY_DEFAULT = ("compile", "enforce_eager")  # store_true flags: --compile, --enforce-eager
 
 

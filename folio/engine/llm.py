@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from folio.config import SpeculativeConfig
+from folio.config import ACTIVATION_BITS_CHOICES, SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
-from folio.engine_args import ACTIVATION_BITS_CHOICES, EngineArgs
+from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 
 import torch
 
-KV_CACHE_DTYPES = ("auto", "int8", "fp8")
+from folio.config import check_kv_cache_dtype
+
 SCALE_DTYPE = torch.float16
 _TINY = 1e-6  # an all-zero row still gets a usable scale
 
@@ -49,8 +50,7 @@ FORMATS = {
 
 def kv_format(kv_cache_dtype: str) -> KVFormat | None:
     """None for "auto" (the model's dtype)."""
-    if kv_cache_dtype not in KV_CACHE_DTYPES:
-        raise ValueError(f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}")
+    check_kv_cache_dtype(kv_cache_dtype)
     return FORMATS.get(kv_cache_dtype)
 
 

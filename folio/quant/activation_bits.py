@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from folio.engine_args import ACTIVATION_BITS_CHOICES
+from folio.config import ACTIVATION_BITS_CHOICES
 from folio.quant.int4 import PackedInt4
 from folio.quant.int8 import PackedInt8
 

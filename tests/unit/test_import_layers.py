@@ -68,6 +68,54 @@ RUNTIME = frozenset(
 )
 
 
+# The runtime's packages in ranks: a module may import its own rank or a lower one, never a higher
+# (cycles within a rank are caught by the cycle checks). A value module may rank below its package:
+# `structured.params` is a plain value that sampling parameters carry, unlike the grammar compiler.
+RANKS = {
+    # values and configuration
+    "folio.config": 0,
+    "folio.engine_args": 0,
+    "folio.outputs": 0,
+    "folio.sampling_params": 0,
+    "folio.structured.params": 0,
+    "folio.paths": 0,
+    "folio.heap": 0,
+    "folio.platform": 0,
+    # kernels and collectives
+    "folio.cpp_extension": 1,
+    "folio.ops": 1,
+    "folio.distributed": 1,
+    # the pieces a model is made of, and the values between scheduler and runner
+    "folio.kv_cache": 2,
+    "folio.sample": 2,
+    "folio.layers": 2,
+    "folio.quant": 2,
+    "folio.step": 2,
+    "folio.models": 3,
+    # what loads a model, and what works beside it
+    "folio.loaders": 4,
+    "folio.structured": 4,
+    "folio.spec_decode": 4,
+    "folio.reasoning": 4,
+    "folio.tool_calls": 4,
+    "folio.worker": 5,
+    "folio.engine": 6,
+    "folio.server": 7,
+    "folio": 7,  # folio/__init__.py: LLM and SamplingParams for users
+    "folio.scale": 8,
+}
+
+
+def rank_of(module: str) -> int | None:
+    """The rank of the longest RANKS entry that is `module` or a package holding it."""
+    parts = module.split(".")
+    for end in range(len(parts), 0, -1):
+        rank = RANKS.get(".".join(parts[:end]))
+        if rank is not None:
+            return rank
+    return None
+
+
 @dataclass(frozen=True)
 class Import:
     module: str  # the importing module, e.g. folio_tools.bench.serve
@@ -227,6 +275,42 @@ def test_the_runtime_package_never_imports_the_tools_package() -> None:
     """The command line included: the runtime wheel installs and serves without folio_tools."""
     bad = [imp for imp in IMPORTS if imp.edge[0] in RUNTIME | CLI and imp.target.split(".")[0] == FOLIO_TOOLS.name]
     assert not bad, "the folio package imports folio_tools (load it through the entry point):\n" + _report(bad)
+
+
+def test_runtime_packages_import_only_their_rank_or_lower() -> None:
+    assert set(map(package_of, RANKS)) == RUNTIME, "give each runtime package a rank in RANKS"
+    bad = [
+        f"{imp} (rank {rank_of(imp.module)} -> {rank_of(imp.target)})"
+        for imp in IMPORTS
+        if imp.edge[0] in RUNTIME and imp.edge[1] in RUNTIME and rank_of(imp.target) > rank_of(imp.module)
+    ]
+    assert not bad, "a lower layer imports a higher one:\n" + _report(bad)
+
+
+# The scheduler never touches tensors: the modules that decide a step import no torch, but for type
+# annotations (the grammar bitmask, a tensor, is built apart, by engine/structured_output.py).
+SCHEDULING = ("scheduler", "beam_scheduling", "batching", "speculation", "stats", "request", "runner_view")
+
+
+def test_the_scheduler_imports_no_torch() -> None:
+    bad = []
+    for name in SCHEDULING:
+        tree = ast.parse((FOLIO / "engine" / f"{name}.py").read_text(encoding="utf-8"))
+        annotations_only = _type_checking_nodes(tree)
+        for node in ast.walk(tree):
+            if id(node) in annotations_only:
+                continue
+            names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+            names += [node.module or ""] if isinstance(node, ast.ImportFrom) else []
+            bad += [f"engine/{name}.py:{node.lineno} imports {n}" for n in names if n.split(".")[0] == "torch"]
+    assert not bad, "the scheduler imports torch:\n" + _report(bad)
+
+
+def test_the_runner_never_imports_the_block_pool() -> None:
+    """The free list is the scheduler's: the runner is told which blocks to use, and never picks one."""
+    owners = ("folio.kv_cache.block_pool", "folio.kv_cache.manager")
+    bad = [imp for imp in IMPORTS if imp.module.startswith("folio.worker.") and imp.target in owners]
+    assert not bad, "the runner imports the block pool or its manager:\n" + _report(bad)
 
 
 def test_tools_never_import_the_cli() -> None:
