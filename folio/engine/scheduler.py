@@ -336,10 +336,10 @@ class Scheduler(BeamScheduling):
             request = self.requests.get(item.request_id)
             if request is None:  # aborted since, or a beam whose group failed earlier in this loop
                 continue
-            accepted = result.accepted_token_ids.get(request.request_id)
+            verified = sampled.get(request.request_id) if item.num_draft_tokens else None
             # With drafts, only the KV of the last token and of the accepted drafts is kept.
-            request.num_computed_tokens += item.num_tokens if accepted is None else len(accepted)
-            if accepted is None:
+            request.num_computed_tokens += item.num_tokens if verified is None else len(verified)
+            if verified is None:
                 self.kv.cache_full_blocks(request)
             if (scored := result.prompt_logprobs.get(request.request_id)) is not None:
                 request.add_prompt_logprobs(item.start_position, scored)
@@ -359,10 +359,11 @@ class Scheduler(BeamScheduling):
                 sid = sampler.request_id
                 if sid in failed:
                     sampler.fail(failed[sid], now)
-                elif sid in result.accepted_token_ids:
+                elif sid in sampled and item.num_draft_tokens:
                     self._take_verified(sampler, item, result)
                 elif sid in sampled:
-                    self._append_token(sampler, sampled[sid], logprobs.get(sid))
+                    [token] = sampled[sid]
+                    self._append_token(sampler, token, logprobs[sid][0] if sid in logprobs else None)
                     sampler.spec_token_ids = result.draft_token_ids.get(sid, [])
                 elif sid in result.embeddings:
                     sampler.take_embedding(result.embeddings[sid], now)
@@ -384,8 +385,8 @@ class Scheduler(BeamScheduling):
     def _take_verified(self, request: Request, item: ScheduledChunk, result: ModelRunnerOutput) -> None:
         """Append what draft verification kept (stopping where the request finishes), register the
         blocks those tokens filled, free the slots of rejected drafts, and take the next drafts."""
-        tokens = result.accepted_token_ids[request.request_id]
-        logprobs = result.accepted_logprobs.get(request.request_id) or [None] * len(tokens)
+        tokens = result.sampled_token_ids[request.request_id]
+        logprobs = result.logprobs.get(request.request_id) or [None] * len(tokens)
         self.spec_stats.record(item.num_draft_tokens, len(tokens) - 1)
         for token, logprob in zip(tokens, logprobs, strict=True):
             self._append_token(request, token, logprob)

@@ -19,16 +19,14 @@ class BeamCandidates:
 
 @dataclass(frozen=True)
 class ModelRunnerOutput:
-    sampled_token_ids: dict[str, int] = field(default_factory=dict)
-    logprobs: dict[str, TokenLogprob] = field(default_factory=dict)  # for requests that asked
+    # The tokens each request gained this step (as vLLM's): one for a plain step; for a step that
+    # verified drafts, the accepted drafts and then the target's own next token.
+    sampled_token_ids: dict[str, list[int]] = field(default_factory=dict)
+    logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)  # one per token, for requests that asked
     # Per request that asked: the logprobs of the prompt tokens this step's chunk predicted, in order.
     prompt_logprobs: dict[str, tuple[TokenLogprob, ...]] = field(default_factory=dict)
     beam_candidates: dict[str, BeamCandidates] = field(default_factory=dict)  # for beams, instead of a token
     failed: dict[str, str] = field(default_factory=dict)  # request id -> what failed, in words fit for a client
-    # Speculative decoding. A request that verified drafts gets its accepted drafts and then the target's
-    # own next token here (not in sampled_token_ids), with their logprobs if asked for.
-    accepted_token_ids: dict[str, list[int]] = field(default_factory=dict)
-    accepted_logprobs: dict[str, list[TokenLogprob]] = field(default_factory=dict)
-    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # proposed for the next step
+    draft_token_ids: dict[str, list[int]] = field(default_factory=dict)  # speculative: proposed for the next step
     # Embedding requests whose prompt ended this step: the pooled hidden state, [hidden] float32 on the CPU.
     embeddings: dict[str, torch.Tensor] = field(default_factory=dict)

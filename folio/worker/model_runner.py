@@ -194,13 +194,11 @@ class ModelRunner:
             logprobs = {rid: lp for rid, lp in zip(ids, result.logprobs, strict=True) if lp and rid not in failed}
             candidates = self._beam_candidates(logits, inputs)
         return ModelRunnerOutput(
-            sampled_token_ids=tokens,
-            logprobs=logprobs,
+            sampled_token_ids={rid: [token] for rid, token in tokens.items()} | accepted,
+            logprobs={rid: [logprob] for rid, logprob in logprobs.items()} | accepted_logprobs,
             prompt_logprobs=prompt_logprobs,
             beam_candidates=candidates,
             failed=failed,
-            accepted_token_ids=accepted,
-            accepted_logprobs=accepted_logprobs,
             draft_token_ids=self._propose(out, tokens, accepted, choices),
             embeddings=embeddings,
         )

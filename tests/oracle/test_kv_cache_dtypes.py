@@ -61,7 +61,7 @@ def _forced(loaded, kv_cache_dtype: str, prompts: list[list[int]], outputs: list
     while engine.has_unfinished():  # EngineCore.step's pieces, with the runner's tokens replaced by the forced ones
         out = engine.scheduler.schedule()
         result = engine.runner.execute(out)
-        sampled = {rid: forced[rid][len(engine.scheduler.requests[rid].output_token_ids)]
+        sampled = {rid: [forced[rid][len(engine.scheduler.requests[rid].output_token_ids)]]
                    for rid in result.sampled_token_ids}  # fmt: skip
         engine.scheduler.update_from_output(out, replace(result, sampled_token_ids=sampled))
     return [torch.stack(rows[r.request_id]).float() for r in requests]

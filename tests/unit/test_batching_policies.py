@@ -41,7 +41,7 @@ def _drive(policy: str, arrivals: dict[int, list[Request]], batch_size: int = 3,
             if item.needs_sample:
                 request = scheduler.requests[item.request_id]
                 end = item.start_position + item.num_tokens
-                sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
+                sampled[item.request_id] = [fake_next_token(request.token_ids_between(0, end))]
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         step += 1
         if step > 500:

@@ -62,7 +62,7 @@ def test_admission_takes_the_cached_prefix_only_if_the_rest_fits():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=100, max_num_seqs=4, max_model_len=100), kv)
     first = Request("a", list(range(1, 14)), SamplingParams(max_tokens=1))
     scheduler.add_request(first)
-    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"a": 5}))
+    scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"a": [5]}))
     assert first.is_finished and kv.pool.num_cached_blocks == 3
     second = Request("b", list(range(1, 14)) + [9, 9, 9], SamplingParams(max_tokens=1))
     scheduler.add_request(second)
@@ -100,7 +100,7 @@ def _run_with_cache(prompts, max_tokens, num_blocks, block_size, budget, max_seq
             assert len(sent[item.request_id]) * block_size >= end
             assert sent.tables_of(item.request_id) == kv.tables_of(item.request_id)  # the deltas rebuild the table
             if item.needs_sample:
-                sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
+                sampled[item.request_id] = [fake_next_token(request.token_ids_between(0, end))]
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
     assert kv.pool.num_free_blocks == num_blocks and not kv.block_tables
     return [r.output_token_ids for r in requests], kv

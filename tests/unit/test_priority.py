@@ -28,7 +28,7 @@ def _drive(arrivals: dict[int, list[Request]], num_blocks: int, max_seqs: int) -
             request = scheduler.requests[item.request_id]
             end = item.start_position + item.num_tokens
             if item.needs_sample:
-                sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
+                sampled[item.request_id] = [fake_next_token(request.token_ids_between(0, end))]
                 first_token.setdefault(item.request_id, step)
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
         step += 1

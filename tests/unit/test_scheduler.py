@@ -53,7 +53,7 @@ def run(
             assert len(sent[item.request_id]) * block_size >= end  # KV room for every scheduled token
             assert sent.tables_of(item.request_id) == kv.tables_of(item.request_id)  # the deltas rebuild the table
             if item.needs_sample:
-                sampled[item.request_id] = fake_next_token(request.token_ids_between(0, end))
+                sampled[item.request_id] = [fake_next_token(request.token_ids_between(0, end))]
         scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled))
     assert kv.pool.num_free_blocks == num_blocks and not kv.block_tables
     return {r.request_id: r.output_token_ids for r in requests}, scheduler, steps
@@ -64,7 +64,7 @@ def test_decode_and_prefill_share_a_step():
     scheduler = Scheduler(SchedulerConfig(max_num_batched_tokens=10, max_num_seqs=4, max_model_len=1000), kv)
     scheduler.add_request(Request("a", [1, 2, 3], SamplingParams(max_tokens=5)))
     out = scheduler.schedule()
-    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": 9}))
+    scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids={"a": [9]}))
     scheduler.add_request(Request("b", list(range(1, 30)), SamplingParams(max_tokens=5)))
     out = scheduler.schedule()
     by_id = {s.request_id: s for s in out.scheduled}
@@ -81,7 +81,7 @@ def test_finish_reasons():
     ignored = Request("ignored", [1, 2], SamplingParams(max_tokens=2, ignore_eos=True), eos_token_ids=frozenset({7}))
     for r in (stop, length, eos, ignored):
         scheduler.add_request(r)
-    for tokens in ({"stop": 42, "length": 5, "eos": 7, "ignored": 7}, {"length": 5, "ignored": 7}):
+    for tokens in ({"stop": [42], "length": [5], "eos": [7], "ignored": [7]}, {"length": [5], "ignored": [7]}):
         scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids=tokens))
     assert (stop.finish_reason, length.finish_reason) == (FinishReason.STOP, FinishReason.LENGTH)
     assert (eos.finish_reason, ignored.finish_reason) == (FinishReason.STOP, FinishReason.LENGTH)
@@ -94,7 +94,7 @@ def test_context_length_ends_a_request():
     request = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=100))
     scheduler.add_request(request)
     while scheduler.has_unfinished:
-        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"r": 5}))
+        scheduler.update_from_output(scheduler.schedule(), ModelRunnerOutput(sampled_token_ids={"r": [5]}))
     assert request.num_tokens == 6 and request.finish_reason == FinishReason.LENGTH
 
 

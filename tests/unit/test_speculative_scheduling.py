@@ -46,7 +46,7 @@ def run_speculating(prompts, max_tokens, num_blocks, block_size, budget, max_seq
         out = scheduler.schedule()
         sent.apply(out)
         assert out.num_batched_tokens <= budget
-        sampled, accepted, proposals = {}, {}, {}
+        sampled, proposals = {}, {}
         for item in out.scheduled:
             request = scheduler.requests[item.request_id]
             assert sent.tables_of(item.request_id) == kv.tables_of(item.request_id)
@@ -62,15 +62,12 @@ def run_speculating(prompts, max_tokens, num_blocks, block_size, budget, max_seq
                         break
                     kept.append(draft)
                     context.append(draft)
-                accepted[item.request_id] = [*kept, fake_next_token(context)]
-                context.append(accepted[item.request_id][-1])
+                sampled[item.request_id] = [*kept, fake_next_token(context)]
             else:
-                sampled[item.request_id] = fake_next_token(context)
-                context.append(sampled[item.request_id])
+                sampled[item.request_id] = [fake_next_token(context)]
+            context.append(sampled[item.request_id][-1])
             proposals[item.request_id] = _drafts(rng, context)
-        scheduler.update_from_output(
-            out, ModelRunnerOutput(sampled_token_ids=sampled, accepted_token_ids=accepted, draft_token_ids=proposals)
-        )
+        scheduler.update_from_output(out, ModelRunnerOutput(sampled_token_ids=sampled, draft_token_ids=proposals))
         owned = [b for tables in kv.block_tables.values() for t in tables for b in t]
         assert len(set(owned)) + kv.pool.num_free_blocks <= num_blocks
         for r in scheduler.running:  # a decoding request holds the blocks of its tokens, no more

@@ -26,9 +26,9 @@ def _result(scheduler: Scheduler, out: SchedulerOutput) -> ModelRunnerOutput:
     for item in out.scheduled:
         request = scheduler.requests.get(item.request_id)
         if request is not None and item.needs_sample:
-            sampled[item.request_id] = fake_next_token(
-                request.token_ids_between(0, item.start_position + item.num_tokens)
-            )
+            sampled[item.request_id] = [
+                fake_next_token(request.token_ids_between(0, item.start_position + item.num_tokens))
+            ]
     return ModelRunnerOutput(sampled_token_ids=sampled)
 
 
