@@ -3,7 +3,7 @@ table deltas against the KV manager's tables."""
 
 from __future__ import annotations
 
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import SchedulerOutput
 
 
 class SentTables:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 from folio.engine.beam_search import BeamSearch
 from folio.engine.request import FinishReason, Request
-from folio.step.runner_output import BeamCandidates
+from folio.step import BeamCandidates
 
 
 @dataclass(eq=False)

@@ -19,7 +19,7 @@ from typing import Literal
 
 import torch
 
-from folio.step.runner_output import BeamCandidates
+from folio.step import BeamCandidates
 
 EarlyStopping = bool | Literal["never"]
 

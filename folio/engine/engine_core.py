@@ -22,7 +22,7 @@ from folio.kv_cache.manager import KVCacheManager
 from folio.models.base import CausalLM
 from folio.platform import default_kv_cache_memory
 from folio.spec_decode.factory import make_proposer
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
 from folio.worker.executor import SplitModelExecutor, WorkerDiedError, WorkerLaunch
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token

@@ -14,8 +14,8 @@ never wrong. Both run on the engine thread, between steps.
 from __future__ import annotations
 
 from folio.engine.engine_core import EngineCore
+from folio.kv_cache.handover import KVBlocks
 from folio.kv_cache.hashing import BlockKey, extend_block_keys
-from folio.step.kv_blocks import KVBlocks
 from folio.worker.kv_block_io import kv_layout, read_kv_blocks, write_kv_blocks
 from folio.worker.model_runner import ModelRunner
 

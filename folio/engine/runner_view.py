@@ -9,7 +9,7 @@ seeded generator goes on where it stopped) but resends the block table whole.
 from __future__ import annotations
 
 from folio.engine.request import Request
-from folio.step.scheduler_output import NewRequestData
+from folio.step import NewRequestData
 
 
 class RunnerView:

@@ -28,8 +28,7 @@ from folio.engine.stats import SchedulerStats
 from folio.engine.structured_output import StructuredOutputManager
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
-from folio.step.runner_output import ModelRunnerOutput
-from folio.step.scheduler_output import NewRequestData, ScheduledChunk, SchedulerOutput
+from folio.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from folio.structured.grammar import TokenGrammar
 
 logger = logging.getLogger("folio")

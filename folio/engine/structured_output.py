@@ -13,7 +13,7 @@ import logging
 
 import torch
 
-from folio.step.scheduler_output import GrammarBitmask
+from folio.step import GrammarBitmask
 from folio.structured.grammar import MaskTiming, TokenGrammar, fill_bitmask
 
 logger = logging.getLogger("folio")

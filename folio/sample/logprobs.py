@@ -11,6 +11,7 @@ from collections.abc import Sequence
 import torch
 
 from folio.outputs import TokenLogprob
+from folio.step import BeamCandidates
 
 
 def gather_logprobs(
@@ -32,3 +33,10 @@ def gather_logprobs(
         top = list(zip(top_ids[i][:k], top_values[i][:k], strict=True))
         result[row] = TokenLogprob(int(token_ids[row]), chosen[i], top)
     return result
+
+
+# A beam's best next tokens come from its logits row in the same way, instead of a sample.
+def top_candidates(logits: torch.Tensor, k: int) -> list[BeamCandidates]:
+    """Rows of raw logits [N, V] -> each row's k most likely next tokens by log-softmax."""
+    values, ids = torch.log_softmax(logits.float(), dim=-1).topk(k, dim=-1)
+    return [BeamCandidates(v, i) for v, i in zip(values, ids, strict=True)]

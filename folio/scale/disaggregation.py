@@ -21,9 +21,9 @@ from ray.serve.handle import DeploymentHandle
 
 from folio.engine.async_engine import AsyncEngine
 from folio.engine.kv_transfer import export_prefix, held_prefix, import_prefix, prompt_keys
+from folio.kv_cache.handover import KVBlocks
 from folio.sampling_params import SamplingParams
 from folio.scale.jobs import EngineJob
-from folio.step.kv_blocks import KVBlocks
 
 logger = logging.getLogger("folio")
 

@@ -27,8 +27,7 @@ from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.jobs import ReplicaDescription
 from folio.scale.loopback import replica_grpc_on_loopback
 from folio.scale.remote_engine import RemoteEngine
-from folio.scale.replica_metrics import ReplicaMetricsCollector
-from folio.scale.router_metrics import ROUTER_REGISTRY
+from folio.scale.replica_metrics import ROUTER_REGISTRY, ReplicaMetricsCollector
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.auth import APIKeyDigest

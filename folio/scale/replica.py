@@ -24,6 +24,7 @@ from folio.engine.async_engine import AsyncEngine
 from folio.engine.llm import LLM
 from folio.engine.updates import EngineDeadError, RequestUpdate
 from folio.engine_args import EngineArgs
+from folio.kv_cache.handover import KVBlocks
 from folio.platform import default_device
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
@@ -31,7 +32,6 @@ from folio.scale.jobs import EngineJob, JobFailure, ReplicaDescription
 from folio.scale.loopback import replica_grpc_on_loopback
 from folio.scale.rank_hosts import start_rank_hosts, stop_rank_hosts
 from folio.server.metrics import ServerMetrics
-from folio.step.kv_blocks import KVBlocks
 
 logger = logging.getLogger("folio")
 

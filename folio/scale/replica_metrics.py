@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 
+from prometheus_client import CollectorRegistry, Counter
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
@@ -44,3 +45,12 @@ class ReplicaMetricsCollector:
             labels = {"replica": report.replica, "role": report.role, "pid": str(report.pid), "host": report.host}
             info.add_sample("folio:replica_info", labels, float(report.alive))
         yield info
+
+
+# The router's counters. Ray Serve ships the request router's module by value to the process that
+# routes, so they live here, in a module shipped by reference, and the ingress serves this registry.
+ROUTER_REGISTRY = CollectorRegistry()
+ROUTED = Counter("folio:router_requests", "Prompts routed to a replica, by why that replica was chosen.",
+                 ["replica", "reason"], registry=ROUTER_REGISTRY)  # fmt: skip
+MATCHED_BLOCKS = Counter("folio:router_prefix_matched_blocks", "Leading prompt blocks the chosen replica was "
+                         "recorded as holding.", ["replica"], registry=ROUTER_REGISTRY)  # fmt: skip

@@ -32,3 +32,13 @@ class Proposer(ABC):
     def finish(self, request_id: str, token_ids: list[int]) -> None:  # noqa: B027 - stateless proposers keep nothing
         """The request is done (`token_ids`: its prompt and output as the runner last saw them): forget
         whatever was kept for it; a proposer that learns across requests keeps what it learned."""
+
+
+# Each request's draft length follows its own acceptance: drafts kept, it drafts more (up to
+# num_speculative_tokens); drafts rejected, it drafts less (down to one), so a request whose text does
+# not repeat its context wastes little of each step on drafts.
+def next_draft_length(current: int, num_drafted: int, num_accepted: int, most: int) -> int:
+    """After a verification of `num_drafted` drafts of which `num_accepted` were kept."""
+    if num_accepted == num_drafted:
+        return min(most, current + 1)
+    return max(1, num_accepted + 1)

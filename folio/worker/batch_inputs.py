@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from folio.layers.attention.metadata import AttentionMetadata, build_grouped_metadata
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import SchedulerOutput
 from folio.structured.grammar import unpack_bitmask
 from folio.worker.pooling import PoolSpan
 from folio.worker.request_states import RequestStates

@@ -25,7 +25,7 @@ import torch
 from torch import nn
 
 from folio.layers.attention.metadata import AttentionGroup, AttentionMetadata, build_grouped_metadata
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import SchedulerOutput
 from folio.worker.request_states import RequestStates
 
 # Batch sizes graphs are captured for (a step pads up to the next one), as vLLM's defaults: every size

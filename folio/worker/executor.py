@@ -21,8 +21,7 @@ from typing import Any
 from folio.config import ModelConfig, ParallelConfig
 from folio.distributed import rank_auth, rendezvous
 from folio.distributed.tensor_parallel import CommStats
-from folio.step.runner_output import ModelRunnerOutput
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import ModelRunnerOutput, SchedulerOutput
 from folio.worker.rank import RankPlace, ReadyReport, WorkerSpec, run_rank
 
 logger = logging.getLogger("folio")

@@ -10,8 +10,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from folio.kv_cache.handover import KVBlocks, KVLayout
 from folio.kv_cache.hashing import BlockKey
-from folio.step.kv_blocks import KVBlocks, KVLayout
 from folio.worker.model_runner import ModelRunner
 
 

@@ -20,12 +20,9 @@ from folio.kv_cache.groups import KVGroups
 from folio.kv_cache.quant import kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.outputs import TokenLogprob
-from folio.sample.beam_candidates import top_candidates
-from folio.sample.logprobs import gather_logprobs
-from folio.spec_decode.draft_length import next_draft_length
-from folio.spec_decode.proposer import DraftRequest, Proposer
-from folio.step.runner_output import BeamCandidates, ModelRunnerOutput
-from folio.step.scheduler_output import SchedulerOutput
+from folio.sample.logprobs import gather_logprobs, top_candidates
+from folio.spec_decode.proposer import DraftRequest, Proposer, next_draft_length
+from folio.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
 from folio.worker.cuda_graphs import DecodeGraphs

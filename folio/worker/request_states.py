@@ -13,7 +13,7 @@ from dataclasses import dataclass
 import torch
 
 from folio.sampling_params import SamplingParams
-from folio.step.scheduler_output import NewRequestData, SchedulerOutput
+from folio.step import NewRequestData, SchedulerOutput
 
 
 @dataclass

@@ -28,8 +28,7 @@ import torch
 import torch.distributed as dist
 
 from folio.distributed import rendezvous, wire
-from folio.step.runner_output import ModelRunnerOutput
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import ModelRunnerOutput, SchedulerOutput
 
 logger = logging.getLogger("folio")
 

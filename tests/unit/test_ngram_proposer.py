@@ -4,8 +4,8 @@ request's draft length follows its acceptance."""
 from __future__ import annotations
 
 from folio.config import SpeculativeConfig
-from folio.spec_decode.draft_length import next_draft_length
 from folio.spec_decode.ngram import NgramProposer
+from folio.spec_decode.proposer import next_draft_length
 
 
 def _proposer(k: int = 3, n_min: int = 1, n_max: int = 3) -> NgramProposer:

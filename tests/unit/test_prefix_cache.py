@@ -13,7 +13,7 @@ from folio.kv_cache.block_pool import BlockPool
 from folio.kv_cache.hashing import ROOT, BlockKey, extend_block_keys
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
-from folio.step.runner_output import ModelRunnerOutput
+from folio.step import ModelRunnerOutput
 from tests.step_values import SentTables
 from tests.unit.test_scheduler import EOS, fake_next_token
 

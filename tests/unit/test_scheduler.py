@@ -10,7 +10,7 @@ from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
-from folio.step.runner_output import ModelRunnerOutput
+from folio.step import ModelRunnerOutput
 from tests.step_values import SentTables
 
 EOS = 0

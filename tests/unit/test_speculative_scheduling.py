@@ -14,7 +14,7 @@ from folio.engine.request import Request
 from folio.engine.scheduler import Scheduler
 from folio.kv_cache.manager import KVCacheManager
 from folio.sampling_params import SamplingParams
-from folio.step.runner_output import ModelRunnerOutput
+from folio.step import ModelRunnerOutput
 from tests.step_values import SentTables
 from tests.unit.test_scheduler import EOS, fake_next_token, run
 

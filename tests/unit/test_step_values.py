@@ -13,8 +13,7 @@ import torch
 
 from folio import LLM, SamplingParams, StructuredOutputParams
 from folio.engine.request import Request
-from folio.step.runner_output import ModelRunnerOutput
-from folio.step.scheduler_output import SchedulerOutput
+from folio.step import ModelRunnerOutput, SchedulerOutput
 
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [12, 13, 14], [5, 6, 7, 8, 9, 10, 20, 21, 22]]
 

@@ -7,7 +7,10 @@ as generation requests (continuous batching, chunked prefill) and takes an admis
 
 from __future__ import annotations
 
+import base64
+
 import torch
+import torch.nn.functional as F
 from starlette.concurrency import run_in_threadpool
 
 from folio.engine.updates import EngineDeadError, RequestFailedError
@@ -15,7 +18,6 @@ from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.context import ServerContext
 from folio.server.engine_client import GenerationStream
 from folio.server.errors import APIError, error_for
-from folio.server.openai.embeddings.format import encode_vector, fit_dimensions
 from folio.server.openai.embeddings.protocol import EmbeddingRequest
 
 # The engine's pooling (None: its --pooling option), normalised as OpenAI's embeddings are.
@@ -64,3 +66,21 @@ async def _collect(generation: GenerationStream, count: int) -> list[torch.Tenso
     if any(vector is None for vector in vectors):  # every pooling request ends with its vector or an error
         raise RequestFailedError("the engine returned no embedding")
     return vectors  # type: ignore[return-value]
+
+
+# An embedding as the API returns it: cut to the dimensions asked for, then as JSON floats or base64.
+def fit_dimensions(vector: torch.Tensor, dimensions: int | None) -> torch.Tensor:
+    """The first `dimensions` values normalised again to unit length (as OpenAI shortens its Matryoshka-
+    trained embeddings); the vector itself when `dimensions` is None."""
+    if dimensions is None:
+        return vector
+    return F.normalize(vector[:dimensions].float(), dim=0)
+
+
+def encode_vector(vector: torch.Tensor, encoding_format: str) -> list[float] | str:
+    """The vector as JSON floats ("float") or its little-endian float32 bytes in base64 ("base64"), as OpenAI
+    sends them."""
+    values = vector.detach().float().cpu().numpy()
+    if encoding_format == "base64":
+        return base64.b64encode(values.astype("<f4").tobytes()).decode("ascii")
+    return values.tolist()
