@@ -13,6 +13,7 @@ from tqdm import tqdm
 
 from folio import LLM
 from folio.config import ParallelConfig
+from folio.engine.engine_core import EngineCore
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import CATALOG, list_pulled, pull
 from folio.paths import atomic_open
@@ -197,11 +198,11 @@ def cmd_run_batch(args: argparse.Namespace) -> int:
     lines = batch_lines(path.read_bytes())  # a line that is not UTF-8 is that line's error, not the file's
     if not lines:
         raise ValueError(f"{path} holds no requests")
-    llm = _llm(args)
-    server = build_server(llm, args.model, ServerOptions(limits=request_limits(args), chat=_chat_options(args)))
+    core = EngineCore.from_engine_args(EngineArgs.from_cli_args(args))
+    server = build_server(core, args.model, ServerOptions(limits=request_limits(args), chat=_chat_options(args)))
     try:
         with tqdm(total=len(lines), unit="request", disable=None) as bar:
-            batch = run_batch(server.app, lines, llm.engine.scheduler_config.max_num_seqs, bar.update)
+            batch = run_batch(server.app, lines, core.scheduler_config.max_num_seqs, bar.update)
             outputs, summary = asyncio.run(batch)
     finally:
         server.engine.shutdown()

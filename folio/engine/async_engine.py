@@ -100,8 +100,6 @@ class AsyncEngine:
         flush: Callable[[], None] | None = None,
     ) -> None:
         self.engine = engine
-        # Online, requests keep arriving: a static batch waits to be full (the offline LLM flushes).
-        engine.scheduler.gate.flush = False
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
         self.observer = observer

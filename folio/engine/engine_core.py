@@ -4,23 +4,36 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import weakref
 from collections import deque
 from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
 
-from folio.config import CacheConfig, ModelConfig, ParallelConfig, SchedulerConfig, SpeculativeConfig
+from folio.config import (
+    ACTIVATION_BITS_CHOICES,
+    CacheConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.engine.stats import SchedulerStats
+from folio.engine_args import EngineArgs
 from folio.heap import reuse_large_allocations
 from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
 from folio.kv_cache.manager import KVCacheManager
+from folio.loaders.catalog import resolve_model
+from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
+from folio.loaders.tokenizer import Tokenizer
 from folio.models.base import CausalLM
-from folio.platform import default_kv_cache_memory
+from folio.platform import configure_threads, default_device, default_kv_cache_memory, resolve_dtype
+from folio.quant.activation_bits import set_activation_bits
 from folio.spec_decode.factory import make_proposer
 from folio.step import SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
@@ -67,7 +80,13 @@ class EngineCore:
         cuda_graphs: bool = False,
     ) -> None:
         """`model`: the model, in this process; or None with `workers`: its ranks, started here, load it.
-        `cuda_graphs`: on a GPU, replay captured CUDA graphs for pure decode steps."""
+        `cuda_graphs`: on a GPU, replay captured CUDA graphs for pure decode steps. Most callers want
+        `from_engine_args`, which loads the model (and its tokenizer) first."""
+        self.model_config, self.dtype, self.device = model_config, dtype, device
+        # What from_engine_args loaded: the checkpoint (config, tokenizer, path, format, resident bytes),
+        # and a draft model's.
+        self.loaded: LoadedModel | None = None
+        self.draft: LoadedModel | None = None
         parallel = workers.parallel if workers is not None else ParallelConfig()
         tp = parallel.tensor_parallel_size
         # Refuse a split the model cannot take before any rank starts.
@@ -142,7 +161,7 @@ class EngineCore:
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
         self.num_steps = 0  # steps that ran the model, for per-step figures
-        self.grammars: GrammarCompiler | None = None  # set by the owner, which has the tokenizer
+        self.grammars: GrammarCompiler | None = None  # set by from_engine_args, which has the tokenizer
         logger.info(
             "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
             "prefix caching %s%s",
@@ -157,6 +176,79 @@ class EngineCore:
             "on" if cache_config.enable_prefix_caching else "off",
             _groups_note(kv_groups),
         )
+
+    @classmethod
+    def from_engine_args(cls, args: EngineArgs) -> EngineCore:
+        """The one way folio builds an engine (LLM, folio serve, the engine process, Ray replicas): load
+        the model in this process, or start the ranks that load it, then the KV cache and scheduler.
+        A split model's ranks stop when the engine is collected, if `shutdown` did not stop them first."""
+        parallel = args.parallel_config()
+        if args.compile and parallel.is_parallel:
+            raise ValueError("--compile compiles a whole model in this process: not with tensor, pipeline or "
+                             "context parallelism")  # fmt: skip
+        if args.activation_bits != 16 and parallel.is_parallel:
+            raise ValueError("--activation-bits 8 applies to a model loaded in this process: not with tensor, "
+                             "pipeline or context parallelism")  # fmt: skip
+        if args.activation_bits not in ACTIVATION_BITS_CHOICES:
+            raise ValueError(f"--activation-bits must be one of {ACTIVATION_BITS_CHOICES}, got {args.activation_bits}")
+        configure_threads()
+        device = torch.device(args.device) if args.device else default_device()
+        dtype, dtype_reason = resolve_dtype(args.dtype, device)
+        # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
+        path = resolve_model(args.model)
+        logger.info("loading %s", path)
+        if parallel.is_parallel:  # the ranks load the weights; this process reads config and tokenizer
+            checkpoint = open_checkpoint(path, dtype, args.quantization)
+            loaded = LoadedModel(None, checkpoint.config, checkpoint.tokenizer, path, checkpoint.label, 0.0)
+        else:
+            loaded = load_model(path, dtype, device, args.quantization)
+            set_activation_bits(loaded.model, args.activation_bits)  # before the decode step copies it
+            logger.info("weights: %.1f MiB resident (%s)", loaded.weight_bytes / 2**20, loaded.quantization)
+        spec = args.speculative_config
+        draft: LoadedModel | None = None
+        if spec is not None and spec.draft_model is not None and not parallel.is_parallel:
+            draft = load_model(resolve_model(spec.draft_model), dtype, device, spec.draft_quantization)
+            set_activation_bits(draft.model, args.activation_bits)
+            logger.info("draft model: %s, %.1f MiB resident (%s)", draft.path.name, draft.weight_bytes / 2**20,
+                        draft.quantization)  # fmt: skip
+        config = loaded.config
+        engine = cls(
+            loaded.model,
+            config,
+            args.cache_config(),
+            args.scheduler_config(config.max_position_embeddings),
+            dtype,
+            device,
+            spec,
+            draft.model if draft is not None else None,
+            WorkerLaunch(args.model, args.quantization, parallel) if parallel.is_parallel else None,
+            cuda_graphs=not args.enforce_eager,
+        )
+        engine.loaded, engine.draft = loaded, draft
+        if isinstance(engine.runner, SplitModelExecutor):
+            weakref.finalize(engine, engine.runner.shutdown)  # the executor holds no reference to the engine
+            ready = engine.runner.ready
+            loaded.shard_bytes, loaded.load_seconds = ready.weight_bytes, ready.load_seconds
+            logger.info("weights: %.1f MiB resident on rank 0 of %d (%s)", ready.weight_bytes / 2**20,
+                        parallel.world_size, ready.quantization)  # fmt: skip
+        whole = loaded.model
+        if args.compile and whole is not None:
+            whole.compile_layers()
+        decode = "the C++ decode step" if whole is not None and whole.has_compiled_decode_step else "Python layers"
+        if isinstance(engine.runner, ModelRunner) and engine.runner.graphs is not None:
+            decode = "CUDA graphs of the layers (--enforce-eager: none)"
+        logger.info("compute: %s activations (%s), %d threads, decodes through %s%s%s",
+                    str(dtype).removeprefix("torch."), dtype_reason, torch.get_num_threads(), decode,
+                    ", layers torch.compile'd" if args.compile else "",
+                    ", 8-bit activations into the int8 dot products" if args.activation_bits == 8 else "")  # fmt: skip
+        engine.grammars = GrammarCompiler(loaded.tokenizer, config.vocab_size)
+        return engine
+
+    @property
+    def tokenizer(self) -> Tokenizer:
+        if self.loaded is None:
+            raise ValueError("this engine was built around a model, not loaded by from_engine_args: no tokenizer")
+        return self.loaded.tokenizer
 
     @property
     def max_model_len(self) -> int:

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import logging
 import weakref
@@ -13,20 +14,14 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-from folio.config import ACTIVATION_BITS_CHOICES, SpeculativeConfig
+from folio.config import SpeculativeConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
 from folio.engine_args import EngineArgs
-from folio.loaders.catalog import resolve_model
-from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
+from folio.loaders.model_loader import LoadedModel
 from folio.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput
-from folio.platform import configure_threads, default_device, resolve_dtype
-from folio.quant.activation_bits import set_activation_bits
 from folio.sampling_params import PoolingParams, SamplingParams
-from folio.structured.grammar import GrammarCompiler
-from folio.worker.executor import SplitModelExecutor, WorkerLaunch
-from folio.worker.model_runner import ModelRunner
 
 logger = logging.getLogger("folio")
 
@@ -86,71 +81,27 @@ class LLM:
             nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
             pooling=pooling, compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager,
         )  # fmt: skip
-        parallel = args.parallel_config()
-        if compile and parallel.is_parallel:
-            raise ValueError("--compile compiles a whole model in this process: not with tensor, pipeline or "
-                             "context parallelism")  # fmt: skip
-        if activation_bits != 16 and parallel.is_parallel:
-            raise ValueError("--activation-bits 8 applies to a model loaded in this process: not with tensor, "
-                             "pipeline or context parallelism")  # fmt: skip
-        if activation_bits not in ACTIVATION_BITS_CHOICES:
-            raise ValueError(f"--activation-bits must be one of {ACTIVATION_BITS_CHOICES}, got {activation_bits}")
-        configure_threads()
-        self.device = torch.device(device) if device else default_device()
-        self.dtype, dtype_reason = resolve_dtype(dtype, self.device)
-        # quantization None: a GGUF file's 4-bit weights stay packed; "none": dequantize them all.
-        path = resolve_model(args.model)
-        logger.info("loading %s", path)
-        self.loaded: LoadedModel
-        if parallel.is_parallel:  # the ranks load the weights; this process reads config and tokenizer
-            checkpoint = open_checkpoint(path, self.dtype, quantization)
-            self.loaded = LoadedModel(None, checkpoint.config, checkpoint.tokenizer, path, checkpoint.label, 0.0)
-        else:
-            self.loaded = load_model(path, self.dtype, self.device, quantization)
-            set_activation_bits(self.loaded.model, activation_bits)  # before the decode step copies it
-            logger.info("weights: %.1f MiB resident (%s)", self.loaded.weight_bytes / 2**20, self.loaded.quantization)
-        self.tokenizer = self.loaded.tokenizer
-        self.model_config = self.loaded.config
-        spec = args.speculative_config
-        self.draft: LoadedModel | None = None
-        if spec is not None and spec.draft_model is not None and not parallel.is_parallel:
-            self.draft = load_model(resolve_model(spec.draft_model), self.dtype, self.device, spec.draft_quantization)
-            set_activation_bits(self.draft.model, activation_bits)
-            logger.info("draft model: %s, %.1f MiB resident (%s)", self.draft.path.name,
-                        self.draft.weight_bytes / 2**20, self.draft.quantization)  # fmt: skip
-        self.engine = EngineCore(
-            self.loaded.model,
-            self.model_config,
-            args.cache_config(),
-            args.scheduler_config(self.model_config.max_position_embeddings),
-            self.dtype,
-            self.device,
-            args.speculative_config,
-            self.draft.model if self.draft is not None else None,
-            WorkerLaunch(args.model, quantization, parallel) if parallel.is_parallel else None,
-            cuda_graphs=not enforce_eager,
-        )
-        if isinstance(self.engine.runner, SplitModelExecutor):
-            ready = self.engine.runner.ready
-            self.loaded.shard_bytes, self.loaded.load_seconds = ready.weight_bytes, ready.load_seconds
-            logger.info("weights: %.1f MiB resident on rank 0 of %d (%s)", ready.weight_bytes / 2**20,
-                        parallel.world_size, ready.quantization)  # fmt: skip
-        whole = self.loaded.model
-        if compile and whole is not None:
-            whole.compile_layers()
-        decode = "the C++ decode step" if whole is not None and whole.has_compiled_decode_step else "Python layers"
-        if isinstance(self.engine.runner, ModelRunner) and self.engine.runner.graphs is not None:
-            decode = "CUDA graphs of the layers (--enforce-eager: none)"
-        dtype_name = str(self.dtype).removeprefix("torch.")
-        logger.info("compute: %s activations (%s), %d threads, decodes through %s%s%s", dtype_name, dtype_reason,
-                    torch.get_num_threads(), decode, ", layers torch.compile'd" if compile else "",
-                    ", 8-bit activations into the int8 dot products" if activation_bits == 8 else "")  # fmt: skip
+        self.engine = EngineCore.from_engine_args(args)
+        assert self.engine.loaded is not None
+        self.loaded: LoadedModel = self.engine.loaded
+        self.draft: LoadedModel | None = self.engine.draft
+        self.tokenizer = self.engine.tokenizer
+        self.model_config = self.engine.model_config
+        self.dtype, self.device = self.engine.dtype, self.engine.device
         # Ranks are processes: stop them when this LLM is collected or the interpreter exits.
         self._finalizer = weakref.finalize(self, self.engine.shutdown)
-        self.engine.grammars = GrammarCompiler(self.tokenizer, self.model_config.vocab_size)
         self._ids = itertools.count()
-        # Offline, every request is submitted before the engine steps: a partial batch never waits.
-        self.engine.scheduler.gate.flush = True
+
+    @contextlib.contextmanager
+    def _offline(self) -> Iterator[None]:
+        """While this LLM steps the engine, every request was submitted first: a partial batch never
+        waits for more (the gate's `flush`). The engine is left as it was for anyone else."""
+        gate = self.engine.scheduler.gate
+        before, gate.flush = gate.flush, True
+        try:
+            yield
+        finally:
+            gate.flush = before
 
     def close(self) -> None:
         """Stop the model's ranks now (an in-process model has none; the engine is unusable after)."""
@@ -228,17 +179,18 @@ class LLM:
         for request in requests:  # decoded once at the end, unless stop strings need the text as it grows
             processor.add(request, stream_text=False)
         bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm or len(requests) < 2)
-        try:
-            for first, *forks in groups:
-                self.engine.add_request(first, forks)
-            while self.engine.has_unfinished():
-                deltas = processor.process(self.engine.step())
-                bar.update(sum(delta.request.is_finished for delta in deltas))
-        finally:
-            bar.close()
-            for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
-                if not request.is_finished:
-                    self.engine.abort_request(request.request_id)
+        with self._offline():
+            try:
+                for first, *forks in groups:
+                    self.engine.add_request(first, forks)
+                while self.engine.has_unfinished():
+                    deltas = processor.process(self.engine.step())
+                    bar.update(sum(delta.request.is_finished for delta in deltas))
+            finally:
+                bar.close()
+                for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
+                    if not request.is_finished:
+                        self.engine.abort_request(request.request_id)
         return [
             self._output(group, p if isinstance(p, str) else None, processor)
             for group, p in zip(groups, prompts, strict=True)
@@ -260,14 +212,15 @@ class LLM:
         self.engine.add_request(request)
         processor = OutputProcessor(self.engine, self.tokenizer)
         processor.add(request)
-        try:
-            while not request.is_finished:
-                for delta in processor.process(self.engine.step()):
-                    if delta.text:
-                        yield delta.text
-        finally:
-            if not request.is_finished:
-                self.engine.abort_request(request.request_id)
+        with self._offline():
+            try:
+                while not request.is_finished:
+                    for delta in processor.process(self.engine.step()):
+                        if delta.text:
+                            yield delta.text
+            finally:
+                if not request.is_finished:
+                    self.engine.abort_request(request.request_id)
 
     def embed(
         self,
@@ -284,16 +237,17 @@ class LLM:
         params = SamplingParams(max_tokens=1, pooling=PoolingParams(pooling, normalize))
         requests = [self._make_request(p, params) for p in prompts]
         bar = tqdm(total=len(requests), desc="embedding", unit="req", disable=not use_tqdm or len(requests) < 2)
-        try:
-            for request in requests:
-                self.engine.add_request(request)
-            while self.engine.has_unfinished():
-                bar.update(sum(r.is_finished for r in self.engine.step()))
-        finally:
-            bar.close()
-            for request in requests:
-                if not request.is_finished:
-                    self.engine.abort_request(request.request_id)
+        with self._offline():
+            try:
+                for request in requests:
+                    self.engine.add_request(request)
+                while self.engine.has_unfinished():
+                    bar.update(sum(r.is_finished for r in self.engine.step()))
+            finally:
+                bar.close()
+                for request in requests:
+                    if not request.is_finished:
+                        self.engine.abort_request(request.request_id)
         outputs = []
         for request, prompt in zip(requests, prompts, strict=True):
             if request.embedding is None:

@@ -21,7 +21,7 @@ from ray import serve
 from ray.serve.handle import DeploymentHandle
 
 from folio.engine.async_engine import AsyncEngine
-from folio.engine.llm import LLM
+from folio.engine.engine_core import EngineCore
 from folio.engine.updates import EngineDeadError, RequestUpdate
 from folio.engine_args import EngineArgs
 from folio.kv_cache.handover import KVBlocks
@@ -63,20 +63,20 @@ class EngineReplica:
             pin_to_cores(context.rank.local_rank, cores_per_replica, first_core)
         # A model split over several nodes: the other nodes' ranks first, then this node's engine joins them.
         args, self.rank_hosts = start_rank_hosts(args, args.device or str(default_device()))
-        self.llm = LLM.from_engine_args(args)
-        self.metrics = ServerMetrics(self.llm.engine, model_name)
+        self.core = EngineCore.from_engine_args(args)
+        self.metrics = ServerMetrics(self.core, model_name)
         self.prefill_handle = prefill
         self.transfers = TransferMetrics(self.metrics.registry)
-        eos = frozenset(self.llm.model_config.eos_token_ids)
-        self.engine = AsyncEngine(self.llm.engine, self.llm.tokenizer, eos, observer=self.metrics)
+        eos = frozenset(self.core.model_config.eos_token_ids)
+        self.engine = AsyncEngine(self.core, self.core.tokenizer, eos, observer=self.metrics)
         self._board = board_for(self._app_name)
         self._reporter = asyncio.get_event_loop().create_task(self._report_forever())
         logger.info("%s replica %s serving %s (KV cache %d tokens)", role, self.name, model_name,
-                    self.llm.engine.make_stats().kv_capacity_tokens)  # fmt: skip
+                    self.core.make_stats().kv_capacity_tokens)  # fmt: skip
 
     # -- what the ingress calls ----------------------------------------------------------------------
     def describe(self) -> ReplicaDescription:
-        core = self.llm.engine
+        core = self.core
         return ReplicaDescription(core.max_model_len, core.kv.block_size,
                                   core.scheduler_config.max_num_seqs)  # fmt: skip
 
@@ -103,11 +103,11 @@ class EngineReplica:
             raise EngineDeadError(f"replica {self.name}: the engine thread has stopped")
 
     def record_routing_stats(self) -> dict[str, float]:
-        stats = self.llm.engine.make_stats()
+        stats = self.core.make_stats()
         return {"running": stats.num_running, "waiting": stats.num_waiting, "kv_usage": stats.kv_usage_ratio}
 
     def report(self) -> ReplicaReport:
-        stats = self.llm.engine.make_stats()
+        stats = self.core.make_stats()
         return ReplicaReport(
             replica=self.name,
             role=self.role,

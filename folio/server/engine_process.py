@@ -22,7 +22,7 @@ import zmq
 from prometheus_client import generate_latest
 
 from folio.engine.async_engine import AsyncEngine
-from folio.engine.llm import LLM
+from folio.engine.engine_core import EngineCore
 from folio.engine.updates import EngineDeadError, Stream, Update
 from folio.engine_args import EngineArgs
 from folio.server import engine_wire as wire
@@ -81,16 +81,16 @@ def run_engine_process(args: EngineArgs, model_name: str, to_engine: str, from_e
     outbox = WireOutbox(outbound)
     try:
         try:
-            llm = LLM.from_engine_args(args)
+            core = EngineCore.from_engine_args(args)
         except Exception as exc:  # a bad model or flag: the server reports it as one line
             outbox.send(wire.StartFailed(str(exc) or type(exc).__name__))
             return
-        metrics = ServerMetrics(llm.engine, model_name)
+        metrics = ServerMetrics(core, model_name)
         engine = AsyncEngine(
-            llm.engine, llm.tokenizer, frozenset(llm.model_config.eos_token_ids), observer=metrics,
+            core, core.tokenizer, frozenset(core.model_config.eos_token_ids), observer=metrics,
             on_death=lambda exc: outbox.send(wire.Died(f"{type(exc).__name__}: {exc}")), flush=outbox.flush,
         )  # fmt: skip
-        outbox.send(wire.Ready(wire.EngineInfo.of(llm, model_name)))
+        outbox.send(wire.Ready(wire.EngineInfo.of(core, model_name)))
         try:
             _receive(inbound, engine, outbox, metrics, parent)
         finally:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import pickle
 from dataclasses import dataclass
 
-from folio.engine.llm import LLM
+from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
 from folio.engine.updates import Update
 from folio.loaders.tokenizer import Tokenizer
@@ -32,24 +32,25 @@ class EngineInfo:
     model_card: ModelCard
 
     @classmethod
-    def of(cls, llm: LLM, model_name: str) -> EngineInfo:
-        config, engine = llm.model_config, llm.engine
+    def of(cls, engine: EngineCore, model_name: str) -> EngineInfo:
+        config, loaded = engine.model_config, engine.loaded
+        assert loaded is not None, "an engine from EngineCore.from_engine_args"
         return cls(
-            tokenizer=llm.tokenizer,
+            tokenizer=engine.tokenizer,
             eos_token_ids=frozenset(config.eos_token_ids),
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
             max_model_len=engine.max_model_len,
             max_num_seqs=engine.scheduler_config.max_num_seqs,
             kv_capacity_tokens=engine.make_stats().kv_capacity_tokens,
-            dtype=str(llm.dtype).removeprefix("torch."),
+            dtype=str(engine.dtype).removeprefix("torch."),
             model_card=ModelCard.describe(
                 model_name,
-                llm.loaded.path,
+                loaded.path,
                 config,
-                llm.loaded.quantization,
+                loaded.quantization,
                 engine.max_model_len,
-                llm.loaded.weight_bytes,
+                loaded.weight_bytes,
             ),  # fmt: skip
         )
 

@@ -23,7 +23,7 @@ from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
 from folio.engine.async_engine import AsyncEngine
-from folio.engine.llm import LLM
+from folio.engine.engine_core import EngineCore
 from folio.engine_args import EngineArgs
 from folio.server.admission import Admission
 from folio.server.app import create_app
@@ -100,16 +100,16 @@ class _GracefulServer(uvicorn.Server):
 
 
 def build_server(
-    llm: LLM,
+    core: EngineCore,
     model_name: str,
     options: ServerOptions | None = None,
     on_engine_death: Callable[[BaseException], None] | None = None,
 ) -> Server:
-    """The server over an engine loop on a thread of this process."""
-    metrics = ServerMetrics(llm.engine, model_name)
-    eos = frozenset(llm.model_config.eos_token_ids)
-    engine = AsyncEngine(llm.engine, llm.tokenizer, eos, observer=metrics, on_death=on_engine_death)
-    return _assemble(engine, EngineInfo.of(llm, model_name), model_name, options, metrics.registry)
+    """The server over an engine loop on a thread of this process (`core` from EngineCore.from_engine_args)."""
+    metrics = ServerMetrics(core, model_name)
+    eos = frozenset(core.model_config.eos_token_ids)
+    engine = AsyncEngine(core, core.tokenizer, eos, observer=metrics, on_death=on_engine_death)
+    return _assemble(engine, EngineInfo.of(core, model_name), model_name, options, metrics.registry)
 
 
 def build_process_server(engine: ProcessEngine, model_name: str, options: ServerOptions | None = None) -> Server:
@@ -194,12 +194,10 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
         for running in http:
             running.should_exit = True
 
-    llm: LLM | None = None  # held until serving ends: collecting it stops a split model's ranks
     if engine_process:
         server = build_process_server(ProcessEngine(args, model_name, stop_on_engine_death), model_name, options)
     else:
-        llm = LLM.from_engine_args(args)
-        server = build_server(llm, model_name, options, on_engine_death=stop_on_engine_death)
+        server = build_server(EngineCore.from_engine_args(args), model_name, options, stop_on_engine_death)
     config = uvicorn.Config(
         server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
     )  # type: ignore[arg-type]  # uvicorn hints an int; it passes the value to asyncio.wait_for
@@ -221,8 +219,7 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
         if server.engine.is_alive:
             http[0].run(sockets=[sock])
     finally:
-        server.engine.shutdown()
-        del llm
+        server.engine.shutdown()  # a split model's ranks too
     dead = server.engine.dead
     if isinstance(dead, EngineProcessDied):
         raise EngineDiedError(f"the engine process died: {dead}")

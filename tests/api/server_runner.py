@@ -36,7 +36,7 @@ def read_until(stream: Iterable[str], word: str, lines: list[str]) -> str:
 
 @contextmanager
 def running_server(llm: LLM, model_name: str, options: ServerOptions | None = None) -> Iterator[tuple[str, Server]]:
-    server = build_server(llm, model_name, options)
+    server = build_server(llm.engine, model_name, options)
     with serving(server) as url:
         yield url, server
 
