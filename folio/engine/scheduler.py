@@ -23,11 +23,11 @@ from folio.engine.beam_group import BeamGroup, start_group
 from folio.engine.beam_scheduling import BeamScheduling
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.runner_view import RunnerView
-from folio.engine.speculation import SpecDecodeStats, drafts_to_verify
 from folio.engine.stats import SchedulerStats
 from folio.engine.structured_output import StructuredOutputManager
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
+from folio.spec_decode.scheduling import SpecDecodeStats, drafts_to_verify
 from folio.step import ModelRunnerOutput, NewRequestData, ScheduledChunk, SchedulerOutput
 from folio.structured.grammar import TokenGrammar
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-from folio.engine.speculation import SpecDecodeStats
+from folio.spec_decode.scheduling import SpecDecodeStats
 from folio.structured.grammar import MaskTiming
 
 

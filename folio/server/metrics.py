@@ -11,8 +11,8 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
-from folio.engine.speculation import SpecDecodeStats
 from folio.server.admission import Admission
+from folio.spec_decode.scheduling import SpecDecodeStats
 
 disable_created_metrics()  # `*_created` timestamps only clutter the scrape
 

@@ -1,3 +1,5 @@
-"""Speculative decoding proposers: each drafts the next tokens of a request from what it has seen; the
-target model verifies the drafts in one forward (folio/sample/rejection_sampler.py), so outputs are
-exactly the target's."""
+"""Speculative decoding, in one place: the proposers that draft a request's next tokens from what it
+has seen (n-gram, suffix tree, lookahead, a draft model; `factory.py`), how many drafts each request
+takes (`proposer.py`), which drafts the scheduler lets a step verify and the counts it keeps
+(`scheduling.py`), and the target's verification of them in one forward (`verification.py`, with the
+rejection sampler), so outputs are exactly the target's."""

@@ -1,6 +1,6 @@
 """What every proposer is to the runner: given the requests that may speculate this step (their
 context so far and how many drafts each may take), draft each one's next tokens. Proposers see values
-only; the target's verification (worker/draft_verification.py) decides what is kept."""
+only; the target's verification (spec_decode/verification.py) decides what is kept."""
 
 from __future__ import annotations
 

@@ -22,11 +22,11 @@ from folio.layers.attention.kv_tensors import LayerKV
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs, top_candidates
 from folio.spec_decode.proposer import DraftRequest, Proposer, next_draft_length
+from folio.spec_decode.verification import Verified, verify_drafts, verify_greedy_choices
 from folio.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
 from folio.worker.cuda_graphs import DecodeGraphs
-from folio.worker.draft_verification import Verified, verify_drafts, verify_greedy_choices
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.pooling import pool_embeddings
 from folio.worker.request_states import RequestState, RequestStates

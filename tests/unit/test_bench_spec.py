@@ -18,7 +18,7 @@ from folio_tools.bench.spec_workloads import build_workload, camel_case, code_ed
 
 from folio.cli import parse
 from folio.config import SpeculativeConfig
-from folio.engine.speculation import SpecDecodeStats
+from folio.spec_decode.scheduling import SpecDecodeStats
 
 # -- workloads ---------------------------------------------------------------------------------------------
 

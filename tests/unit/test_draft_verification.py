@@ -8,7 +8,7 @@ import dataclasses
 import torch
 
 from folio.sampling_params import SamplingParams
-from folio.worker.draft_verification import verify_drafts
+from folio.spec_decode.verification import verify_drafts
 from folio.worker.request_states import RequestState
 
 

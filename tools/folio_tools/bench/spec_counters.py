@@ -9,7 +9,7 @@ from collections.abc import Iterable
 from dataclasses import asdict, dataclass
 from typing import Any
 
-from folio.engine.speculation import SpecDecodeStats
+from folio.spec_decode.scheduling import SpecDecodeStats
 from folio_tools.bench.serve_client import request_headers
 
 _METRICS = {  # /metrics counter (without the namespace and `_total`) -> field

@@ -4,8 +4,10 @@ counts /metrics and the benchmarks report (vLLM's spec-decode counters)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from folio.engine.request import Request
+if TYPE_CHECKING:  # the scheduler's request, read here, never built
+    from folio.engine.request import Request
 
 
 def drafts_to_verify(request: Request, budget: int, max_model_len: int) -> list[int]:

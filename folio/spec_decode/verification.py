@@ -5,14 +5,17 @@ row sees the drafts before it as generated tokens), and keep what the rejection 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs
-from folio.sample.rejection_sampler import verify_greedy, verify_sampled
 from folio.sample.sampler import SamplingBatch, adjust_logits, row_problems, sampling_probs
-from folio.worker.request_states import RequestState
+from folio.spec_decode.rejection_sampler import verify_greedy, verify_sampled
+
+if TYPE_CHECKING:  # the runner's state of a request, read here, never built
+    from folio.worker.request_states import RequestState
 
 
 @dataclass
