@@ -13,11 +13,44 @@ never wrong. Both run on the engine thread, between steps.
 
 from __future__ import annotations
 
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
 from folio.engine.engine_core import EngineCore
-from folio.kv_cache.handover import KVBlocks
 from folio.kv_cache.hashing import BlockKey, extend_block_keys
-from folio.worker.kv_block_io import kv_layout, read_kv_blocks, write_kv_blocks
 from folio.worker.model_runner import ModelRunner
+
+
+# Whole KV blocks of a prompt's prefix, as the value one engine hands another: each block named by
+# its prefix-cache key, its K/V in the cache's own format (8-bit codes and their scales included).
+@dataclass(frozen=True)
+class KVLayout:
+    """What two caches must share for one's blocks to mean the same in the other."""
+
+    block_size: int
+    num_layers: int
+    kv_cache_dtype: str  # "auto" (the model's dtype), "int8" or "fp8"
+    model_dtype: str
+    shapes: tuple[tuple[int, ...], ...]  # one layer's per-slot tensor shapes: K, V (and scales)
+
+
+@dataclass
+class KVBlocks:
+    layout: KVLayout
+    keys: list[BlockKey]  # the blocks' identities, in prompt order
+    # Per layer: K, V (and scales), each [n, B, ...] as raw bytes (numpy: Ray's object store reads it in place).
+    layers: list[list[np.ndarray]] = field(default_factory=list)
+    compute_seconds: float = 0.0  # what computing the prompt took the sender (the rest of a hand-over is transfer)
+
+    @property
+    def num_blocks(self) -> int:
+        return len(self.keys)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(part.nbytes for parts in self.layers for part in parts)
 
 
 def _runner(core: EngineCore) -> ModelRunner:
@@ -104,3 +137,47 @@ def import_prefix(core: EngineCore, blocks: KVBlocks) -> int:
     finally:
         # Back onto the LRU list, still cached; freed in prompt order, so the first blocks go last.
         pool.free([block for _, block in sorted(placed)])
+
+
+# Reading whole blocks out of a runner's KV cache and writing them into another's.
+def kv_layout(runner: ModelRunner, kv_cache_dtype: str) -> KVLayout:
+    first = runner.kv_caches[0]
+    return KVLayout(
+        block_size=runner.slots_per_block,
+        num_layers=len(runner.kv_caches),
+        kv_cache_dtype=kv_cache_dtype,
+        model_dtype=str(runner.dtype),
+        shapes=tuple(tuple(t.shape[1:]) for t in first.tensors()),
+    )
+
+
+@torch.inference_mode()
+def read_kv_blocks(runner: ModelRunner, layout: KVLayout, block_ids: list[list[int]], keys: list[BlockKey]) -> KVBlocks:
+    """Copies of the blocks `block_ids[g]` (one list per KV cache group, in the order of `keys`): each
+    layer's K/V read from its own group's blocks, so the copy means the same to a cache grouped otherwise."""
+    indices = [torch.tensor(ids, dtype=torch.long, device=runner.device) for ids in block_ids]
+    groups = _layer_groups(runner)
+    layers = [[_as_bytes(t) for t in layer_kv.read_blocks(indices[group], layout.block_size)]
+              for layer_kv, group in zip(runner.kv_caches, groups, strict=True)]  # fmt: skip
+    return KVBlocks(layout, list(keys), layers)
+
+
+def _as_bytes(t: torch.Tensor) -> np.ndarray:
+    """The tensor's memory as bytes (numpy has no bfloat16 or float8), the last dimension widened."""
+    return t.cpu().contiguous().view(torch.uint8).numpy()
+
+
+def _layer_groups(runner: ModelRunner) -> tuple[int, ...]:
+    groups = runner.kv_groups
+    return groups.layer_group if groups is not None else (0,) * len(runner.kv_caches)
+
+
+@torch.inference_mode()
+def write_kv_blocks(runner: ModelRunner, blocks: KVBlocks, targets: list[tuple[list[int], list[int]]]) -> None:
+    """Per KV cache group, (block ids, which of `blocks`' blocks to write there): each layer's K/V go into
+    its group's blocks."""
+    for layer_kv, parts, group in zip(runner.kv_caches, blocks.layers, _layer_groups(runner), strict=True):
+        block_ids, picked = targets[group]
+        if picked:
+            index = torch.tensor(block_ids, dtype=torch.long, device=runner.device)
+            layer_kv.write_blocks(index, blocks.layout.block_size, [torch.from_numpy(part[picked]) for part in parts])

@@ -20,8 +20,7 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray.serve.handle import DeploymentHandle
 
 from folio.engine.async_engine import AsyncEngine
-from folio.engine.kv_transfer import export_prefix, held_prefix, import_prefix, prompt_keys
-from folio.kv_cache.handover import KVBlocks
+from folio.engine.kv_transfer import KVBlocks, export_prefix, held_prefix, import_prefix, prompt_keys
 from folio.sampling_params import SamplingParams
 from folio.scale.jobs import EngineJob
 

@@ -22,9 +22,9 @@ from ray.serve.handle import DeploymentHandle
 
 from folio.engine.async_engine import AsyncEngine
 from folio.engine.engine_core import EngineCore
+from folio.engine.kv_transfer import KVBlocks
 from folio.engine.updates import EngineDeadError, RequestUpdate
 from folio.engine_args import EngineArgs
-from folio.kv_cache.handover import KVBlocks
 from folio.platform import default_device
 from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
 from folio.scale.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
