@@ -21,7 +21,7 @@ from importlib.metadata import entry_points
 from folio import __version__, commands
 from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
 from folio.reasoning import REASONING_CHOICES
-from folio.scale.routing import POLICIES, RoutingConfig
+from folio.scale_out.routing import POLICIES, RoutingConfig
 from folio.server.limits import RequestLimits
 from folio.tool_calls.registry import PARSER_CHOICES
 

@@ -19,8 +19,8 @@ from folio.loaders.catalog import CATALOG, list_pulled, pull
 from folio.paths import atomic_open
 from folio.platform import default_device
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
-from folio.scale.options import ReplicaOptions
-from folio.scale.routing import RoutingConfig
+from folio.scale_out.options import ReplicaOptions
+from folio.scale_out.routing import RoutingConfig
 from folio.server.context import ChatOptions
 from folio.server.limits import RequestLimits
 from folio.server.openai.batch_file import batch_lines, run_batch
@@ -264,7 +264,7 @@ def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
         prefill_replicas=args.prefill_replicas,
     )
     try:  # Ray is an optional extra: only this command needs it
-        from folio.scale.deploy import serve_on_ray
+        from folio.scale_out.deploy import serve_on_ray
     except ImportError as exc:
         raise ValueError(f"serving replicas needs Ray Serve: pip install 'folio[ray]' ({exc})") from None
     serve_on_ray(EngineArgs.from_cli_args(args), args.host, args.port, options, replicas)

@@ -12,7 +12,7 @@ POSITION_EMBEDDINGS = ("rope", "learned", "alibi")
 POOLING_METHODS = ("last", "mean")
 # The KV cache's formats (kv_cache/quant.py): the model's own dtype, or 8-bit K/V with per-token scales.
 KV_CACHE_DTYPES = ("auto", "int8", "fp8")
-ACTIVATION_BITS_CHOICES = (16, 8)  # 8: projections quantize their inputs per token (quant/activation_bits.py)
+ACTIVATION_BITS_CHOICES = (16, 8)  # 8: projections quantize their inputs per token (weight_formats/activation_bits.py)
 
 
 def check_kv_cache_dtype(name: str) -> None:

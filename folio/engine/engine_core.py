@@ -33,10 +33,10 @@ from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.loaders.tokenizer import Tokenizer
 from folio.models.base import CausalLM
 from folio.platform import configure_threads, default_device, default_kv_cache_memory, resolve_dtype
-from folio.quant.activation_bits import set_activation_bits
 from folio.spec_decode.factory import make_proposer
 from folio.step import SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
+from folio.weight_formats.activation_bits import set_activation_bits
 from folio.worker.executor import SplitModelExecutor, WorkerDiedError, WorkerLaunch
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 from folio.worker.rank import WorkerSpec

@@ -19,7 +19,7 @@ from folio.distributed.tensor_parallel import TensorParallel, current
 from folio.layers.linear import default_weight_loader
 from folio.layers.split_argmax import local_best
 from folio.layers.weight_narrowing import narrow_weight
-from folio.quant.int8 import Int8Groups, PackedInt8, packed_for_kernel
+from folio.weight_formats.int8 import Int8Groups, PackedInt8, packed_for_kernel
 
 
 class _QuantizableWeight(nn.Module):

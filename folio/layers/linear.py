@@ -13,10 +13,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from folio.layers.weight_storage import QuantizedKernel, RowQuantized, RowStaging, can_keep, can_pack
-from folio.quant.int4 import GROUP_SIZE, PackedInt4, rtn_groups
-from folio.quant.int8 import ChannelInt8
-from folio.quant.nf4 import BLOCK_SIZE as NF4_BLOCK
-from folio.quant.nf4 import NF4Weight
+from folio.weight_formats.int4 import GROUP_SIZE, PackedInt4, rtn_groups
+from folio.weight_formats.int8 import ChannelInt8
+from folio.weight_formats.nf4 import BLOCK_SIZE as NF4_BLOCK
+from folio.weight_formats.nf4 import NF4Weight
 
 ON_THE_FLY_METHODS = ("int8", "int4", "nf4")
 

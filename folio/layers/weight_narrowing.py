@@ -13,8 +13,8 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from folio.quant.int4 import Int4Groups
-from folio.quant.int8 import ChannelInt8, Int8Groups
+from folio.weight_formats.int4 import Int4Groups
+from folio.weight_formats.int8 import ChannelInt8, Int8Groups
 
 
 @runtime_checkable

@@ -18,9 +18,9 @@ from typing import Protocol
 
 import torch
 
-from folio.quant.int4 import GROUP_SIZE, Int4Groups, PackedInt4
-from folio.quant.int8 import Int8Groups, packed_for_kernel
-from folio.quant.int8_dot import GROUP_SIZES
+from folio.weight_formats.int4 import GROUP_SIZE, Int4Groups, PackedInt4
+from folio.weight_formats.int8 import Int8Groups, packed_for_kernel
+from folio.weight_formats.int8_dot import GROUP_SIZES
 
 
 class RowQuantized(Protocol):

@@ -19,14 +19,14 @@ from folio.config import ModelConfig
 from folio.loaders.gguf_file import GGUFFile, GGUFTensor
 from folio.models.architecture import GGUFLayout
 from folio.models.registry import gguf_architecture
-from folio.quant.gguf_dequant import dequantize_tensor, unpack
-from folio.quant.int4 import Int4Groups, int4_groups
-from folio.quant.int8 import Int8Groups, int8_groups
+from folio.weight_formats.gguf_dequant import dequantize_tensor, unpack
+from folio.weight_formats.int4 import Int4Groups, int4_groups
+from folio.weight_formats.int8 import Int8Groups, int8_groups
 
 Q = GGMLQuantizationType
 # 4- and 5-bit formats in groups of 32, kept as 4-bit tiles (plus a fifth bit plane) for projections.
 INT4_FORMATS = frozenset({Q.Q4_0, Q.Q4_1, Q.Q4_K, Q.Q5_0, Q.Q5_1, Q.Q5_K})
-# Symmetric formats whose codes fit int8 as they are (folio/quant/int8.py): the embedding and LM head in
+# Symmetric formats whose codes fit int8 as they are (folio/weight_formats/int8.py): the embedding and LM head in
 # Q5_0 too, whose rows an embedding lookup reads.
 INT8_FORMATS = frozenset({Q.Q8_0, Q.Q6_K, Q.Q5_0})
 

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from folio.quant.checkpoint_layouts import to_kernel_form, unpack_awq, unpack_gptq
-from folio.quant.nf4 import NF4Weight
+from folio.weight_formats.checkpoint_layouts import to_kernel_form, unpack_awq, unpack_gptq
+from folio.weight_formats.nf4 import NF4Weight
 
 METHODS = ("gptq", "awq", "folio_nf4")
 _MARKERS = {"gptq": "qweight", "awq": "qweight", "folio_nf4": "weight_nf4"}

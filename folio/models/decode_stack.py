@@ -31,7 +31,7 @@ from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.linear import Linear
 from folio.layers.norm import RMSNorm
 from folio.layers.weight_storage import ConcatRows
-from folio.quant import int4, int8
+from folio.weight_formats import int4, int8
 
 Rope = tuple[torch.Tensor, torch.Tensor]
 

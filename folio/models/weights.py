@@ -13,8 +13,8 @@ from torch import nn
 
 from folio.layers.linear import default_weight_loader
 from folio.layers.weight_narrowing import LazyWeight
-from folio.quant.int4 import Int4Groups
-from folio.quant.int8 import Int8Groups
+from folio.weight_formats.int4 import Int4Groups
+from folio.weight_formats.int8 import Int8Groups
 
 StackedMapping = list[tuple[str, str, object]]  # (fused name, checkpoint name, shard id)
 

@@ -1,7 +1,7 @@
 """What the route handlers need from an engine, and nothing more.
 
 `AsyncEngine` (the engine loop on a thread of this process) is one implementation; the Ray ingress's
-`RemoteEngine` (folio/scale/remote_engine.py), which routes each prompt to one of several engine
+`RemoteEngine` (folio/scale_out/remote_engine.py), which routes each prompt to one of several engine
 replicas, is the other. Handlers never learn which one they talk to.
 """
 

@@ -1,4 +1,4 @@
-"""A Ray instance that `folio serve --replicas` starts listens on loopback only (folio/scale/deploy.py);
+"""A Ray instance that `folio serve --replicas` starts listens on loopback only (folio/scale_out/deploy.py);
 every listener of the shared replica server is checked in tests/api/test_ray_replicas.py, which starts
 that server with RAY_ADDRESS naming another cluster. Here, without a Ray of their own: what counts as
 loopback, and that a cluster given with `--ray-address` is joined as it is."""
@@ -9,9 +9,9 @@ import ray
 import ray._private.ray_constants as ray_constants
 from ray.serve._private import replica as serve_replica
 
-from folio.scale import deploy
-from folio.scale.loopback import replica_grpc_on_loopback
-from folio.scale.options import ReplicaOptions
+from folio.scale_out import deploy
+from folio.scale_out.loopback import replica_grpc_on_loopback
+from folio.scale_out.options import ReplicaOptions
 from tests.api.ray_server import is_loopback
 
 

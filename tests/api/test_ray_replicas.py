@@ -194,7 +194,7 @@ RAY_PROCESSES = ("gcs_server", "raylet", "ray::DashboardAgent", "ray::RuntimeEnv
 
 
 def test_every_port_of_the_ray_it_started_is_on_loopback(ray_server):
-    """Ray's services run whatever a client that reaches them sends (folio/scale/deploy.py): a port open
+    """Ray's services run whatever a client that reaches them sends (folio/scale_out/deploy.py): a port open
     on a network would make --api-key protect nothing. Every listener under the server, Ray's included."""
     server = psutil.Process(ray_server.process.pid)
     deadline = time.monotonic() + 60

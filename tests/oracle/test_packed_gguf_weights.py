@@ -56,9 +56,9 @@ def test_gemma3_keeps_its_5_6_and_8_bit_projections_packed(gemma3_gguf):
     from folio.layers.linear import Linear
     from folio.layers.weight_storage import ConcatRows
     from folio.loaders.gguf_file import GGUFFile
-    from folio.quant.gguf_dequant import dequantize_tensor, unpack
-    from folio.quant.int4 import PackedInt4
-    from folio.quant.int8 import PackedInt8, int8_groups
+    from folio.weight_formats.gguf_dequant import dequantize_tensor, unpack
+    from folio.weight_formats.int4 import PackedInt4
+    from folio.weight_formats.int8 import PackedInt8, int8_groups
 
     loaded = load_model(gemma3_gguf, torch.bfloat16, torch.device("cpu"))
     linears = [m for m in loaded.model.modules() if isinstance(m, Linear)]

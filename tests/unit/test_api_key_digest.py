@@ -90,8 +90,8 @@ def test_application_binds_a_digest_never_the_key():
     """What `build_application` binds, and what Ray Serve pickles for its controller, hold no API key."""
     from ray.serve._private.build_app import build_app  # what serve.run does with the application
 
-    from folio.scale.deploy import build_application
-    from folio.scale.options import ReplicaOptions
+    from folio.scale_out.deploy import build_application
+    from folio.scale_out.options import ReplicaOptions
 
     server = ServerOptions(api_key=KEY, max_queue=7)
     app = build_application(EngineArgs(), "m", server, ReplicaOptions(replicas=2, cpus_per_replica=1))

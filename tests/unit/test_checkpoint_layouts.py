@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.quant.checkpoint_layouts import (
+from folio.weight_formats.checkpoint_layouts import (
     IntGroups,
     contiguous_group_index,
     pack_awq,
@@ -13,8 +13,8 @@ from folio.quant.checkpoint_layouts import (
     unpack_awq,
     unpack_gptq,
 )
-from folio.quant.int4 import Int4Groups
-from folio.quant.int8 import ChannelInt8, Int8Groups
+from folio.weight_formats.int4 import Int4Groups
+from folio.weight_formats.int8 import ChannelInt8, Int8Groups
 
 GEN = torch.Generator().manual_seed(0)
 

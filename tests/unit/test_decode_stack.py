@@ -20,9 +20,9 @@ from folio import LLM, SamplingParams, ops
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.linear import Linear
 from folio.models.decode_stack import build_decode_stack
-from folio.quant import int4
-from folio.quant.activation_bits import set_activation_bits
-from folio.quant.int8 import Int8Groups, PackedInt8
+from folio.weight_formats import int4
+from folio.weight_formats.activation_bits import set_activation_bits
+from folio.weight_formats.int8 import Int8Groups, PackedInt8
 from tests.tiny_models import make_tiny_model
 
 KINDS = ["llama", "mqa", "mistral-window", "qwen2", "llama3-rope", "qwen3", "gemma3"]

@@ -16,11 +16,11 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as reference_dequantize
 
 from folio.loaders.gguf_file import GGUFFile, GGUFTensor
-from folio.quant.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_tensor, unpack
+from folio.weight_formats.gguf_dequant import SUPPORTED_TYPES, dequantize, dequantize_tensor, unpack
 
 Q = GGMLQuantizationType
 
-# Byte offsets of the f16 scale/min fields inside one block; everything else is free payload.
+# Byte offsets of the f16 scale_out/min fields inside one block; everything else is free payload.
 F16_FIELDS = {
     Q.Q4_0: [0],
     Q.Q4_1: [0, 2],
@@ -79,7 +79,7 @@ def test_matches_reference_exactly(ggml_type: GGMLQuantizationType) -> None:
 
 def test_chunked_path_matches_reference(monkeypatch: pytest.MonkeyPatch) -> None:
     """Tensors longer than one chunk, including a ragged final chunk, come out whole and in order."""
-    import folio.quant.gguf_dequant as gguf_dequant
+    import folio.weight_formats.gguf_dequant as gguf_dequant
 
     monkeypatch.setattr(gguf_dequant, "_CHUNK_ELEMENTS", 1280)  # 5 super-blocks, 40 legacy blocks
     for ggml_type in (Q.Q8_0, Q.Q5_1, Q.Q4_K, Q.Q6_K):

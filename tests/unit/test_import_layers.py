@@ -54,10 +54,10 @@ RUNTIME = frozenset(
         "folio.paths",
         "folio.platform",
         "folio.reasoning",  # <think> text split from the answer
-        "folio.quant",  # runtime weight formats (int8, int4, nf4, GGUF blocks); offline: folio_tools.quantize
+        "folio.weight_formats",  # runtime weight formats (int8, int4, nf4, GGUF blocks); offline: folio_tools.quantize
         "folio.sample",
         "folio.sampling_params",
-        "folio.scale",  # replicas on Ray Serve (the optional extra folio[ray])
+        "folio.scale_out",  # replicas on Ray Serve (the optional extra folio[ray])
         "folio.server",
         "folio.spec_decode",  # speculative decoding's proposers
         "folio.step",  # the values that cross the scheduler/runner boundary
@@ -89,7 +89,7 @@ RANKS = {
     "folio.kv_cache": 2,
     "folio.sample": 2,
     "folio.layers": 2,
-    "folio.quant": 2,
+    "folio.weight_formats": 2,
     "folio.step": 2,
     "folio.models": 3,
     # what loads a model, and what works beside it
@@ -102,7 +102,7 @@ RANKS = {
     "folio.engine": 6,
     "folio.server": 7,
     "folio": 7,  # folio/__init__.py: LLM and SamplingParams for users
-    "folio.scale": 8,
+    "folio.scale_out": 8,
 }
 
 
@@ -322,7 +322,7 @@ def test_tools_never_import_the_cli() -> None:
 # Function-local imports that open an optional extra where it is used, so the command line starts
 # without the extra installed and without its import cost (Ray Serve: ~1 s). None of them hides a
 # cycle: the cycle checks above count them.
-OPTIONAL_EXTRAS = frozenset({("folio.commands", "folio.scale.deploy")})
+OPTIONAL_EXTRAS = frozenset({("folio.commands", "folio.scale_out.deploy")})
 
 
 def test_no_function_local_imports_of_folio_modules() -> None:

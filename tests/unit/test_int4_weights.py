@@ -17,11 +17,11 @@ from folio.layers.linear import Linear, MergedLinear
 from folio.layers.weight_storage import ConcatRows
 from folio.loaders.gguf_file import GGUFFile, GGUFTensor
 from folio.loaders.gguf_model import GGUFWeight
-from folio.quant import int4
-from folio.quant.activation_bits import set_activation_bits
-from folio.quant.gguf_dequant import dequantize, unpack
-from folio.quant.int4 import Int4Groups, PackedInt4, int4_groups
-from folio.quant.int8 import Int8Groups, PackedInt8
+from folio.weight_formats import int4
+from folio.weight_formats.activation_bits import set_activation_bits
+from folio.weight_formats.gguf_dequant import dequantize, unpack
+from folio.weight_formats.int4 import Int4Groups, PackedInt4, int4_groups
+from folio.weight_formats.int8 import Int8Groups, PackedInt8
 
 
 def _quantized(ggml_type: Q, rows: int, cols: int, seed: int) -> tuple[np.ndarray, tuple[int, int]]:

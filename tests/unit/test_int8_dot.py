@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from folio import ops
-from folio.quant.int8_dot import (
+from folio.weight_formats.int8_dot import (
     quantize_activations,
     tile_codes,
     tile_fifth_bits,

@@ -14,7 +14,7 @@ import torch
 from folio import LLM, SamplingParams, ops
 from folio.layers.embedding import LMHead
 from folio.layers.split_argmax import local_best
-from folio.quant.int8 import Int8Groups, PackedInt8
+from folio.weight_formats.int8 import Int8Groups, PackedInt8
 
 pytestmark = pytest.mark.skipif(ops.load("int8_dot") is None, reason="needs the int8 dot-product kernel")
 

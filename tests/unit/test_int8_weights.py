@@ -13,9 +13,9 @@ from gguf import quants
 
 from folio import ops
 from folio.layers.embedding import LMHead, VocabEmbedding
-from folio.quant import int8
-from folio.quant.gguf_dequant import dequantize, unpack
-from folio.quant.int8 import Int8Groups, PackedInt8, int8_groups, packed_for_kernel
+from folio.weight_formats import int8
+from folio.weight_formats.gguf_dequant import dequantize, unpack
+from folio.weight_formats.int8 import Int8Groups, PackedInt8, int8_groups, packed_for_kernel
 
 
 @pytest.fixture(scope="module")

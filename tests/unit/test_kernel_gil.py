@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from folio import ops
-from folio.quant.int8_dot import tile_groups, tile_int8_codes
+from folio.weight_formats.int8_dot import tile_groups, tile_int8_codes
 from tests.threads import torch_threads
 
 

@@ -12,8 +12,8 @@ from safetensors.torch import load_file, save_file
 
 from folio import ops
 from folio.layers.weight_storage import ConcatRows, RowStaging
-from folio.quant import nf4
-from folio.quant.nf4 import BLOCK_SIZE, NF4_CODEBOOK, SCALE_BLOCK_SIZE, NF4Weight
+from folio.weight_formats import nf4
+from folio.weight_formats.nf4 import BLOCK_SIZE, NF4_CODEBOOK, SCALE_BLOCK_SIZE, NF4Weight
 
 # bitsandbytes `functional.get_4bit_type("nf4")` (and csrc `nf4_data`), QLoRA arXiv 2305.14314.
 PUBLISHED_NF4 = [

@@ -9,9 +9,9 @@ import torch.nn.functional as F
 
 from folio import LLM, SamplingParams
 from folio.layers.linear import Linear
-from folio.quant import int8
-from folio.quant.int4 import PackedInt4, rtn_groups
-from folio.quant.int8 import ChannelInt8
+from folio.weight_formats import int8
+from folio.weight_formats.int4 import PackedInt4, rtn_groups
+from folio.weight_formats.int8 import ChannelInt8
 from tests.tiny_models import make_tiny_model
 
 WEIGHT = torch.randn(192, 256, generator=torch.Generator().manual_seed(0)) * 0.05

@@ -1,4 +1,4 @@
-"""The replicas' routing policy (folio/scale/routing.py), without Ray."""
+"""The replicas' routing policy (folio/scale_out/routing.py), without Ray."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from folio.kv_cache.hashing import BlockKey, extend_block_keys
-from folio.scale.routing import PrefixAffinity, RoutingConfig, RoutingPolicy, prefix_digests
+from folio.scale_out.routing import PrefixAffinity, RoutingConfig, RoutingPolicy, prefix_digests
 
 BLOCK = 4
 

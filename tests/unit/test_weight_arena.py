@@ -15,7 +15,7 @@ from torch import nn
 import folio.loaders.model_loader as model_loader
 from folio import LLM, SamplingParams
 from folio.loaders.weight_arena import ARENA_BYTES, HUGE_PAGE, gather_weights, model_tensors
-from folio.quant.int4 import PackedInt4, rtn_groups
+from folio.weight_formats.int4 import PackedInt4, rtn_groups
 from tests.tiny_models import make_tiny_model
 
 

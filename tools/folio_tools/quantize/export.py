@@ -28,7 +28,7 @@ from safetensors.torch import save_file
 
 from folio.layers.linear import Linear, MergedLinear
 from folio.loaders.tokenizer import Tokenizer
-from folio.quant.checkpoint_layouts import IntGroups, pack_awq, pack_gptq
+from folio.weight_formats.checkpoint_layouts import IntGroups, pack_awq, pack_gptq
 
 DENSE_DTYPE = torch.float16  # embeddings (and biases), as GPTQ/AWQ checkpoints usually ship them
 # Norm weights are tiny and stay float32: AWQ folds 1/s into them, and a Gemma norm stores w with the

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.quant.checkpoint_layouts import IntGroups, contiguous_group_index
+from folio.weight_formats.checkpoint_layouts import IntGroups, contiguous_group_index
 from folio_tools.quantize.group_quantizer import group_params, quantize_column, resolve_group_size
 
 BLOCK = 128

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.quant.checkpoint_layouts import IntGroups, contiguous_group_index
+from folio.weight_formats.checkpoint_layouts import IntGroups, contiguous_group_index
 
 
 def group_params(x: torch.Tensor, bits: int, symmetric: bool) -> tuple[torch.Tensor, torch.Tensor]:

@@ -28,7 +28,7 @@ from folio.engine.llm import LLM
 from folio.layers.linear import Linear, MergedLinear
 from folio.layers.weight_storage import ConcatRows
 from folio.models.registry import architecture_of
-from folio.quant.nf4 import BLOCK_SIZE, NF4Weight
+from folio.weight_formats.nf4 import BLOCK_SIZE, NF4Weight
 from folio_tools.eval import corpus
 from folio_tools.quantize.awq import search_scales
 from folio_tools.quantize.calibration import InputStatistics, collect_input_statistics

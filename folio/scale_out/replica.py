@@ -26,11 +26,11 @@ from folio.engine.kv_transfer import KVBlocks
 from folio.engine.updates import EngineDeadError, RequestUpdate
 from folio.engine_args import EngineArgs
 from folio.platform import default_device
-from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
-from folio.scale.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
-from folio.scale.jobs import EngineJob, JobFailure, ReplicaDescription
-from folio.scale.loopback import replica_grpc_on_loopback
-from folio.scale.rank_hosts import start_rank_hosts, stop_rank_hosts
+from folio.scale_out.board import REPORT_PERIOD_S, ReplicaReport, board_for
+from folio.scale_out.disaggregation import TransferMetrics, prefill_and_export, pull_prefix
+from folio.scale_out.jobs import EngineJob, JobFailure, ReplicaDescription
+from folio.scale_out.loopback import replica_grpc_on_loopback
+from folio.scale_out.rank_hosts import start_rank_hosts, stop_rank_hosts
 from folio.server.metrics import ServerMetrics
 
 logger = logging.getLogger("folio")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.scale.routing import RoutingConfig
+from folio.scale_out.routing import RoutingConfig
 
 APP_NAME = "folio"
 

@@ -14,9 +14,9 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from folio.scale import router_metrics
-from folio.scale.jobs import EngineJob
-from folio.scale.routing import RoutingConfig, RoutingPolicy, prefix_digests
+from folio.scale_out import router_metrics
+from folio.scale_out.jobs import EngineJob
+from folio.scale_out.routing import RoutingConfig, RoutingPolicy, prefix_digests
 
 
 def _job_of(pending: PendingRequest | None) -> EngineJob | None:

@@ -26,8 +26,8 @@ import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
-from folio.quant import gguf_kquants
-from folio.quant.gguf_kquants import Unpacked, bit_planes, f16_field
+from folio.weight_formats import gguf_kquants
+from folio.weight_formats.gguf_kquants import Unpacked, bit_planes, f16_field
 
 if TYPE_CHECKING:  # an annotation only: the loaders sit above the weight formats
     from folio.loaders.gguf_file import GGUFTensor

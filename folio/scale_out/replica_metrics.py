@@ -15,7 +15,7 @@ from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.samples import Sample
 
-from folio.scale.board import ReplicaReport
+from folio.scale_out.board import ReplicaReport
 
 
 class ReplicaMetricsCollector:

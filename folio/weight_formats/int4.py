@@ -21,8 +21,8 @@ import torch
 import torch.nn.functional as F
 
 from folio import ops
-from folio.quant.gguf_dequant import GroupQuant
-from folio.quant.int8_dot import (
+from folio.weight_formats.gguf_dequant import GroupQuant
+from folio.weight_formats.int8_dot import (
     tile_codes,
     tile_fifth_bits,
     tile_groups,

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.quant.int4 import Int4Groups
-from folio.quant.int8 import ChannelInt8, Int8Groups
+from folio.weight_formats.int4 import Int4Groups
+from folio.weight_formats.int8 import ChannelInt8, Int8Groups
 
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)  # word position i holds column AWQ_ORDER[i] of its 8
 

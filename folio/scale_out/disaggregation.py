@@ -22,7 +22,7 @@ from ray.serve.handle import DeploymentHandle
 from folio.engine.async_engine import AsyncEngine
 from folio.engine.kv_transfer import KVBlocks, export_prefix, held_prefix, import_prefix, prompt_keys
 from folio.sampling_params import SamplingParams
-from folio.scale.jobs import EngineJob
+from folio.scale_out.jobs import EngineJob
 
 logger = logging.getLogger("folio")
 

@@ -23,11 +23,11 @@ from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import open_checkpoint
 from folio.platform import default_device, resolve_dtype
-from folio.scale.board import REPORT_PERIOD_S, ReplicaReport, board_for
-from folio.scale.jobs import ReplicaDescription
-from folio.scale.loopback import replica_grpc_on_loopback
-from folio.scale.remote_engine import RemoteEngine
-from folio.scale.replica_metrics import ROUTER_REGISTRY, ReplicaMetricsCollector
+from folio.scale_out.board import REPORT_PERIOD_S, ReplicaReport, board_for
+from folio.scale_out.jobs import ReplicaDescription
+from folio.scale_out.loopback import replica_grpc_on_loopback
+from folio.scale_out.remote_engine import RemoteEngine
+from folio.scale_out.replica_metrics import ROUTER_REGISTRY, ReplicaMetricsCollector
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.auth import APIKeyDigest

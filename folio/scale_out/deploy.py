@@ -29,12 +29,12 @@ from ray.serve.deployment import Application, Deployment
 from ray.serve.schema import LoggingConfig
 
 from folio.engine_args import EngineArgs
-from folio.scale.board import NAMESPACE
-from folio.scale.ingress import FolioIngress
-from folio.scale.loopback import LOOPBACK, local_only, on_loopback_node
-from folio.scale.options import ReplicaOptions
-from folio.scale.replica import EngineReplica
-from folio.scale.request_router import FolioRequestRouter
+from folio.scale_out.board import NAMESPACE
+from folio.scale_out.ingress import FolioIngress
+from folio.scale_out.loopback import LOOPBACK, local_only, on_loopback_node
+from folio.scale_out.options import ReplicaOptions
+from folio.scale_out.replica import EngineReplica
+from folio.scale_out.request_router import FolioRequestRouter
 from folio.server.auth import APIKeyDigest
 from folio.server.serve import ServerOptions, warn_if_open
 

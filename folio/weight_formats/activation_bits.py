@@ -12,8 +12,8 @@ from __future__ import annotations
 from torch import nn
 
 from folio.config import ACTIVATION_BITS_CHOICES
-from folio.quant.int4 import PackedInt4
-from folio.quant.int8 import PackedInt8
+from folio.weight_formats.int4 import PackedInt4
+from folio.weight_formats.int8 import PackedInt8
 
 
 def set_activation_bits(model: nn.Module, bits: int) -> int:

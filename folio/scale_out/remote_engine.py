@@ -17,7 +17,7 @@ from ray.serve.handle import DeploymentHandle
 
 from folio.engine.updates import EngineDeadError, RequestFailedError, RequestUpdate, take_update
 from folio.sampling_params import SamplingParams
-from folio.scale.jobs import EngineJob, JobFailure
+from folio.scale_out.jobs import EngineJob, JobFailure
 
 logger = logging.getLogger("folio")
 
