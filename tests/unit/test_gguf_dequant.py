@@ -20,7 +20,7 @@ from folio.weight_formats.gguf_dequant import SUPPORTED_TYPES, dequantize, dequa
 
 Q = GGMLQuantizationType
 
-# Byte offsets of the f16 scale_out/min fields inside one block; everything else is free payload.
+# Byte offsets of the f16 scale/min fields inside one block; everything else is free payload.
 F16_FIELDS = {
     Q.Q4_0: [0],
     Q.Q4_1: [0, 2],

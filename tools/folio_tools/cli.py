@@ -44,7 +44,7 @@ def register(sub: argparse._SubParsersAction) -> None:
     quantize.add_argument("source", metavar="SRC")
     quantize.add_argument("--method", required=True, choices=("int8", "int4", "gptq", "awq", "nf4"))
     quantize.add_argument("--group-size", type=int, default=32, choices=(32, 64, 128),
-                          help="4-bit methods: weights per scale_out/zero group along the input (default 32)")  # fmt: skip
+                          help="4-bit methods: weights per scale/zero group along the input (default 32)")  # fmt: skip
     quantize.add_argument("--output", required=True, help="folder to write")
     quantize.add_argument("--calibration-samples", type=int, default=128, help="gptq/awq: windows (default 128)")
     quantize.add_argument("--calibration-length", type=int, default=512, help="gptq/awq: tokens each (default 512)")
