@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from folio import cli
-from folio.cli import parse
+from folio.cli import main, parse
+from folio.cli import parser as cli_parser
 
 
 def test_positionals_between_flags():
@@ -38,8 +38,8 @@ class _BrokenEntry:
 @pytest.mark.parametrize("entries", [[], [_BrokenEntry()]], ids=["not-installed", "not-importable"])
 @pytest.mark.parametrize("words", [["bench", "decode", "m", "--rounds", "3"], ["kv-calc", "m"], ["eval", "--help"]])
 def test_a_tool_command_without_the_tools_says_how_to_install_them(monkeypatch, capsys, entries, words):
-    monkeypatch.setattr(cli, "entry_points", lambda group: entries)
-    assert cli.main(words) == 1
+    monkeypatch.setattr(cli_parser, "entry_points", lambda group: entries)
+    assert main(words) == 1
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and f"`folio {words[0]}` is one of folio's tools" in err
     assert "pip install -e ./tools" in err
@@ -48,6 +48,6 @@ def test_a_tool_command_without_the_tools_says_how_to_install_them(monkeypatch, 
 
 
 def test_the_runtime_commands_work_without_the_tools(monkeypatch):
-    monkeypatch.setattr(cli, "entry_points", lambda group: [])
+    monkeypatch.setattr(cli_parser, "entry_points", lambda group: [])
     args = parse(["serve", "m", "--port", "9"])
     assert (args.command, args.port) == ("serve", 9)

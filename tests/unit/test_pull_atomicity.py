@@ -21,7 +21,7 @@ from typing import BinaryIO
 
 import pytest
 
-from folio.commands import cmd_models
+from folio.cli.commands import cmd_models
 from folio.loaders import catalog, wheels
 from folio.loaders.catalog import LOCK, MANIFEST, list_pulled, model_dir, pull
 from tests.unit.test_catalog import FakeIndex, add_split_model, make_gguf, visible_files

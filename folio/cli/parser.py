@@ -1,24 +1,13 @@
-"""`folio` command line: pull, models, run, chat, serve, generate, run-batch, kv-calc, quantize, eval, bench.
-
-The top layer: it builds the parser (engine flags from `EngineArgs`) and dispatches to folio/commands.py.
-kv-calc, quantize, eval and bench are folio's tools (tools/, the folio-tools package): they register
-themselves through the `folio.tools` entry point, so this module never imports them, and where they are
-not installed those commands say how to install them. Nothing imports this module.
-
-Every failure a user can cause ends in one line on stderr and a non-zero exit; set FOLIO_DEBUG=1 to
-see the traceback instead.
-"""
+"""The `folio` parser: every subcommand's flags (engine flags from `EngineArgs`), the tools' subcommands
+from their entry point (or a stand-in saying how to install them), and `parse`."""
 
 from __future__ import annotations
 
 import argparse
-import logging
 import os
-import sys
-from collections.abc import Callable
 from importlib.metadata import entry_points
 
-from folio import __version__, commands
+from folio import __version__
 from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
 from folio.reasoning import REASONING_CHOICES
 from folio.scale_out.routing import POLICIES, RoutingConfig
@@ -206,18 +195,6 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-HANDLERS: dict[str, Callable[[argparse.Namespace], int]] = {
-    "pull": commands.cmd_pull,
-    "models": commands.cmd_models,
-    "run": commands.cmd_run,
-    "chat": commands.cmd_chat,
-    "generate": commands.cmd_generate,
-    "run-batch": commands.cmd_run_batch,
-    "serve": commands.cmd_serve,
-    "worker": commands.cmd_worker,
-}
-
-
 def parse(argv: list[str]) -> argparse.Namespace:
     """The command line. argparse takes a subcommand's positionals in one go, so `folio run MODEL --raw
     PROMPT` would read MODEL as the prompt; a subcommand without subcommands of its own reads its
@@ -234,27 +211,3 @@ def parse(argv: list[str]) -> argparse.Namespace:
         return parser.parse_args(argv)  # the usual errors for what is left over
     intermixed = sub.parse_intermixed_args(argv[argv.index(args.command) + 1 :])
     return argparse.Namespace(**{**vars(args), **vars(intermixed)})
-
-
-def main(argv: list[str] | None = None) -> int:
-    args = parse(sys.argv[1:] if argv is None else argv)
-    # folio's own progress at INFO; other libraries (httpx logs every request at INFO) only warn.
-    logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
-    logging.getLogger("folio").setLevel(logging.INFO)
-    try:
-        return HANDLERS[args.command](args) if args.command in HANDLERS else args.tool_run(args)
-    except KeyboardInterrupt:
-        print(file=sys.stderr)
-        return 130
-    except BrokenPipeError:
-        return 0
-    except Exception as exc:  # one line for the user; FOLIO_DEBUG=1 shows the traceback
-        if os.environ.get("FOLIO_DEBUG"):
-            raise
-        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        print(f"folio: error: {message}", file=sys.stderr)
-        return 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -1,4 +1,4 @@
-"""What each `folio` subcommand does (argument parsing lives in cli.py, which imports this module)."""
+"""What each `folio` subcommand of the runtime does (its flags are parsed in parser.py; main.py dispatches here)."""
 
 from __future__ import annotations
 
@@ -285,7 +285,7 @@ def cmd_worker(args: argparse.Namespace) -> int:
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
-    """The limits cli.py's `request limits` flags set."""
+    """The limits parser.py's `request limits` flags set."""
     return RequestLimits(
         max_body_bytes=args.max_request_bytes,
         max_stop_strings=args.max_stop_strings,

@@ -1,0 +1,7 @@
+"""`python -m folio.cli`: the `folio` command."""
+
+import sys
+
+from folio.cli.main import main
+
+sys.exit(main())
