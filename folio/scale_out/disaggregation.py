@@ -19,10 +19,10 @@ import time
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from ray.serve.handle import DeploymentHandle
 
-from folio.engine.async_engine import AsyncEngine
 from folio.engine.kv_transfer import KVBlocks, export_prefix, held_prefix, import_prefix, prompt_keys
 from folio.sampling_params import SamplingParams
 from folio.scale_out.jobs import EngineJob
+from folio.server.engine_client.thread import AsyncEngine
 
 logger = logging.getLogger("folio")
 

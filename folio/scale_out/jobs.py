@@ -9,8 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.sampling_params import SamplingParams
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 
 
 @dataclass(frozen=True)

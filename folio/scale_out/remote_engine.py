@@ -1,4 +1,4 @@
-"""The ingress's engine: the same narrow interface as `AsyncEngine` (server/engine_client.py), with
+"""The ingress's engine: the same narrow interface as `AsyncEngine` (server/engine_client/protocol.py), with
 each prompt's samples sent as one `EngineJob` to the replica the router picks.
 
 A replica that dies before anything of a job came back is not the client's problem: the job is sent
@@ -15,9 +15,9 @@ import logging
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
-from folio.engine.updates import EngineDeadError, RequestFailedError, RequestUpdate, take_update
 from folio.sampling_params import SamplingParams
 from folio.scale_out.jobs import EngineJob, JobFailure
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError, RequestUpdate, take_update
 
 logger = logging.getLogger("folio")
 

@@ -20,10 +20,8 @@ from prometheus_client import generate_latest
 from ray import serve
 from ray.serve.handle import DeploymentHandle
 
-from folio.engine.async_engine import AsyncEngine
 from folio.engine.engine_core import EngineCore
 from folio.engine.kv_transfer import KVBlocks
-from folio.engine.updates import EngineDeadError, RequestUpdate
 from folio.engine_args import EngineArgs
 from folio.platform import default_device
 from folio.scale_out.board import REPORT_PERIOD_S, ReplicaReport, board_for
@@ -31,6 +29,8 @@ from folio.scale_out.disaggregation import TransferMetrics, prefill_and_export, 
 from folio.scale_out.jobs import EngineJob, JobFailure, ReplicaDescription
 from folio.scale_out.loopback import replica_grpc_on_loopback
 from folio.scale_out.rank_hosts import start_rank_hosts, stop_rank_hosts
+from folio.server.engine_client.thread import AsyncEngine
+from folio.server.engine_client.updates import EngineDeadError, RequestUpdate
 from folio.server.metrics import ServerMetrics
 
 logger = logging.getLogger("folio")

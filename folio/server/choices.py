@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from folio.engine.updates import RequestUpdate
 from folio.outputs import TokenLogprob
-from folio.server.engine_client import GenerationStream
+from folio.server.engine_client.protocol import GenerationStream
+from folio.server.engine_client.updates import RequestUpdate
 
 
 @dataclass

@@ -10,7 +10,7 @@ from types import TracebackType
 from folio.loaders.tokenizer import Tokenizer
 from folio.reasoning import REASONING_CHOICES
 from folio.server.admission import Admission, Reservation
-from folio.server.engine_client import EngineClient, GenerationStream
+from folio.server.engine_client.protocol import EngineClient, GenerationStream
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
 from folio.server.model_card import ModelCard

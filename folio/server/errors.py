@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from fastapi.responses import JSONResponse
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 
 _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
           413: "invalid_request_error", 429: "rate_limit_error", 500: "server_error", 503: "server_error"}  # fmt: skip

@@ -22,17 +22,17 @@ import uvicorn
 from fastapi import FastAPI
 from prometheus_client import CollectorRegistry
 
-from folio.engine.async_engine import AsyncEngine
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import EngineArgs
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.context import ChatOptions, ServerContext
-from folio.server.engine_client import EngineClient
-from folio.server.engine_wire import EngineInfo
+from folio.server.engine_client.process import EngineMetricsCollector, EngineProcessDied, ProcessEngine
+from folio.server.engine_client.protocol import EngineClient
+from folio.server.engine_client.thread import AsyncEngine
+from folio.server.engine_client.wire import EngineInfo
 from folio.server.limits import RequestLimits
 from folio.server.metrics import ServerMetrics, track_admission
-from folio.server.process_client import EngineMetricsCollector, EngineProcessDied, ProcessEngine
 
 logger = logging.getLogger("folio")
 

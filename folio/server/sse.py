@@ -7,7 +7,7 @@ import json
 import logging
 from collections.abc import AsyncIterator, Callable
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import APIError, error_body, error_for
 
 logger = logging.getLogger("folio")

@@ -26,7 +26,7 @@ import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from folio.engine_args import EngineArgs
-from folio.server.process_client import ProcessEngine
+from folio.server.engine_client.process import ProcessEngine
 from folio.server.serve import build_process_server
 from tests.api.server_runner import MODEL, aborted_requests, free_port, read_until, serving
 from tests.tiny_models import make_tiny_model
@@ -163,7 +163,7 @@ def _trackers() -> set[int]:
 ORPHANED = """
 import sys, time
 from folio.engine_args import EngineArgs
-from folio.server.process_client import ProcessEngine
+from folio.server.engine_client.process import ProcessEngine
 engine = ProcessEngine(EngineArgs(model=sys.argv[1], kv_cache_memory="16MiB"), "tiny")
 print(engine.process.pid, flush=True)
 time.sleep(600)

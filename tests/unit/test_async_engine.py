@@ -12,8 +12,8 @@ import time
 import pytest
 
 from folio import LLM, SamplingParams
-from folio.engine.async_engine import AsyncEngine
-from folio.engine.updates import EngineDeadError, RequestFailedError
+from folio.server.engine_client.thread import AsyncEngine
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.worker import model_runner
 from tests.tiny_models import make_tiny_model
 

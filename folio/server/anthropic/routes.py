@@ -12,13 +12,13 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from folio.server.chat_answer import AnswerPiece
 from folio.server.choices import collect
 from folio.server.context import ServerContext
-from folio.server.engine_client import GenerationStream
+from folio.server.engine_client.protocol import GenerationStream
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import APIError, error_body_for, error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.openai.chat.prompt import PreparedChat, prepare_chat

@@ -12,11 +12,11 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.reasoning import reasoning_enabled
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader
 from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import APIError, error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.model_card import iso_time

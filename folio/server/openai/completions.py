@@ -9,12 +9,12 @@ from dataclasses import dataclass
 
 from starlette.concurrency import run_in_threadpool
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
-from folio.server.engine_client import GenerationStream
+from folio.server.engine_client.protocol import GenerationStream
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.openai.logprobs_format import TokenText, completion_logprobs, prompt_positions, vllm_prompt_logprobs

@@ -10,11 +10,11 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader, AnswerStream
 from folio.server.choices import collect
 from folio.server.context import ServerContext
-from folio.server.engine_client import GenerationStream
+from folio.server.engine_client.protocol import GenerationStream
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.openai.chat.prompt import prepare_chat

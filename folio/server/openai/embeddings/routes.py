@@ -13,10 +13,10 @@ import torch
 import torch.nn.functional as F
 from starlette.concurrency import run_in_threadpool
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.context import ServerContext
-from folio.server.engine_client import GenerationStream
+from folio.server.engine_client.protocol import GenerationStream
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import APIError, error_for
 from folio.server.openai.embeddings.protocol import EmbeddingRequest
 

@@ -8,9 +8,9 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from folio.engine.updates import EngineDeadError, RequestFailedError
 from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
 from folio.server.errors import error_for
 from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.openai.chat.prompt import PreparedChat, prepare_chat

@@ -8,7 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from folio.server.chat_answer import AnswerPiece
-from folio.server.engine_client import GenerationStream
+from folio.server.engine_client.protocol import GenerationStream
 from folio.server.errors import APIError
 from folio.server.openai.chat.prompt import PreparedChat
 from folio.server.openai.logprobs_format import TokenText, chat_logprobs

@@ -1,6 +1,6 @@
 """`ProcessEngine`: the API server's side of an engine running in a process of its own.
 
-It is an `EngineClient` (server/engine_client.py) and a `RequestSink` (engine/generation.py), so the
+It is an `EngineClient` (protocol.py) and a `RequestSink` (generation.py), so the
 routes and their `Generation`s work as with `AsyncEngine`. Requests and aborts go out on one socket;
 a reader thread receives the engine's batches of updates and posts each to its call's mailbox (an
 asyncio queue on the call's loop), as the engine thread does in one process.
@@ -25,13 +25,13 @@ import zmq
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from folio.engine.generation import Generation
 from folio.engine.request import Request
-from folio.engine.updates import EngineDeadError, LoopMailbox, Mailbox, Stream
 from folio.engine_args import EngineArgs
 from folio.sampling_params import SamplingParams
-from folio.server import engine_wire as wire
-from folio.server.engine_process import run_engine_process
+from folio.server.engine_client import wire
+from folio.server.engine_client.generation import Generation
+from folio.server.engine_client.process_main import run_engine_process
+from folio.server.engine_client.updates import EngineDeadError, LoopMailbox, Mailbox, Stream
 
 logger = logging.getLogger("folio")
 

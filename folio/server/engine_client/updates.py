@@ -2,7 +2,7 @@
 
 The engine loop posts each request's updates to that request's mailbox. In this process a mailbox is
 an asyncio queue on the caller's event loop (`LoopMailbox`); across processes it is an entry of the
-next batch sent over the wire (server/engine_process.py). Either way the caller reads the same items:
+next batch sent over the wire (server/engine_client/process_main.py). Either way the caller reads the same items:
 (choice index, RequestUpdate), or an exception that ends the whole call.
 """
 

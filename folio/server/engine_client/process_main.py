@@ -21,11 +21,11 @@ import threading
 import zmq
 from prometheus_client import generate_latest
 
-from folio.engine.async_engine import AsyncEngine
 from folio.engine.engine_core import EngineCore
-from folio.engine.updates import EngineDeadError, Stream, Update
 from folio.engine_args import EngineArgs
-from folio.server import engine_wire as wire
+from folio.server.engine_client import wire
+from folio.server.engine_client.thread import AsyncEngine
+from folio.server.engine_client.updates import EngineDeadError, Stream, Update
 from folio.server.metrics import ServerMetrics
 
 logger = logging.getLogger("folio")

@@ -1,10 +1,10 @@
 """The narrow async interface the server talks to: the engine loop runs in a background thread.
 
 Requests and aborts reach the loop through a thread-safe inbox; the updates of one API call's requests
-come back through that call's mailbox (engine/updates.py): its own asyncio queue in this process, so a
+come back through that call's mailbox (updates.py): its own asyncio queue in this process, so a
 slow client only slows its own stream, never the loop. In an engine process of its own
-(server/engine_process.py) this same loop posts to mailboxes that batch each step's updates onto the
-wire, flushed by `flush` once the loop has posted a round's.
+(process_main.py) this same loop posts to mailboxes that batch each step's updates onto the wire,
+flushed by `flush` once the loop has posted a round's.
 
 Detokenizing and stop strings happen here, on the engine side, so a request that hits a stop string
 frees its KV blocks in the same step and is counted as finished with reason "stop".
@@ -29,13 +29,13 @@ from dataclasses import dataclass
 from typing import Protocol, TypeVar
 
 from folio.engine.engine_core import EngineCore
-from folio.engine.generation import Generation
 from folio.engine.output_processor import OutputDelta, OutputProcessor
 from folio.engine.request import FinishReason, Request
-from folio.engine.updates import EngineDeadError, RequestFailedError, RequestUpdate, Stream
 from folio.loaders.tokenizer import Tokenizer
 from folio.platform import release_openmp_workers
 from folio.sampling_params import SamplingParams
+from folio.server.engine_client.generation import Generation
+from folio.server.engine_client.updates import EngineDeadError, RequestFailedError, RequestUpdate, Stream
 from folio.worker.executor import WorkerDiedError
 
 logger = logging.getLogger("folio")

@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
-from folio.engine.updates import Update
 from folio.loaders.tokenizer import Tokenizer
+from folio.server.engine_client.updates import Update
 from folio.server.model_card import ModelCard
 
 

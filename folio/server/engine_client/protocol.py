@@ -10,12 +10,12 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
-from folio.engine.updates import RequestUpdate
 from folio.sampling_params import SamplingParams
+from folio.server.engine_client.updates import RequestUpdate
 
 
 class GenerationStream(Protocol):
-    """The engine requests behind one API call, numbered as its choices (see engine/generation.py)."""
+    """The engine requests behind one API call, numbered as its choices (see generation.py)."""
 
     def add(
         self, prompt_token_ids: list[int], params: list[SamplingParams], cache_salt: str | None = None,

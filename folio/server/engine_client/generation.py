@@ -1,7 +1,7 @@
 """`Generation`: the engine requests behind one API call, whichever engine runs them.
 
 The engine may be a loop on a thread of this process (`AsyncEngine`) or in a process of its own
-(server/process_client.py); both take requests, streams and aborts through `RequestSink`.
+(server/engine_client/process.py); both take requests, streams and aborts through `RequestSink`.
 """
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ import asyncio
 from typing import Protocol
 
 from folio.engine.request import Request
-from folio.engine.updates import LoopMailbox, RequestUpdate, Stream, take_update
 from folio.sampling_params import SamplingParams
+from folio.server.engine_client.updates import LoopMailbox, RequestUpdate, Stream, take_update
 
 
 class RequestSink(Protocol):
