@@ -21,7 +21,13 @@ _MEASURED: dict[tuple[str, str], Any] = {}  # (dtype, device) -> MachinePeaks
 def peaks_measured_once(monkeypatch):
     """`measure_peaks` (and so `measure_machine_peaks`, which calls it) measuring each dtype on each device
     once a session, best of REPEATS, at its first call; every later call gets that measurement."""
-    from folio_tools.bench import decode, parallel, quant_table, roofline, spec, structured, throughput
+    from folio_tools.bench import decode
+    from folio_tools.bench import quantization as quant_table
+    from folio_tools.bench.harness import roofline
+    from folio_tools.bench.parallel import command as parallel
+    from folio_tools.bench.spec import command as spec
+    from folio_tools.bench.structured import command as structured
+    from folio_tools.bench.throughput import command as throughput
 
     real = roofline.measure_peaks
 

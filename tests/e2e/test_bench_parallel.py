@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 
 import pytest
-from folio_tools.bench.parallel import Split, parse_engine
+from folio_tools.bench.parallel.command import Split, parse_engine
 
 from folio.cli import main
 from tests.tiny_models import make_tiny_model

@@ -12,14 +12,14 @@ import time
 import httpx
 import numpy as np
 import pytest
-from folio_tools.bench import serve_client
-from folio_tools.bench.datasets import LengthRange, output_lens
-from folio_tools.bench.serve import ServeConfig, run_serve
-from folio_tools.bench.serve_client import ServeRequest, Target, conversations, run_rate
-from folio_tools.bench.serve_metrics import NOT_REPORTED, parse_prefix_cache, prefix_cache_delta
-from folio_tools.bench.serve_prefix_workloads import make_document, sharegpt_answers
-from folio_tools.bench.serve_report import format_table
-from folio_tools.bench.serve_workload import build_serve_requests, load_tokenizer
+from folio_tools.bench.harness.datasets import LengthRange, output_lens
+from folio_tools.bench.serve import client as serve_client
+from folio_tools.bench.serve.client import ServeRequest, Target, conversations, run_rate
+from folio_tools.bench.serve.command import ServeConfig, run_serve
+from folio_tools.bench.serve.metrics import NOT_REPORTED, parse_prefix_cache, prefix_cache_delta
+from folio_tools.bench.serve.prefix_workloads import make_document, sharegpt_answers
+from folio_tools.bench.serve.report import format_table
+from folio_tools.bench.serve.workload import build_serve_requests, load_tokenizer
 
 from folio.cli import main
 from tests.api.server_runner import running_server

@@ -8,10 +8,10 @@ import json
 import os
 
 import pytest
-from folio_tools.bench.folio_server import resident_mib
-from folio_tools.bench.fuzz import run_fuzz
-from folio_tools.bench.fuzz_hostile import SHAPES
-from folio_tools.bench.overload import OverloadConfig, run_overload
+from folio_tools.bench.harness.folio_server import resident_mib
+from folio_tools.bench.robustness.fuzz import run_fuzz
+from folio_tools.bench.robustness.hostile import SHAPES
+from folio_tools.bench.robustness.overload import OverloadConfig, run_overload
 
 from folio import LLM
 from folio.cli import main

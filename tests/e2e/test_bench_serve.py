@@ -9,12 +9,12 @@ import sys
 
 import numpy as np
 import pytest
-from folio_tools.bench.datasets import LengthRange, chat_prompts, chat_requests, random_requests
-from folio_tools.bench.roofline import TokenCost
-from folio_tools.bench.serve import ServeConfig, run_serve
-from folio_tools.bench.serve_client import (
+from folio_tools.bench.harness.datasets import LengthRange, chat_prompts, chat_requests, random_requests
+from folio_tools.bench.harness.roofline import TokenCost
+from folio_tools.bench.serve.client import (
     arrival_offsets,
 )
+from folio_tools.bench.serve.command import ServeConfig, run_serve
 
 from folio.cli import main
 from tests.api.server_runner import free_port, running_server
@@ -63,7 +63,7 @@ def test_serve_end_to_end_at_two_rates(tiny_llama, base_url, tmp_path, capsys):
     assert report["server"]["models"] == [MODEL]
 
     # The same seeded workload, rebuilt here: ignore_eos makes every request decode exactly its length.
-    from folio_tools.bench.datasets import prompt_vocabulary
+    from folio_tools.bench.harness.datasets import prompt_vocabulary
     from tokenizers import Tokenizer
 
     vocabulary = prompt_vocabulary(Tokenizer.from_file(str(tiny_llama / "tokenizer.json")), 320, set())

@@ -13,10 +13,10 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import pytest
-from folio_tools.bench import serve_compare
-from folio_tools.bench.datasets import LengthRange
-from folio_tools.bench.serve import RateResult, ServeConfig
-from folio_tools.bench.serve_compare import (
+from folio_tools.bench.harness.datasets import LengthRange
+from folio_tools.bench.serve.command import RateResult, ServeConfig
+from folio_tools.bench.serve_compare import command as serve_compare
+from folio_tools.bench.serve_compare.command import (
     PEERS,
     CompareConfig,
     CompareReport,
@@ -25,7 +25,7 @@ from folio_tools.bench.serve_compare import (
     default_ctx_size,
     folio_spec,
 )
-from folio_tools.bench.serve_compare_report import format_table, plotted_rate_index, ratios
+from folio_tools.bench.serve_compare.report import format_table, plotted_rate_index, ratios
 
 from folio.cli import build_parser, main
 from tests.tiny_models import make_tiny_chat_model
@@ -202,7 +202,7 @@ def test_peer_problems_fail_before_any_server_starts(tiny_llama, tmp_path, capsy
 
 
 def test_no_llama_cpp_build_and_no_cmake_gives_one_line(tiny_llama, tmp_path, capsys, monkeypatch, started):
-    from folio_tools.bench import llama_cpp_build
+    from folio_tools.bench.peers import llama_cpp_build
 
     monkeypatch.setenv("FOLIO_HOME", str(tmp_path / "home"))  # no build installed there
     real_which = llama_cpp_build.shutil.which

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-from folio_tools.bench.structured import conversations, is_valid
-from folio_tools.bench.structured_schemas import SCHEMAS
+from folio_tools.bench.structured.command import conversations, is_valid
+from folio_tools.bench.structured.schemas import SCHEMAS
 
 from folio.cli import main
 from tests.utilisation import plausible
@@ -51,7 +51,7 @@ def test_workload_cycles_through_every_schema():
 
 
 def test_structured_bench_refuses_an_unknown_peer(tmp_path):
-    from folio_tools.bench.structured import StructuredConfig, run_structured
+    from folio_tools.bench.structured.command import StructuredConfig, run_structured
 
     with pytest.raises(ValueError, match="unknown peer"):
         run_structured(StructuredConfig("smollm2-135m", peer="vllm"), "cmd")

@@ -7,7 +7,7 @@ import sys
 
 import numpy as np
 import pytest
-from folio_tools.bench.datasets import (
+from folio_tools.bench.harness.datasets import (
     LengthRange,
     humaneval_prompts,
     humaneval_requests,
@@ -81,7 +81,7 @@ def test_throughput_end_to_end_with_hf_peer(tiny_llama, tmp_path, capsys):
 
 def test_sampled_throughput_runs_both_engines_with_the_same_settings(tiny_llama, tmp_path, monkeypatch):
     """--temperature/--top-p/--top-k sample in folio (seeded a request) and in transformers alike."""
-    from folio_tools.bench import hf_peer
+    from folio_tools.bench.peers import hf as hf_peer
 
     seen = []
     generate = hf_peer.run_hf
@@ -90,7 +90,7 @@ def test_sampled_throughput_runs_both_engines_with_the_same_settings(tiny_llama,
         seen.append(args[5] if len(args) > 5 else kwargs.get("generate_kwargs"))
         return generate(*args, **kwargs)
 
-    monkeypatch.setattr("folio_tools.bench.throughput.run_hf", recording_run_hf)
+    monkeypatch.setattr("folio_tools.bench.throughput.command.run_hf", recording_run_hf)
     out_dir = tmp_path / "results"
     code = main([
         "bench", "throughput", str(tiny_llama), "--num-prompts", "4", "--input-len-range", "4:12",

@@ -6,7 +6,7 @@ from __future__ import annotations
 import shlex
 
 import pytest
-from folio_tools.bench.flags import command_line
+from folio_tools.bench.harness.flags import command_line
 
 from folio.cli import build_parser
 

@@ -5,16 +5,16 @@ the table. The benchmark end to end is tests/e2e/test_bench_spec.py."""
 from __future__ import annotations
 
 import pytest
-from folio_tools.bench.datasets import LengthRange
-from folio_tools.bench.roofline import MachinePeaks, TokenCost
-from folio_tools.bench.spec import build_variants, check_methods
-from folio_tools.bench.spec_counters import SpecCounts, from_engine, from_llama_timings, parse_metrics
-from folio_tools.bench.spec_offline import batch1_utilisation, kv_blocks_for
-from folio_tools.bench.spec_peer import check_flags, peer_variants
-from folio_tools.bench.spec_plot import speedup_groups
-from folio_tools.bench.spec_report import add_speedups, bars, format_markdown, format_table, to_dict
-from folio_tools.bench.spec_types import Cell, SpecConfig, SpecReport
-from folio_tools.bench.spec_workloads import build_workload, camel_case, code_edit_prompts, rewrite_prompts
+from folio_tools.bench.harness.datasets import LengthRange
+from folio_tools.bench.harness.roofline import MachinePeaks, TokenCost
+from folio_tools.bench.spec.command import build_variants, check_methods
+from folio_tools.bench.spec.counters import SpecCounts, from_engine, from_llama_timings, parse_metrics
+from folio_tools.bench.spec.offline import batch1_utilisation, kv_blocks_for
+from folio_tools.bench.spec.peer import check_flags, peer_variants
+from folio_tools.bench.spec.plot import speedup_groups
+from folio_tools.bench.spec.report import add_speedups, bars, format_markdown, format_table, to_dict
+from folio_tools.bench.spec.values import Cell, SpecConfig, SpecReport
+from folio_tools.bench.spec.workloads import build_workload, camel_case, code_edit_prompts, rewrite_prompts
 
 from folio.cli import parse
 from folio.config import SpeculativeConfig

@@ -118,7 +118,7 @@ def rank_of(module: str) -> int | None:
 
 @dataclass(frozen=True)
 class Import:
-    module: str  # the importing module, e.g. folio_tools.bench.serve
+    module: str  # the importing module, e.g. folio_tools.bench.serve.command
     target: str  # the imported module, e.g. folio.loaders.catalog
     line: int
     local: bool  # inside a function body
@@ -132,7 +132,7 @@ class Import:
 
 
 def package_of(module: str) -> str:
-    """folio_tools.bench.serve -> folio_tools.bench; folio.cli -> folio.cli; folio -> folio."""
+    """folio_tools.bench.serve.command -> folio_tools.bench; folio.cli -> folio.cli; folio -> folio."""
     return ".".join(module.split(".")[:2])
 
 

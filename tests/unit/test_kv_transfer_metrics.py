@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from folio_tools.bench.serve_metrics import kv_transfer_delta, parse_kv_transfer
+from folio_tools.bench.serve.metrics import kv_transfer_delta, parse_kv_transfer
 
 
 def test_kv_hand_over_counters_are_summed_over_decode_replicas():

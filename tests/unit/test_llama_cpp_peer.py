@@ -9,10 +9,10 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from folio_tools.bench import llama_cpp_build as build
-from folio_tools.bench import llama_cpp_peer as peer
-from folio_tools.bench import llama_cpp_server as server
-from folio_tools.bench.llama_cpp_build import LlamaCppBinaries, LlamaCppBuildError
+from folio_tools.bench.peers import llama_cpp as peer
+from folio_tools.bench.peers import llama_cpp_build as build
+from folio_tools.bench.peers import llama_cpp_server as server
+from folio_tools.bench.peers.llama_cpp_build import LlamaCppBinaries, LlamaCppBuildError
 
 
 def _fake_install(home: Path, version: str, commit: str | None = "0c1e57098", executable: bool = True,

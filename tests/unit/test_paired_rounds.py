@@ -1,11 +1,11 @@
-"""Batch-1 rates measured in alternating rounds (folio_tools/bench/paired_rounds.py) and how `folio bench
+"""Batch-1 rates measured in alternating rounds (folio_tools/bench/harness/paired_rounds.py) and how `folio bench
 decode` reports them beside llama-bench's tg."""
 
 from __future__ import annotations
 
 import pytest
 from folio_tools.bench.decode import DecodeReport, VariantResult, format_table
-from folio_tools.bench.paired_rounds import alternate
+from folio_tools.bench.harness.paired_rounds import alternate
 
 from folio.cli import main
 

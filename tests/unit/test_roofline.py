@@ -6,8 +6,8 @@ import dataclasses
 
 import pytest
 import torch
-from folio_tools.bench import roofline
-from folio_tools.bench.roofline import MachinePeaks, TokenCost, measure_peaks, multiplied_parameters
+from folio_tools.bench.harness import roofline
+from folio_tools.bench.harness.roofline import MachinePeaks, TokenCost, measure_peaks, multiplied_parameters
 
 from folio.config import ModelConfig
 

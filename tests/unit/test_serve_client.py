@@ -15,13 +15,13 @@ from types import SimpleNamespace
 import httpx
 import numpy as np
 import pytest
-from folio_tools.bench import serve, serve_client
 from folio_tools.bench.cli import add_bench_parser
-from folio_tools.bench.datasets import LengthRange
-from folio_tools.bench.flags import command_line
-from folio_tools.bench.roofline import MachinePeaks
-from folio_tools.bench.serve import ServeConfig, run_serve, workload_config
-from folio_tools.bench.serve_client import (
+from folio_tools.bench.harness.datasets import LengthRange
+from folio_tools.bench.harness.flags import command_line
+from folio_tools.bench.harness.roofline import MachinePeaks
+from folio_tools.bench.serve import client as serve_client
+from folio_tools.bench.serve import command as serve
+from folio_tools.bench.serve.client import (
     ServeRequest,
     Target,
     arrival_offsets,
@@ -31,7 +31,8 @@ from folio_tools.bench.serve_client import (
     run_rate,
     send_request,
 )
-from folio_tools.bench.serve_stats import (
+from folio_tools.bench.serve.command import ServeConfig, run_serve, workload_config
+from folio_tools.bench.serve.stats import (
     RequestRecord,
 )
 

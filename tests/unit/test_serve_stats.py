@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from folio_tools.bench.serve_stats import (
+from folio_tools.bench.serve.stats import (
     RequestRecord,
     cost_per_million_output_tokens,
     distribution,

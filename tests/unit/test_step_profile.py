@@ -7,7 +7,7 @@ import json
 from types import SimpleNamespace
 
 import pytest
-from folio_tools.bench.step_profile import ProfileConfig, _op_table, format_tables, run_profile, run_profile_command
+from folio_tools.bench.profile import ProfileConfig, _op_table, format_tables, run_profile, run_profile_command
 from torch.autograd import DeviceType
 
 from folio.cli import build_parser

@@ -6,19 +6,15 @@ from __future__ import annotations
 
 import argparse
 
-from folio_tools.bench import (
-    decode,
-    parallel,
-    quant_table,
-    robustness_cli,
-    serve,
-    serve_compare,
-    spec,
-    stall,
-    step_profile,
-    structured,
-    throughput,
-)
+from folio_tools.bench import decode, profile, quantization
+from folio_tools.bench.parallel import command as parallel
+from folio_tools.bench.robustness import command as robustness
+from folio_tools.bench.robustness import stall
+from folio_tools.bench.serve import command as serve
+from folio_tools.bench.serve_compare import command as serve_compare
+from folio_tools.bench.spec import command as spec
+from folio_tools.bench.structured import command as structured
+from folio_tools.bench.throughput import command as throughput
 
 BENCHMARKS = (
     throughput,
@@ -26,12 +22,12 @@ BENCHMARKS = (
     serve_compare,
     structured,
     decode,
-    quant_table,
-    robustness_cli,
+    quantization,
+    robustness,
     stall,
     spec,
     parallel,
-    step_profile,
+    profile,
 )
 
 

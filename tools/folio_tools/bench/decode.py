@@ -37,14 +37,14 @@ from folio import LLM, SamplingParams
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.platform import default_device, default_threads, resolve_dtype
-from folio_tools.bench.flags import add_output_dir, command_line
-from folio_tools.bench.hf_decode_peer import hf_decode_rates
-from folio_tools.bench.llama_cpp_build import build_llama_cpp
-from folio_tools.bench.paired_rounds import alternate
-from folio_tools.bench.plots import engine_bars, engine_colors, figure
-from folio_tools.bench.prefill import DEFAULT_LENGTHS, measure_prefill, random_prompt
-from folio_tools.bench.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
-from folio_tools.bench.table import percent, row
+from folio_tools.bench.harness.flags import add_output_dir, command_line
+from folio_tools.bench.harness.paired_rounds import alternate
+from folio_tools.bench.harness.plots import engine_bars, engine_colors, figure
+from folio_tools.bench.harness.prefill import DEFAULT_LENGTHS, measure_prefill, random_prompt
+from folio_tools.bench.harness.roofline import MachinePeaks, TokenCost, mean_decode_context, measure_peaks
+from folio_tools.bench.harness.table import percent, row
+from folio_tools.bench.peers.hf_decode import hf_decode_rates
+from folio_tools.bench.peers.llama_cpp_build import build_llama_cpp
 from folio_tools.kv_calc import load_shape
 from folio_tools.results import machine_info, result_paths, write_json
 
@@ -71,7 +71,7 @@ class VariantResult:
     weight_mib: float | None  # resident, as folio counts it; None for the peer (not measured)
     batch1_tok_s: float
     batch_tok_s: float | None  # None for the peer (llama-bench has no batched decode)
-    # Fractions of the machine's measured peaks (folio_tools/bench/roofline.py); the peer's use the file's
+    # Fractions of the machine's measured peaks (folio_tools/bench/harness/roofline.py); the peer's use the file's
     # bytes as its resident weights.
     batch1_mbu: float | None = None
     batch1_mfu: float | None = None

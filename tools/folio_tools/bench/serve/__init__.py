@@ -1,0 +1,1 @@
+"""`folio bench serve`: a streaming client for any OpenAI-compatible server; latency percentiles, goodput, cost."""

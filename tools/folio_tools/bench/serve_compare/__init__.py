@@ -1,0 +1,1 @@
+"""`folio bench serve-compare`: the same workload on folio serve, then on a peer server."""

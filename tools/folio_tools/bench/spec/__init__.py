@@ -1,0 +1,1 @@
+"""`folio bench spec`: speculative decoding's methods against none, offline and served."""

@@ -1,0 +1,1 @@
+"""`folio bench throughput`: offline throughput, every request at once, beside transformers."""
