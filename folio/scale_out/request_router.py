@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from folio.scale_out import router_metrics
+from folio.scale_out import replica_metrics
 from folio.scale_out.jobs import EngineJob
 from folio.scale_out.routing import RoutingConfig, RoutingPolicy, prefix_digests
 
@@ -84,9 +84,9 @@ class FolioRequestRouter(FIFOMixin, RequestRouter):
         decision = getattr(pending_request.routing_context, "folio_decision", None)
         went_as_chosen = decision is not None and decision.replica == replica_id.unique_id
         reason = decision.reason if went_as_chosen else "fallback"
-        router_metrics.ROUTED.labels(replica_id.unique_id, reason).inc()
+        replica_metrics.ROUTED.labels(replica_id.unique_id, reason).inc()
         if went_as_chosen and decision.matched_blocks:
-            router_metrics.MATCHED_BLOCKS.labels(replica_id.unique_id).inc(decision.matched_blocks)
+            replica_metrics.MATCHED_BLOCKS.labels(replica_id.unique_id).inc(decision.matched_blocks)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)
