@@ -25,12 +25,12 @@ from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.engine.stats import SchedulerStats
 from folio.engine_args import EngineArgs
-from folio.heap import reuse_large_allocations
 from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
 from folio.kv_cache.manager import KVCacheManager
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.loaders.tokenizer import Tokenizer
+from folio.memory import reuse_large_allocations
 from folio.models.base import CausalLM
 from folio.platform import configure_threads, default_device, default_kv_cache_memory, resolve_dtype
 from folio.spec_decode.factory import make_proposer

@@ -21,7 +21,7 @@ from folio.loaders.gguf_model import gguf_model_config, iter_gguf_weights
 from folio.loaders.hf_folder import iter_safetensors, read_hf_config
 from folio.loaders.quantized_folder import iter_quantized_safetensors, read_quantization_config
 from folio.loaders.tokenizer import Tokenizer
-from folio.loaders.weight_arena import gather_weights
+from folio.memory import gather_weights
 from folio.models.registry import model_class
 
 logger = logging.getLogger("folio")

@@ -28,9 +28,9 @@ from folio.distributed import rank_auth, rendezvous, wire
 from folio.distributed.pipeline_parallel import building_stage
 from folio.distributed.tensor_parallel import COMM, CommStats, building
 from folio.distributed.topology import join_context, join_groups
-from folio.heap import reuse_large_allocations
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import load_model
+from folio.memory import reuse_large_allocations
 from folio.spec_decode.factory import make_proposer
 from folio.worker.model_runner import ModelRunner
 from folio.worker.step_relay import StepRelay
@@ -91,7 +91,7 @@ def run_rank(place: RankPlace, spec: WorkerSpec | None, conn: Connection | None,
         control = dist.new_group(backend="gloo") if device.type == "cuda" else dist.group.WORLD
         spec = wire.broadcast(spec, _READ_SPEC, 0, control)
         runner, report = _build(spec, place, device, threads, control)
-        if device.type == "cpu":  # as the engine does once its model and pool are loaded (folio/heap.py)
+        if device.type == "cpu":  # as the engine does once its model and pool are loaded (folio/memory.py)
             reuse_large_allocations()
         parallel = spec.parallel
         stage_size = parallel.tensor_parallel_size * parallel.context_parallel_size

@@ -7,7 +7,7 @@ import ctypes
 import pytest
 import torch
 
-from folio.heap import reuse_large_allocations
+from folio.memory import reuse_large_allocations
 
 
 class MallInfo2(ctypes.Structure):

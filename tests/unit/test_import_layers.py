@@ -44,7 +44,7 @@ RUNTIME = frozenset(
         "folio.distributed",  # the tensor-parallel group and the rendezvous (imports no other folio package)
         "folio.engine",
         "folio.engine_args",
-        "folio.heap",  # glibc's large blocks reused, not remapped (the engine asks once loaded)
+        "folio.memory",  # the heap's large blocks reused; weights in 2 MiB-page arenas
         "folio.kv_cache",
         "folio.layers",
         "folio.loaders",
@@ -79,7 +79,7 @@ RANKS = {
     "folio.sampling_params": 0,
     "folio.structured.params": 0,
     "folio.paths": 0,
-    "folio.heap": 0,
+    "folio.memory": 0,
     "folio.platform": 0,
     # kernels and collectives
     "folio.cpp_extension": 1,

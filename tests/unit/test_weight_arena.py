@@ -14,7 +14,7 @@ from torch import nn
 
 import folio.loaders.model_loader as model_loader
 from folio import LLM, SamplingParams
-from folio.loaders.weight_arena import ARENA_BYTES, HUGE_PAGE, gather_weights, model_tensors
+from folio.memory import ARENA_BYTES, HUGE_PAGE, gather_weights, model_tensors
 from folio.weight_formats.int4 import PackedInt4, rtn_groups
 from tests.tiny_models import make_tiny_model
 
@@ -77,7 +77,7 @@ def test_memory_torch_was_lent_stays_where_it_is():
 
 
 def test_weights_larger_than_an_arena_take_several(monkeypatch):
-    monkeypatch.setattr("folio.loaders.weight_arena.ARENA_BYTES", 4096)
+    monkeypatch.setattr("folio.memory.ARENA_BYTES", 4096)
     module = nn.Module()
     for index in range(3):
         module.register_buffer(f"b{index}", torch.full((1000,), float(index)))  # 4,000 bytes each
