@@ -297,28 +297,13 @@ def test_sigterm_stops_ray_and_every_replica(ray_server):
     raise AssertionError(f"left running: replicas {left}, raylets {raylets}")
 
 
-def test_a_tensor_parallel_replica(joined, tiny_model, tiny_expected):
-    """A replica split over 2 tensor-parallel ranks (its CPUs reserved by a placement group, its ranks its
-    own processes) answers as the whole model does, and its ranks go with it on SIGTERM (while Ray, a
-    joined cluster, runs on)."""
-    server = RayServer("--replicas", "1", "-tp", "2", "--ray-address", joined, model=tiny_model, cpus=2)
-    try:
-        server.wait_ready(timeout=240, replicas=1)
-        ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
-        answer = ray_client.completions.create(model=tiny_model, prompt=TINY_PROMPT, max_tokens=12, temperature=0)
-        assert answer.choices[0].text == tiny_expected
-        [replica_pid] = server.replicas().values()
-        ranks = [child.pid for child in psutil.Process(replica_pid).children(recursive=True)]
-        assert len(ranks) >= 2  # the two ranks (and the spawn tracker)
-        sigterm_and_check_gone(server, ranks)
-    finally:
-        stop_ray_server(server)
-
-
 def test_a_replica_split_over_two_nodes(ray_cluster, joined, tiny_model, tiny_expected):
-    """`--nnodes 2` on a two-node Ray cluster (Ray's own test cluster: two raylets on this machine): the
-    replica's placement group spreads its bundles over both nodes, the other node's rank runs in a
-    RankHost actor there, the answer is the whole model's, and the ranks go when the server stops."""
+    """A replica split over 2 tensor-parallel ranks, with `--nnodes 2` on a two-node Ray cluster (Ray's own
+    test cluster: two raylets on this machine): the replica's placement group reserves its CPUs, a bundle
+    on each node; this node's rank is a process of the replica's own, the other node's runs in a RankHost
+    actor there; the answer is the whole model's, and every rank goes with the server on SIGTERM (while
+    Ray, a joined cluster, runs on). A replica split on one node starts its ranks the same way, as this
+    node's share here, so this one test covers both (the single-node test took a Ray server of its own)."""
     server = RayServer("--replicas", "1", "-tp", "2", "--nnodes", "2", "--ray-address", joined, model=tiny_model,
                        cpus=2)  # fmt: skip
     nodes = []
@@ -328,11 +313,14 @@ def test_a_replica_split_over_two_nodes(ray_cluster, joined, tiny_model, tiny_ex
         ray_client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=120)
         answer = ray_client.completions.create(model=tiny_model, prompt=TINY_PROMPT, max_tokens=12, temperature=0)
         assert answer.choices[0].text == tiny_expected
+        [replica_pid] = server.replicas().values()
+        local = [child.pid for child in psutil.Process(replica_pid).children(recursive=True)]
+        assert local  # this node's rank (and the spawn tracker)
         hosts = [p for p in psutil.process_iter(["cmdline"]) if "ray::RankHost" in " ".join(p.info["cmdline"] or [])]
         assert len(hosts) == 1  # node 1's share of the model
-        ranks = [child.pid for child in hosts[0].children(recursive=True)]
-        assert ranks
-        sigterm_and_check_gone(server, ranks)
+        remote = [child.pid for child in hosts[0].children(recursive=True)]
+        assert remote
+        sigterm_and_check_gone(server, local + remote)
     finally:
         stop_ray_server(server)
         for node in nodes:
