@@ -9,6 +9,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import warnings
 from collections import Counter
@@ -139,6 +140,32 @@ def sigterm_and_check_gone(server: RayServer, pids: list[int]) -> None:
     while any(psutil.pid_exists(pid) and psutil.Process(pid).status() != "zombie" for pid in pids):
         assert time.monotonic() < deadline, "a rank outlived its replica"
         time.sleep(0.5)
+
+
+class StreamOnThread(threading.Thread):
+    """One streamed greedy completion (EOS ignored) on a thread of its own: its chunks as they come, and
+    the API error that ended it, if one did. `started` is set at the first chunk, or at the end."""
+
+    def __init__(self, client: openai.OpenAI, prompt: str, max_tokens: int) -> None:
+        super().__init__()
+        self.client, self.prompt, self.max_tokens = client, prompt, max_tokens
+        self.started = threading.Event()
+        self.chunks: list = []
+        self.failure: list[openai.APIError] = []
+
+    def run(self) -> None:
+        try:
+            stream = self.client.completions.create(
+                model=MODEL, prompt=self.prompt, max_tokens=self.max_tokens, temperature=0, stream=True,
+                extra_body={"ignore_eos": True},
+            )  # fmt: skip
+            for chunk in stream:
+                self.chunks.append(chunk)
+                self.started.set()
+        except openai.APIError as exc:
+            self.failure.append(exc)
+        finally:
+            self.started.set()
 
 
 def completion_texts(client: openai.OpenAI, ask: dict) -> list[str]:

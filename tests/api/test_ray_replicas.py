@@ -27,6 +27,7 @@ from folio import LLM, SamplingParams
 from tests.api.ray_server import (
     KEY,
     RayServer,
+    StreamOnThread,
     bound_sockets,
     completion_texts,
     is_loopback,
@@ -232,30 +233,10 @@ def test_a_killed_replica_is_survived(ray_server, ray_client):
     """SIGKILL the replica running one stream: that stream ends with a clean error, the stream on the
     other replica runs to its end, later requests are answered, and Ray starts a new replica."""
     replicas = ray_server.replicas()
-
-    class Stream(threading.Thread):
-        def __init__(self, prompt: str) -> None:
-            super().__init__()
-            self.prompt, self.started, self.chunks, self.failure = prompt, threading.Event(), [], []
-
-        def run(self) -> None:
-            try:
-                stream = ray_client.completions.create(
-                    model=MODEL, prompt=self.prompt, max_tokens=160, temperature=0, stream=True,
-                    extra_body={"ignore_eos": True},
-                )  # fmt: skip
-                for chunk in stream:
-                    self.chunks.append(chunk)
-                    self.started.set()
-            except openai.APIError as exc:
-                self.failure.append(exc)
-            finally:
-                self.started.set()
-
     placed = []
     for prompt in ("Zebras and zeppelins: a list of facts.", "Quantum quokkas, chapter one."):  # no recorded prefix
         before = ray_server.routed()
-        stream = Stream(prompt)
+        stream = StreamOnThread(ray_client, prompt, max_tokens=160)
         stream.start()
         assert stream.started.wait(60) and not stream.failure
         placed.append((stream, next(iter(routed_delta(before, ray_server.routed())))))
