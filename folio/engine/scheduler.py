@@ -23,7 +23,7 @@ from folio.engine.beam_group import BeamGroup, start_group
 from folio.engine.beam_scheduling import BeamScheduling
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.runner_view import RunnerView
-from folio.engine.stats import SchedulerStats
+from folio.engine.stats import SchedulerStats, read_stats
 from folio.engine.structured_output import StructuredOutputManager
 from folio.kv_cache.manager import KVCacheManager
 from folio.outputs import TokenLogprob
@@ -60,9 +60,7 @@ class Scheduler(BeamScheduling):
 
     def make_stats(self) -> SchedulerStats:
         """This moment's counters and gauges, as a value (metrics, replicas' load, benchmarks)."""
-        return SchedulerStats.reading(len(self.running), len(self.waiting), self.num_preemptions,
-                                      self.kv.pool.usage_ratio, self.kv.capacity_tokens, self.spec_stats,
-                                      self.structured.timing)  # fmt: skip
+        return read_stats(self)
 
     # -- queue management --------------------------------------------------------------------------
     def add_request(self, request: Request, forks: list[Request] | None = None) -> None:

@@ -8,9 +8,13 @@ reading never changes under its reader while the engine steps on.
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING
 
 from folio.spec_decode.scheduling import SpecDecodeStats
 from folio.structured.grammar import MaskTiming
+
+if TYPE_CHECKING:  # read, never built, here
+    from folio.engine.scheduler import Scheduler
 
 
 @dataclass(frozen=True)
@@ -20,12 +24,24 @@ class SchedulerStats:
     num_preemptions: int  # since the engine started
     kv_usage_ratio: float  # KV blocks in use over all blocks
     kv_capacity_tokens: int  # tokens the KV cache holds when every block is in use
+    prefix_cache_queries: int  # prompt tokens looked up in the prefix cache, since the engine started
+    prefix_cache_hits: int  # of them, found there
     spec_decoding: SpecDecodeStats  # drafts verified and accepted, since the engine started
     mask_timing: MaskTiming  # structured output's token masks: how many, and their time
 
-    @classmethod
-    def reading(cls, running: int, waiting: int, preemptions: int, kv_usage: float, kv_capacity: int,
-                spec: SpecDecodeStats, masks: MaskTiming) -> SchedulerStats:  # fmt: skip
-        """Copies of the live counters, so the value stays as read."""
-        spec = replace(spec, accepted_per_position=list(spec.accepted_per_position))
-        return cls(running, waiting, preemptions, kv_usage, kv_capacity, spec, replace(masks))
+
+def read_stats(scheduler: Scheduler) -> SchedulerStats:
+    """The scheduler's counters now; the live ones are copied, so the reading stays as read while the
+    engine steps on."""
+    kv, spec = scheduler.kv, scheduler.spec_stats
+    return SchedulerStats(
+        num_running=len(scheduler.running),
+        num_waiting=len(scheduler.waiting),
+        num_preemptions=scheduler.num_preemptions,
+        kv_usage_ratio=kv.pool.usage_ratio,
+        kv_capacity_tokens=kv.capacity_tokens,
+        prefix_cache_queries=kv.prefix_cache_queries,
+        prefix_cache_hits=kv.prefix_cache_hits,
+        spec_decoding=replace(spec, accepted_per_position=list(spec.accepted_per_position)),
+        mask_timing=replace(scheduler.structured.timing),
+    )

@@ -11,6 +11,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disa
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
+from folio.engine.stats import SchedulerStats
 from folio.server.admission import Admission
 from folio.spec_decode.scheduling import SpecDecodeStats
 
@@ -84,12 +85,12 @@ class ServerMetrics:
         stats = self.engine.last_step
         if stats is not None and stats.num_preempted:
             self.preemptions.inc(stats.num_preempted)
-        kv = self.engine.kv
-        queries, hits = kv.prefix_cache_queries, kv.prefix_cache_hits
+        reading = self.engine.make_stats()  # one reading for every figure of this step
+        queries, hits = reading.prefix_cache_queries, reading.prefix_cache_hits
         self.prefix_queries.inc(queries - self._prefix_seen[0])
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
-        self._count_speculation()
+        self._count_speculation(reading.spec_decoding)
         generated = 0
         for request in updated:
             # Usually one new token; a beam search's results arrive once, with all of theirs.
@@ -106,7 +107,7 @@ class ServerMetrics:
             if not request.is_finished:
                 self._progress[request.request_id] = (now, num_tokens)
         self.generation_tokens.inc(generated)
-        self._refresh_gauges()
+        self._refresh_gauges(reading)
 
     def on_finished(self, request: Request, now: float) -> None:
         self._progress.pop(request.request_id, None)
@@ -119,10 +120,10 @@ class ServerMetrics:
         num_tokens = len(request.output_token_ids)
         if request.first_token_time is not None and num_tokens > 1:
             self.tpot.observe((finish - request.first_token_time) / (num_tokens - 1))
-        self._refresh_gauges()
+        self._refresh_gauges(self.engine.make_stats())
 
-    def _count_speculation(self) -> None:
-        now, seen = self.engine.make_stats().spec_decoding, self._spec_seen
+    def _count_speculation(self, now: SpecDecodeStats) -> None:
+        seen = self._spec_seen
         if now.num_drafts == seen.num_drafts:
             return
         self.spec_drafts.inc(now.num_drafts - seen.num_drafts)
@@ -134,8 +135,7 @@ class ServerMetrics:
                 self.spec_per_position.labels(self._model_name, str(position)).inc(count - before)
         self._spec_seen = now
 
-    def _refresh_gauges(self) -> None:
-        stats = self.engine.make_stats()
+    def _refresh_gauges(self, stats: SchedulerStats) -> None:
         self.running.set(stats.num_running)
         self.waiting.set(stats.num_waiting)
         self.kv_usage.set(stats.kv_usage_ratio)
