@@ -2,7 +2,7 @@
 
 OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/responses, /v1/embeddings, /v1/models.
 Anthropic: /v1/messages, /v1/messages/count_tokens. Ollama: /api/chat, /api/generate, /api/embed,
-/api/tags, ... (ollama_routes.py).
+/api/tags, ... (ollama/routes.py).
 folio and vLLM: /tokenize, /detokenize, /tokenizer_info, /health, /metrics.
 Every failure a client can cause is answered in the API's own error format and the server keeps serving.
 """
@@ -32,8 +32,7 @@ from folio.server.openai.chat.prompt import encode_messages
 from folio.server.openai.chat.protocol import ChatCompletionRequest
 from folio.server.openai.chat.routes import create_chat_completion
 from folio.server.openai.completions import create_completion
-from folio.server.openai.embeddings.protocol import EmbeddingRequest
-from folio.server.openai.embeddings.routes import create_embedding
+from folio.server.openai.embeddings import EmbeddingRequest, create_embedding
 from folio.server.openai.protocol import CompletionRequest, DetokenizeRequest, TokenizeRequest
 from folio.server.openai.responses.protocol import ResponsesRequest
 from folio.server.openai.responses.routes import create_response

@@ -15,10 +15,9 @@ import hmac
 import secrets
 from dataclasses import dataclass
 
-from fastapi.responses import JSONResponse
 from starlette.types import ASGIApp, Receive, Scope, Send
 
-from folio.server.errors import error_body_for
+from folio.server.errors import APIError, error_response
 
 OPEN_PATHS = frozenset({"/health"})
 BEARER = b"Bearer "
@@ -62,5 +61,5 @@ class APIKeyMiddleware:
             await self.app(scope, receive, send)
             return
         message = "missing API key: send 'Authorization: Bearer <key>'" if not given else "incorrect API key"
-        body = error_body_for(scope["path"], 401, message, code="invalid_api_key")
-        await JSONResponse(body, status_code=401, headers={"WWW-Authenticate": "Bearer"})(scope, receive, send)
+        error = APIError(401, message, code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+        await error_response(error, scope["path"])(scope, receive, send)

@@ -5,12 +5,11 @@ the same counting but always answers in plain text, which OpenAI clients cannot 
 
 from __future__ import annotations
 
-from fastapi.responses import JSONResponse
 from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from folio.server.errors import error_body_for
+from folio.server.errors import APIError, error_response
 
 
 def too_large_message(max_body_bytes: int) -> str:
@@ -28,8 +27,8 @@ class BodySizeLimit:
             return
         length = Headers(scope=scope).get("content-length", "")
         if length.isdigit() and int(length) > self.max_body_bytes:
-            body = error_body_for(scope["path"], 413, too_large_message(self.max_body_bytes))
-            await JSONResponse(body, status_code=413)(scope, receive, send)
+            refusal = error_response(APIError(413, too_large_message(self.max_body_bytes)), scope["path"])
+            await refusal(scope, receive, send)
             return
         received = 0
 

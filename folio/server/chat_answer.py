@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from folio.reasoning import ReasoningStream, split_reasoning
 from folio.tool_calls.base import ToolCallFormat
 from folio.tool_calls.forced import parse_forced
-from folio.tool_calls.streaming import ToolCallStream
+from folio.tool_calls.streaming import StreamPiece, ToolCallStream
 from folio.tool_calls.types import ToolCall
 
 
@@ -96,24 +96,14 @@ class AnswerStream:
         if self.reader.forced:  # constrained JSON: read once it is whole
             self._forced_text += text
             return AnswerPiece()
-        if self._tools is None:
-            return AnswerPiece(content=text)
-        out = self._tools.feed(text)
-        return self._calls(AnswerPiece(content=out.content, tool_calls=out.tool_calls))
+        return AnswerPiece(content=text) if self._tools is None else self._calls(self._tools.feed(text))
 
     def _close(self) -> AnswerPiece:
         if self.reader.forced:
             calls = parse_forced(self._forced_text, self.reader.named_tool)
-            return (
-                self._calls(AnswerPiece(tool_calls=calls))
-                if calls is not None
-                else AnswerPiece(content=self._forced_text)
-            )
-        if self._tools is None:
-            return AnswerPiece()
-        out = self._tools.finish()
-        return self._calls(AnswerPiece(content=out.content, tool_calls=out.tool_calls))
+            return AnswerPiece(content=self._forced_text) if calls is None else self._calls(StreamPiece("", calls))
+        return AnswerPiece() if self._tools is None else self._calls(self._tools.finish())
 
-    def _calls(self, piece: AnswerPiece) -> AnswerPiece:
-        self.num_calls += len(piece.tool_calls)
-        return piece
+    def _calls(self, out: StreamPiece) -> AnswerPiece:
+        self.num_calls += len(out.tool_calls)
+        return AnswerPiece(content=out.content, tool_calls=out.tool_calls)

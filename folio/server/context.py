@@ -1,9 +1,10 @@
 """What every route handler needs: the engine, the tokenizer, the served name, admission and limits;
 `ChatOptions`, how chat answers are read (which tool-call format, whether to split out reasoning); and
-`AdmittedCall`, one API call's hold on the server."""
+`AdmittedCall`, one API call's hold on the server, answered as a stream or as its collected choices."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from types import TracebackType
 
@@ -11,9 +12,12 @@ from folio.loaders.tokenizer import Tokenizer
 from folio.reasoning import REASONING_CHOICES
 from folio.server.admission import Admission, Reservation
 from folio.server.engine_client.protocol import EngineClient, GenerationStream
-from folio.server.errors import APIError
+from folio.server.engine_client.updates import ChoiceResult
+from folio.server.errors import APIError, engine_errors
+from folio.server.lifetime import ClosingStreamingResponse
 from folio.server.limits import RequestLimits
 from folio.server.model_card import ModelCard
+from folio.server.sse import guarded, openai_error_event
 from folio.tool_calls.registry import PARSER_CHOICES
 
 
@@ -34,7 +38,7 @@ class ChatOptions:
 class AdmittedCall:
     """One API call's admission slots and engine requests, given back together by `close()`
     (idempotent). As a context manager it closes on every exit, unless the handler handed the call
-    to a streaming response (`hand_off`), whose own cleanup closes it when the stream ends."""
+    to a streaming response (`stream`), whose own cleanup closes it when the stream ends."""
 
     def __init__(self, reservation: Reservation, generation: GenerationStream) -> None:
         self.reservation = reservation
@@ -45,9 +49,22 @@ class AdmittedCall:
         self.generation.close()
         self.reservation.release()
 
-    def hand_off(self) -> AdmittedCall:
+    def stream(
+        self, events: AsyncIterator[str], error_event: Callable[[APIError], str] = openai_error_event,
+        media_type: str = "text/event-stream",
+    ) -> ClosingStreamingResponse:  # fmt: skip
+        """The answer as a stream of `events` (sse.guarded: a failure becomes `error_event`) that gives the
+        call back when it ends."""
         self._handed_off = True
-        return self
+        return ClosingStreamingResponse(guarded(events, error_event), on_close=self.close, media_type=media_type)
+
+    async def collect(self, num_choices: int) -> list[ChoiceResult]:
+        """Every choice's whole result; a failed choice or a dead engine raises its APIError."""
+        results = [ChoiceResult() for _ in range(num_choices)]
+        with engine_errors():
+            async for index, update in self.generation:
+                results[index].add(update)
+        return results
 
     def __enter__(self) -> AdmittedCall:
         return self

@@ -4,6 +4,10 @@ Anthropic's `{"type": "error", "error": {"type", "message"}}` under /v1/messages
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from dataclasses import dataclass
+
 from fastapi.responses import JSONResponse
 
 from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
@@ -16,23 +20,18 @@ _TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_f
 INTERNAL_ERROR = "the server failed to process this request; the error is in the server's log"
 
 
+@dataclass(eq=False)  # compared by identity, as exceptions are
 class APIError(Exception):
-    """Raised anywhere in a request handler; the app turns it into an OpenAI-style error response."""
+    """Raised anywhere in a request handler; the app turns it into an error response in the API's format."""
 
-    def __init__(
-        self,
-        status: int,
-        message: str,
-        param: str | None = None,
-        code: str | None = None,
-        headers: dict[str, str] | None = None,
-    ) -> None:
-        super().__init__(message)
-        self.status = status
-        self.message = message
-        self.param = param
-        self.code = code
-        self.headers = headers
+    status: int
+    message: str
+    param: str | None = None
+    code: str | None = None
+    headers: dict[str, str] | None = None
+
+    def __post_init__(self) -> None:
+        super().__init__(self.message)
 
 
 def error_for(exc: BaseException) -> APIError:
@@ -48,6 +47,15 @@ def error_for(exc: BaseException) -> APIError:
     return APIError(500, INTERNAL_ERROR)
 
 
+@contextlib.contextmanager
+def engine_errors() -> Iterator[None]:
+    """Around waiting for an accepted request's engine work: its failures become the client's errors."""
+    try:
+        yield
+    except (EngineDeadError, RequestFailedError, ValueError) as exc:
+        raise error_for(exc) from exc
+
+
 def error_body(status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     kind = _TYPES.get(status, "invalid_request_error")
     return {"error": {"message": message, "type": kind, "param": param, "code": code}}
@@ -57,19 +65,11 @@ _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 4
                     413: "request_too_large", 429: "rate_limit_error", 503: "overloaded_error"}  # fmt: skip
 
 
-def is_ollama_path(path: str) -> bool:
-    return path.startswith("/api/")
-
-
-def is_anthropic_path(path: str) -> bool:
-    return path.startswith("/v1/messages")
-
-
 def error_body_for(path: str, status: int, message: str, param: str | None = None, code: str | None = None) -> dict:
     """The error body of the API that `path` belongs to."""
-    if is_ollama_path(path):
+    if path.startswith("/api/"):
         return {"error": message}
-    if is_anthropic_path(path):
+    if path.startswith("/v1/messages"):
         return {"type": "error", "error": {"type": _ANTHROPIC_TYPES.get(status, "api_error"), "message": message}}
     return error_body(status, message, param, code)
 

@@ -40,7 +40,8 @@ async def cancel_on_disconnect(request: Request, handler: Coroutine[Any, Any, An
         watcher.cancel()
         if not work.done():
             work.cancel()
-    if work.cancelled():
+    if not work.done() or work.cancelled():
+        # cancel() only asks: the handler unwinds (and gives back what it held) when awaited here
         await asyncio.gather(work, return_exceptions=True)
         return Response(status_code=CLIENT_CLOSED_REQUEST)
     answer = work.result()

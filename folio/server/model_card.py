@@ -1,10 +1,11 @@
 """What the model-listing routes (Ollama's /api/tags, /api/show, /api/ps) say about the served model:
-read once from its file at start-up, except its digest, which ollama_routes.py hashes once, off the event
+read once from its file at start-up, except its digest, which ollama/routes.py hashes once, off the event
 loop, on first use (seconds for a file of several GB)."""
 
 from __future__ import annotations
 
 import hashlib
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
@@ -25,11 +26,7 @@ def _parameter_count(path: Path) -> int:
     for file in sorted((path if path.is_dir() else path.parent).glob("*.safetensors")):
         with safe_open(str(file), "pt") as tensors:
             for name in tensors.keys():  # noqa: SIM118 (safe_open is not a mapping)
-                shape = tensors.get_slice(name).get_shape()
-                count = 1
-                for size in shape:
-                    count *= size
-                total += count
+                total += math.prod(tensors.get_slice(name).get_shape())
     return total
 
 

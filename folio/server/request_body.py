@@ -110,11 +110,17 @@ def load_json_text(text: str) -> Any:
     return value
 
 
-class RequestBody(BaseModel):
+class StrictModel(BaseModel):
+    """A part of a request body: unknown fields are refused (400)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+
+class RequestBody(StrictModel):
     """A whole request body: unknown fields, NaN/infinity, lone surrogates, deep nesting and huge
     containers are refused (400) before any field is validated."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod

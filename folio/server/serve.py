@@ -81,17 +81,8 @@ class _GracefulServer(uvicorn.Server):
     """uvicorn re-raises SIGTERM after its graceful shutdown, so the process would end with status 143;
     a shutdown that finished cleanly should exit 0."""
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Iterator[None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return _handling(self._on_signal, signal.SIGINT, signal.SIGTERM)
 
     def _on_signal(self, sig: int, frame: object) -> None:
         if not self.should_exit:
@@ -229,18 +220,24 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
 
 
 @contextlib.contextmanager
-def sigterm_stops_startup() -> Iterator[None]:
+def _handling(handler: Callable[[int, object], None], *signals: signal.Signals) -> Iterator[None]:
+    """`handler` for `signals` while the block runs (only the main thread can set handlers)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in signals}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
+def sigterm_stops_startup() -> contextlib.AbstractContextManager[None]:
     """Until uvicorn installs its own handlers, SIGTERM raises StartupInterrupted in the main thread, so a
     start-up (model load, kernel builds) stops through its finally blocks instead of dying mid-write."""
 
     def interrupt(sig: int, frame: object) -> None:
         raise StartupInterrupted()
 
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = signal.signal(signal.SIGTERM, interrupt)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, previous)
+    return _handling(interrupt, signal.SIGTERM)

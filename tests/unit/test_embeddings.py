@@ -17,8 +17,7 @@ from folio.engine_args import EngineArgs
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
-from folio.server.openai.embeddings.protocol import EmbeddingRequest
-from folio.server.openai.embeddings.routes import encode_vector, fit_dimensions
+from folio.server.openai.embeddings import EmbeddingRequest, encode_vector, fit_dimensions
 from folio.step import NewRequestData, ScheduledChunk, SchedulerOutput
 from folio.worker.batch_inputs import prepare_batch
 from folio.worker.pooling import PoolSpan, pool_embeddings

@@ -13,11 +13,10 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from folio.sampling_params import INT64_MAX
 from folio.server.errors import APIError
-from folio.server.request_body import RequestBody
+from folio.server.request_body import RequestBody, StrictModel
 
 
-class _Block(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Block(StrictModel):
     cache_control: dict[str, Any] | None = None
 
 
@@ -64,14 +63,12 @@ class UnreadableBlock(BaseModel):
 Block = TextBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | UnreadableBlock
 
 
-class AnthropicMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AnthropicMessage(StrictModel):
     role: Literal["user", "assistant"]
     content: str | list[Block]
 
 
-class AnthropicTool(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AnthropicTool(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
     input_schema: dict[str, Any]
@@ -79,35 +76,27 @@ class AnthropicTool(BaseModel):
     cache_control: dict[str, Any] | None = None
 
 
-class AnthropicToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class AnthropicToolChoice(StrictModel):
     type: Literal["auto", "any", "tool", "none"]
     name: str | None = None
     disable_parallel_tool_use: bool | None = None
 
 
-class ThinkingConfig(BaseModel):
+class ThinkingConfig(StrictModel):
     """`enabled` (with a budget), `adaptive` (the model decides) or `disabled`. folio bounds thinking and
     answer together by max_tokens: `budget_tokens` is checked as Anthropic checks it, not enforced apart."""
 
-    model_config = ConfigDict(extra="forbid")
     type: Literal["enabled", "adaptive", "disabled"]
     budget_tokens: int | None = Field(None, ge=1)
     display: Literal["summarized", "omitted"] | None = None
 
-    @property
-    def wanted(self) -> bool:
-        return self.type != "disabled"
 
-
-class OutputFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OutputFormat(StrictModel):
     type: Literal["json_schema"]
     schema_: dict[str, Any] = Field(alias="schema")
 
 
-class OutputConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OutputConfig(StrictModel):
     format: OutputFormat | None = None
     effort: Literal["low", "medium", "high", "xhigh", "max"] | None = None  # refused: no effort levels here
 
@@ -148,7 +137,7 @@ class CountTokensRequest(RequestBody):
             if choice.disable_parallel_tool_use:
                 fields["parallel_tool_calls"] = False
         if self.thinking is not None and self.thinking.type != "adaptive":  # adaptive: the template's default
-            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.wanted}
+            fields["chat_template_kwargs"] = {"enable_thinking": self.thinking.type == "enabled"}
         if self.output_config is not None:
             if self.output_config.effort is not None:
                 raise APIError(
@@ -204,7 +193,8 @@ class MessagesRequest(CountTokensRequest):
     mcp_servers: Any = None
     diagnostics: Any = None
 
-    def sampling_fields(self) -> dict[str, Any]:
+    def chat_fields(self) -> dict[str, Any]:
+        fields = super().chat_fields()
         for name in ("container", "mcp_servers", "diagnostics"):
             if getattr(self, name) is not None:
                 raise APIError(400, f"'{name}' is not supported by this server", param=name)
@@ -213,5 +203,5 @@ class MessagesRequest(CountTokensRequest):
             if budget is None or not 1024 <= budget < self.max_tokens:
                 raise APIError(400, "thinking.budget_tokens must be at least 1024 and less than max_tokens",
                                param="thinking.budget_tokens")  # fmt: skip
-        return {"max_tokens": self.max_tokens, "stop": self.stop_sequences or None, "stream": self.stream,
+        return {**fields, "max_tokens": self.max_tokens, "stop": self.stop_sequences or None, "stream": self.stream,
                 "temperature": self.temperature, "top_p": self.top_p, "top_k": self.top_k}  # fmt: skip

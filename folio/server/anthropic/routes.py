@@ -1,6 +1,6 @@
 """Anthropic's Messages API on folio's chat pipeline: POST /v1/messages (whole, or streamed as
 Anthropic's typed server-sent events) and POST /v1/messages/count_tokens. A Messages body becomes the
-OpenAI chat request (anthropic_protocol.py), so templates, tools, grammars and the answer reader are the
+OpenAI chat request (anthropic/protocol.py), so templates, tools, grammars and the answer reader are the
 ones every chat route uses; only the shapes differ."""
 
 from __future__ import annotations
@@ -15,34 +15,24 @@ from starlette.concurrency import run_in_threadpool
 from folio.reasoning import reasoning_enabled
 from folio.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from folio.server.chat_answer import AnswerPiece
-from folio.server.choices import collect
 from folio.server.context import ServerContext
 from folio.server.engine_client.protocol import GenerationStream
-from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
-from folio.server.errors import APIError, error_body_for, error_for
-from folio.server.lifetime import ClosingStreamingResponse
+from folio.server.errors import APIError, error_body_for
 from folio.server.openai.chat.prompt import PreparedChat, prepare_chat
 from folio.server.openai.chat.protocol import ChatCompletionRequest, chat_request_from
-from folio.server.sse import guarded
 from folio.tool_calls.types import ToolCall
 
 
-def _chat_request(ctx: ServerContext, fields: dict[str, Any], thinking: bool) -> ChatCompletionRequest:
+def _chat_request(ctx: ServerContext, body: CountTokensRequest) -> ChatCompletionRequest:
+    fields = body.chat_fields()
+    thinking = body.thinking is not None and body.thinking.type == "enabled"
     if thinking and not reasoning_enabled(ctx.chat.reasoning_parser, ctx.tokenizer.chat_template):
         raise APIError(400, f"'{ctx.model_name}' does not think: thinking cannot be enabled", param="thinking")
     return chat_request_from(fields)
 
 
-def _thinking_asked(body: CountTokensRequest) -> bool:
-    return body.thinking is not None and body.thinking.type == "enabled"
-
-
-def _shows_thinking(body: MessagesRequest) -> bool:
-    return body.thinking is None or body.thinking.display != "omitted"
-
-
 async def count_tokens(ctx: ServerContext, body: CountTokensRequest) -> dict[str, int]:
-    request = _chat_request(ctx, body.chat_fields(), _thinking_asked(body))
+    request = _chat_request(ctx, body)
     with ctx.admission.reserve(1):  # it tokenizes as a generation does, so it takes a slot as one
         prepared = await run_in_threadpool(prepare_chat, ctx, request)
     return {"input_tokens": len(prepared.prompt.token_ids)}
@@ -61,22 +51,19 @@ def _tool_block(call: ToolCall) -> dict[str, Any]:
 
 
 async def create_message(ctx: ServerContext, body: MessagesRequest):
-    request = _chat_request(ctx, {**body.chat_fields(), **body.sampling_fields()}, _thinking_asked(body))
-    prepared = await run_in_threadpool(prepare_chat, ctx, request)
+    prepared = await run_in_threadpool(prepare_chat, ctx, _chat_request(ctx, body))
+    show_thinking = body.thinking is None or body.thinking.display != "omitted"
     head = {"id": f"msg_{uuid.uuid4().hex}", "type": "message", "role": "assistant", "model": ctx.model_name}
     with ctx.open_call(1, "n") as call:
         call.generation.add(prepared.prompt.token_ids, prepared.params)
         if body.stream:
-            events = _stream(head, prepared, call.generation, _shows_thinking(body))
-            return ClosingStreamingResponse(guarded(events, _error_event), on_close=call.hand_off().close)
-        try:
-            [result] = await collect(call.generation, 1)
-        except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            raise error_for(exc) from exc
+            events = _stream(head, prepared, call.generation, show_thinking)
+            return call.stream(events, _error_event)
+        [result] = await call.collect(1)
     answer = prepared.prompt.reader.read(result.text, result.finish_reason)
     content: list[dict[str, Any]] = []
     if answer.reasoning:
-        thought = answer.reasoning if _shows_thinking(body) else ""
+        thought = answer.reasoning if show_thinking else ""
         content.append({"type": "thinking", "thinking": thought, "signature": ""})
     if answer.content:
         content.append({"type": "text", "text": answer.content})

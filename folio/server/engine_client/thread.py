@@ -26,7 +26,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol, TypeVar
+from typing import Literal, Protocol, TypeVar
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputDelta, OutputProcessor
@@ -138,10 +138,14 @@ class AsyncEngine:
                        cache_salt=cache_salt, priority=priority)  # fmt: skip
 
     def submit(self, streams: list[Stream]) -> None:
+        self._send(_AddGroup(streams))
+
+    def _send(self, message: _AddGroup | EngineCall) -> None:
+        """Into the inbox, or EngineDeadError: the lock orders this against the engine's death."""
         with self._lock:
             if self.dead is not None:
                 raise EngineDeadError("the engine has stopped after an internal error")
-            self._inbox.put(_AddGroup(streams))
+            self._inbox.put(message)
 
     def abort(self, request_id: str) -> None:
         """Thread-safe; the engine drops the request (and frees its blocks) before its next step."""
@@ -152,10 +156,7 @@ class AsyncEngine:
         return its result or raise its exception."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[object] = loop.create_future()
-        with self._lock:
-            if self.dead is not None:
-                raise EngineDeadError("the engine has stopped after an internal error")
-            self._inbox.put(EngineCall(fn, loop, future))
+        self._send(EngineCall(fn, loop, future))
         return await future  # type: ignore[return-value]
 
     def shutdown(self) -> None:
@@ -202,7 +203,7 @@ class AsyncEngine:
                     self._fail_in_flight("the engine failed while running this request's batch")
                     continue
                 stalled = self.engine.stalled
-                self._observe_step(updated)
+                self._observe("on_step", updated)
                 for delta in self._outputs.process(updated):
                     self._publish(delta)
 
@@ -233,18 +234,15 @@ class AsyncEngine:
         self._flush()
 
     def _fail_in_flight(self, error: str) -> None:
+        """End every request in flight with an error, however far each got."""
         for stream in list(self._streams.values()):
-            self._fail(stream, error)
-
-    def _fail(self, stream: Stream, error: str) -> None:
-        """End one request with an error, however far it got."""
-        request = stream.request
-        self._outputs.fail(request, error)
-        self._streams.pop(request.request_id, None)
-        self._outputs.forget(request.request_id)
-        self._observe_finished(request)
-        update = RequestUpdate("", [], True, FinishReason.ERROR.value, request.num_prompt_tokens, error=error)
-        stream.mailbox.post((stream.index, update))
+            request = stream.request
+            self._outputs.fail(request, error)
+            self._streams.pop(request.request_id, None)
+            self._outputs.forget(request.request_id)
+            self._observe("on_finished", request)
+            update = RequestUpdate("", [], True, FinishReason.ERROR.value, request.num_prompt_tokens, error=error)
+            stream.mailbox.post((stream.index, update))
 
     def _handle(self, message: _AddGroup | _Abort | EngineCall) -> None:
         if isinstance(message, EngineCall):
@@ -255,7 +253,7 @@ class AsyncEngine:
             self._streams.pop(message.request_id, None)
             self._outputs.forget(message.request_id)
             if request is not None:
-                self._observe_finished(request)
+                self._observe("on_finished", request)
             return
         first, *forks = message.streams
         try:
@@ -279,7 +277,7 @@ class AsyncEngine:
         if request.is_finished:
             del self._streams[request.request_id]
             self._outputs.forget(request.request_id)
-            self._observe_finished(request)
+            self._observe("on_finished", request)
         update = RequestUpdate(
             text=delta.text,
             new_token_ids=delta.new_token_ids,
@@ -294,16 +292,9 @@ class AsyncEngine:
         )
         stream.mailbox.post((stream.index, update))
 
-    def _observe_step(self, updated: list[Request]) -> None:
+    def _observe(self, hook: Literal["on_step", "on_finished"], subject: list[Request] | Request) -> None:
         if self.observer is not None:
             try:
-                self.observer.on_step(updated, time.monotonic())
+                getattr(self.observer, hook)(subject, time.monotonic())
             except Exception:  # metrics must never fail requests
-                logger.exception("the step observer failed")
-
-    def _observe_finished(self, request: Request) -> None:
-        if self.observer is not None:
-            try:
-                self.observer.on_finished(request, time.monotonic())
-            except Exception:
-                logger.exception("the request observer failed")
+                logger.exception("the engine observer's %s failed", hook)

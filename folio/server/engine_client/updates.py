@@ -42,6 +42,28 @@ class RequestUpdate:
     stop_reason: str | None = None  # the stop string that ended the request (Anthropic's stop_sequence)
 
 
+@dataclass
+class ChoiceResult:
+    """A finished choice, accumulated from its updates (the non-streaming responses use this)."""
+
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # if asked for, from the request's first update
+    stop_reason: str | None = None  # the stop string that ended it
+
+    def add(self, update: RequestUpdate) -> None:
+        if update.prompt_logprobs is not None:
+            self.prompt_logprobs = update.prompt_logprobs
+        self.text += update.text
+        self.token_ids.extend(update.new_token_ids)
+        self.logprobs.extend(update.new_logprobs)
+        if update.finished:
+            self.finish_reason = update.finish_reason
+            self.stop_reason = update.stop_reason
+
+
 Update = tuple[int, RequestUpdate] | BaseException  # one item of an API call's updates
 
 

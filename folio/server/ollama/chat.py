@@ -14,16 +14,13 @@ from starlette.concurrency import run_in_threadpool
 
 from folio.reasoning import reasoning_enabled
 from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader
-from folio.server.choices import ChoiceResult
 from folio.server.context import ServerContext
-from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
-from folio.server.errors import APIError, error_for
-from folio.server.lifetime import ClosingStreamingResponse
+from folio.server.engine_client.updates import ChoiceResult
+from folio.server.errors import APIError, engine_errors
 from folio.server.model_card import iso_time
 from folio.server.ollama.protocol import GeneratingBody, OllamaChatRequest, OllamaGenerateRequest, OllamaMessage
 from folio.server.openai.chat.prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat
 from folio.server.openai.chat.protocol import ChatCompletionRequest, chat_request_from
-from folio.server.sse import guarded
 from folio.tool_calls.types import ToolCall
 
 NDJSON = "application/x-ndjson"
@@ -141,10 +138,25 @@ def _prepare_generate(
     return prepare_chat(ctx, openai_body, body.options.num_ctx, prefix_ids=context)
 
 
+def _envelope(ctx: ServerContext, part: dict[str, Any], **fields: Any) -> dict[str, Any]:
+    """A reply (or one line of it): the model and the time, then the answer's `part` and `fields`."""
+    return {"model": ctx.model_name, "created_at": iso_time(time.time()), **part, **fields}
+
+
 def _loaded(ctx: ServerContext, chat: bool) -> dict[str, Any]:
-    head = {"model": ctx.model_name, "created_at": iso_time(time.time())}
-    body = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
-    return {**head, **body, "done": True, "done_reason": "load"}
+    part = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+    return _envelope(ctx, part, done=True, done_reason="load")
+
+
+def _last(
+    ctx: ServerContext, part: dict[str, Any], finish_reason: str | None, chat: bool, prompt_ids: list[int],
+    output_ids: list[int], clock: _Clock,
+) -> dict[str, Any]:  # fmt: skip
+    """The reply's last object: why it ended (Ollama says "stop" after tool calls too) and its counts."""
+    reason = "length" if finish_reason == "length" else "stop"
+    context = {} if chat else {"context": prompt_ids + output_ids}
+    counts = clock.stats(len(prompt_ids), len(output_ids))
+    return _envelope(ctx, part, done=True, done_reason=reason, **context, **counts)
 
 
 def _part(piece: AnswerPiece | Answer, chat: bool) -> dict[str, Any]:
@@ -165,28 +177,15 @@ async def _answer(ctx: ServerContext, prepared: PreparedChat, stream: bool, cloc
     with ctx.open_call(1, "n") as call:
         call.generation.add(prompt_ids, prepared.params)
         if stream:
-            lines = _stream(ctx, prepared, call.generation, clock, chat)
-            return ClosingStreamingResponse(
-                guarded(lines, _error_line), on_close=call.hand_off().close, media_type=NDJSON
-            )
+            return call.stream(_stream(ctx, prepared, call.generation, clock, chat), _error_line, NDJSON)
         result = ChoiceResult()
-        try:
+        with engine_errors():
             async for _, update in call.generation:
                 if update.new_token_ids:
                     clock.saw_token()
                 result.add(update)
-        except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            raise error_for(exc) from exc
     answer = prepared.prompt.reader.read(result.text, result.finish_reason)
-    final = {"model": ctx.model_name, "created_at": iso_time(time.time()), **_part(answer, chat), "done": True,
-             "done_reason": _done_reason(answer.finish_reason)}  # fmt: skip
-    if not chat:
-        final["context"] = prompt_ids + result.token_ids
-    return {**final, **clock.stats(len(prompt_ids), len(result.token_ids))}
-
-
-def _done_reason(finish_reason: str | None) -> str:
-    return "length" if finish_reason == "length" else "stop"  # Ollama says "stop" after tool calls too
+    return _last(ctx, _part(answer, chat), result.finish_reason, chat, prompt_ids, result.token_ids, clock)
 
 
 def _line(payload: dict[str, Any]) -> str:
@@ -205,15 +204,10 @@ async def _stream(ctx: ServerContext, prepared: PreparedChat, generation, clock:
             pieces.append(answer.finish())
         for piece in pieces:
             if piece.content or piece.reasoning or piece.tool_calls:
-                yield _line({"model": ctx.model_name, "created_at": iso_time(time.time()), **_part(piece, chat),
-                             "done": False})  # fmt: skip
+                yield _line(_envelope(ctx, _part(piece, chat), done=False))
         if update.finished:
-            reason = prepared.prompt.reader.finish_reason(update.finish_reason, answer.num_calls > 0)
-            final = {"model": ctx.model_name, "created_at": iso_time(time.time()),
-                     **_part(AnswerPiece(), chat), "done": True, "done_reason": _done_reason(reason)}  # fmt: skip
-            if not chat:
-                final["context"] = prepared.prompt.token_ids + output_ids
-            yield _line({**final, **clock.stats(len(prepared.prompt.token_ids), len(output_ids))})
+            part = _part(AnswerPiece(), chat)
+            yield _line(_last(ctx, part, update.finish_reason, chat, prepared.prompt.token_ids, output_ids, clock))
 
 
 def _error_line(error: APIError) -> str:

@@ -14,7 +14,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from folio.sampling_params import INT64_MAX, INT64_MIN
 from folio.server.errors import APIError
 from folio.server.openai.chat.protocol import ToolParam
-from folio.server.request_body import RequestBody
+from folio.server.request_body import RequestBody, StrictModel
 
 OLLAMA_DEFAULTS = {"temperature": 0.8, "top_k": 40, "top_p": 0.9}
 # Options that size or place the model: folio sets them when it starts.
@@ -80,13 +80,13 @@ class OllamaOptions(BaseModel):
 
 class _OllamaBody(RequestBody):
     model: str = Field(min_length=1)
+    options: OllamaOptions = Field(default_factory=OllamaOptions)
+    keep_alive: float | str | None = None  # the model stays loaded for the server's life
 
 
 class GeneratingBody(_OllamaBody):
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
     format: Literal["", "json"] | dict[str, Any] | None = None
     stream: bool = True
-    keep_alive: float | str | None = None  # the model stays loaded for the server's life
     think: bool | Literal["low", "medium", "high"] | None = None
     logprobs: bool | None = None
     top_logprobs: int | None = Field(None, ge=0, le=20)
@@ -111,8 +111,7 @@ class OllamaToolCall(BaseModel):
     function: Function
 
 
-class OllamaMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class OllamaMessage(StrictModel):
     role: Literal["system", "user", "assistant", "tool"]
     content: str = ""
     thinking: str | None = None  # earlier thinking: accepted, not shown to the model
@@ -138,8 +137,6 @@ class OllamaGenerateRequest(GeneratingBody):
 class OllamaEmbedRequest(_OllamaBody):
     input: str | list[str]
     truncate: bool = True
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
-    keep_alive: float | str | None = None
     dimensions: int | None = Field(None, ge=1)
 
 
@@ -147,8 +144,6 @@ class OllamaEmbeddingsRequest(_OllamaBody):
     """The older single-prompt route, /api/embeddings."""
 
     prompt: str
-    options: OllamaOptions = Field(default_factory=OllamaOptions)
-    keep_alive: float | str | None = None
 
 
 class OllamaModelRequest(RequestBody):

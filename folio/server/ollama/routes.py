@@ -32,7 +32,7 @@ from folio.server.ollama.protocol import (
     OllamaGenerateRequest,
     OllamaModelRequest,
 )
-from folio.server.openai.embeddings.routes import embed_inputs
+from folio.server.openai.embeddings import embed_inputs
 
 KEEP_LOADED = 10 * 365 * 24 * 3600  # /api/ps's expires_at: the model stays loaded while the server runs
 

@@ -121,9 +121,8 @@ async def run_batch(
         async def answer(number: int, line: str) -> str:
             request, error = _request(line, number)
             if request is None:
-                text = output_line(error)  # type: ignore[arg-type]
                 summary.invalid_lines += 1
-                return text
+                return output_line(error)  # type: ignore[arg-type]
             try:
                 async with gate:
                     while (response := await client.post(request.url, content=request.content,

@@ -11,15 +11,12 @@ from starlette.concurrency import run_in_threadpool
 
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
-from folio.server.choices import ChoiceResult, collect
 from folio.server.context import ServerContext
 from folio.server.engine_client.protocol import GenerationStream
-from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
-from folio.server.errors import error_for
-from folio.server.lifetime import ClosingStreamingResponse
+from folio.server.engine_client.updates import ChoiceResult
 from folio.server.openai.logprobs_format import TokenText, completion_logprobs, prompt_positions, vllm_prompt_logprobs
 from folio.server.openai.protocol import CompletionRequest
-from folio.server.sse import DONE, event, guarded, usage
+from folio.server.sse import DONE, event, usage
 
 
 def _prompts(ctx: ServerContext, body: CompletionRequest) -> list[tuple[str | None, list[int]]]:
@@ -45,6 +42,10 @@ class PreparedCompletion:
     prompts: list[tuple[str | None, list[int]]]
     choice_params: list[SamplingParams]  # one per sample of each prompt
     echoes: list[str]  # per prompt: the text echoed before each choice's ("" without echo)
+
+    @property
+    def prompt_tokens(self) -> int:
+        return sum(len(ids) for _, ids in self.prompts)
 
 
 def _prepare(ctx: ServerContext, body: CompletionRequest) -> PreparedCompletion:
@@ -76,26 +77,19 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     count = len(prompts) * samples
     head = {"id": f"cmpl-{uuid.uuid4().hex}", "object": "text_completion", "created": int(time.time()),
             "model": ctx.model_name}  # fmt: skip
-    prompt_tokens = sum(len(ids) for _, ids in prompts)
     param = "best_of" if samples > n else "beam_width" if body.use_beam_search else "n"
     with ctx.open_call(len(prompts) * body.num_sequences, param) as call:
         for _, ids in prompts:
             call.generation.add(ids, prepared.choice_params, body.cache_salt, body.priority)
         if body.stream:
-            events = _stream(ctx, body, head, call.generation, prompts, echoes, prompt_tokens)
-            return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)
-        try:
-            results = await collect(call.generation, count)
-        except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            raise error_for(exc) from exc
+            events = _stream(ctx, body, head, call.generation, prepared)
+            return call.stream(events)
+        results = await call.collect(count)
     completion_tokens = sum(len(r.token_ids) for r in results)  # best_of: every sample is paid for
-    scores = [_prompt_scores(results[i * samples : (i + 1) * samples]) for i in range(len(prompts))]
+    per_prompt = [results[i * samples : (i + 1) * samples] for i in range(len(prompts))]
+    scores = [_prompt_scores(samples_of) for samples_of in per_prompt]
     if samples > n:
-        results = [
-            result
-            for start in range(0, len(results), samples)
-            for result in _most_likely(results[start : start + samples], n)
-        ]
+        results = [result for samples_of in per_prompt for result in _most_likely(samples_of, n)]
     token_text = TokenText(ctx.tokenizer)
     choices = []
     for index, result in enumerate(results):
@@ -110,7 +104,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
         if body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(token_text, positions)
         choices.append(choice)
-    return {**head, "choices": choices, "usage": usage(prompt_tokens, completion_tokens)}
+    return {**head, "choices": choices, "usage": usage(prepared.prompt_tokens, completion_tokens)}
 
 
 def _prompt_scores(results: list[ChoiceResult]) -> list[TokenLogprob | None]:
@@ -124,14 +118,9 @@ def _most_likely(results: list[ChoiceResult], n: int) -> list[ChoiceResult]:
 
 
 async def _stream(
-    ctx: ServerContext,
-    body: CompletionRequest,
-    head: dict,
-    generation: GenerationStream,
-    prompts: list[tuple[str | None, list[int]]],
-    echoes: list[str],
-    prompt_tokens: int,
+    ctx: ServerContext, body: CompletionRequest, head: dict, generation: GenerationStream, prepared: PreparedCompletion
 ) -> AsyncIterator[str]:
+    prompts, echoes = prepared.prompts, prepared.echoes
     extra = {"usage": None} if body.include_usage else {}
     token_text = TokenText(ctx.tokenizer)
     n = body.n
@@ -174,5 +163,5 @@ async def _stream(
         if update.text or logprobs is not None or update.finished:
             yield chunk(index, update.text, logprobs, update.finish_reason if update.finished else None)
     if body.include_usage:
-        yield event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield event({**head, "choices": [], "usage": usage(prepared.prompt_tokens, completion_tokens)})
     yield DONE

@@ -2,14 +2,17 @@
 
 Unknown fields are refused. OpenAI parameters folio does not implement are declared so that a request
 setting one gets a 400 naming it (`reject_unsupported`), never a silent no-op; sending them as null
-is the same as leaving them out.
+is the same as leaving them out. The fields that ask for structured output (`StructuredFields`) are
+OpenAI's `response_format` and vLLM's extensions (`structured_outputs`, and the older `guided_json` /
+`guided_regex` / `guided_choice` / `guided_grammar`).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import json
 import re
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -17,17 +20,86 @@ from folio.sampling_params import INT64_MAX, INT64_MIN, MAX_LOGPROBS, SamplingPa
 from folio.server.errors import APIError
 from folio.server.limits import RequestLimits
 from folio.server.openai.chat.messages import ChatMessage
-from folio.server.openai.structured_fields import StructuredFields
-from folio.server.request_body import RequestBody
+from folio.server.request_body import RequestBody, StrictModel
 from folio.structured.params import StructuredOutputParams
 
 MAX_N = 16  # choices per request
 _TOKEN_ID = re.compile(r"0|[1-9][0-9]*")  # a logit_bias key: a token id in plain ASCII decimal
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class StreamOptions(StrictModel):
     include_usage: bool = False
+
+
+class JSONSchemaFormat(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)
+    name: str = Field(min_length=1, max_length=64)
+    description: str | None = None
+    schema_: dict[str, Any] | None = Field(None, alias="schema")
+    strict: bool | None = None  # folio always enforces the schema
+
+
+class ResponseFormat(StrictModel):
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JSONSchemaFormat | None = None
+
+    @model_validator(mode="after")
+    def _schema_iff_json_schema(self) -> ResponseFormat:
+        if (self.type == "json_schema") != (self.json_schema is not None):
+            raise ValueError("json_schema is required with type 'json_schema', and only then")
+        return self
+
+
+class StructuredOutputsField(StrictModel):
+    """vLLM's `structured_outputs` object: exactly one of its constraints."""
+
+    model_config = ConfigDict(populate_by_name=True)
+    json_: dict[str, Any] | str | None = Field(None, alias="json")
+    json_object: bool | None = None
+    regex: str | None = None
+    choice: list[str] | None = None
+    grammar: str | None = None
+
+
+class StructuredFields(BaseModel):
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputsField | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: list[str] | None = None
+    guided_grammar: str | None = None
+
+    def structured_output(self, max_bytes: int | None = None) -> StructuredOutputParams | None:
+        """The one constraint this request asks for (400 if it asks for several, an invalid one, or one
+        over `max_bytes` as JSON: compiling a grammar costs time that grows with its size)."""
+        asked: list[tuple[str, dict[str, Any]]] = []
+        if self.response_format is not None and self.response_format.type == "json_object":
+            asked.append(("response_format", {"json_object": True}))
+        if self.response_format is not None and self.response_format.json_schema is not None:
+            schema = self.response_format.json_schema.schema_
+            asked.append(("response_format", {"json": schema if schema is not None else {}}))
+        if self.structured_outputs is not None:
+            fields = self.structured_outputs.model_dump(exclude_none=True)
+            fields = {("json" if k == "json_" else k): v for k, v in fields.items() if v is not False}
+            asked.append(("structured_outputs", fields))
+        for name in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{name}")
+            if value is not None:
+                asked.append((f"guided_{name}", {name: value}))
+        if not asked:
+            return None
+        if len(asked) > 1:
+            names = ", ".join(name for name, _ in asked)
+            raise APIError(400, f"ask for one kind of structured output, not several ({names})", param=asked[1][0])
+        param, fields = asked[0]
+        size = len(json.dumps(fields, ensure_ascii=False).encode())
+        if max_bytes is not None and size > max_bytes:
+            raise APIError(400, f"the structured-output constraint is {size} bytes; at most {max_bytes} are allowed",
+                           param=param)  # fmt: skip
+        try:
+            return StructuredOutputParams(**fields)
+        except ValueError as exc:
+            raise APIError(400, str(exc), param=param) from exc
 
 
 class Strict(RequestBody):
@@ -103,9 +175,10 @@ class SamplingFields(StructuredFields, Strict):
         prompt_logprobs: int | None = None,
         tool_constraint: StructuredOutputParams | None = None,
     ) -> list[SamplingParams]:
-        """The engine parameters of every sample, checked whole (and against `limits`) before the call
-        takes anything: the logit bias and the structured-output grammar are built once, shared.
-        `tool_constraint` is the grammar of a forced tool call, which leaves no room for another."""
+        """The engine parameters of every sample (sample j's seed is seed + j, so samples differ), checked
+        whole (and against `limits`) before the call takes anything: the logit bias and the structured-output
+        grammar are built once, shared. `tool_constraint` is the grammar of a forced tool call, which leaves
+        no room for another."""
         limits.check_priority(self.priority)
         limits.check_stop(self.stop_list)
         limits.check_logit_bias(len(self.logit_bias or {}))
@@ -116,64 +189,43 @@ class SamplingFields(StructuredFields, Strict):
                 raise APIError(400, "a required or named tool_choice cannot be combined with structured output",
                                param="tool_choice")  # fmt: skip
             structured = tool_constraint
-        return [
-            self.sampling_params(max_tokens, j, logit_bias, logprobs, structured, prompt_logprobs)
-            for j in range(num_samples)
-        ]
-
-    @property
-    def num_sequences(self) -> int:
-        """Engine requests per prompt: a beam search runs beam_width beams, sampling one per choice."""
-        return (self.beam_width or self.n) if self.use_beam_search else self.n
-
-    def sampling_params(
-        self,
-        max_tokens: int,
-        choice: int,
-        logit_bias: dict[int, float],
-        logprobs: int | None,
-        structured: StructuredOutputParams | None,
-        prompt_logprobs: int | None = None,
-    ) -> SamplingParams:
-        """Engine parameters for sample `choice` of this request (seed + choice, so samples differ).
-        `logit_bias` and `structured` (from `structured_output()`) are built once per request."""
         try:
-            params = self._engine_params(max_tokens, logit_bias, logprobs, structured, prompt_logprobs)
-            return dataclasses.replace(params, seed=params.sample_seed(choice)) if choice else params
+            params = SamplingParams(
+                max_tokens=max_tokens,
+                temperature=1.0 if self.temperature is None else self.temperature,
+                top_p=1.0 if self.top_p is None else self.top_p,
+                top_k=self.top_k or 0,
+                min_p=self.min_p or 0.0,
+                seed=self.seed,
+                presence_penalty=self.presence_penalty or 0.0,
+                frequency_penalty=self.frequency_penalty or 0.0,
+                repetition_penalty=self.repetition_penalty or 1.0,
+                stop=self.stop_list,
+                include_stop_str_in_output=self.include_stop_str_in_output,
+                ignore_eos=self.ignore_eos,
+                logit_bias=logit_bias,
+                logprobs=logprobs,
+                prompt_logprobs=prompt_logprobs,
+                use_beam_search=self.use_beam_search,
+                beam_width=self.num_sequences if self.use_beam_search else None,
+                length_penalty=self.length_penalty,
+                early_stopping=self.early_stopping,
+                structured_output=structured,
+                speculate=self.speculate,
+            )
+            return [dataclasses.replace(params, seed=params.sample_seed(j)) for j in range(num_samples)]
         except ValueError as exc:  # a combination the engine refuses, e.g. beam search with penalties
             raise APIError(400, str(exc)) from exc
 
-    def _engine_params(
-        self,
-        max_tokens: int,
-        logit_bias: dict[int, float],
-        logprobs: int | None,
-        structured: StructuredOutputParams | None,
-        prompt_logprobs: int | None,
-    ) -> SamplingParams:
-        return SamplingParams(
-            max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
-            top_k=self.top_k or 0,
-            min_p=self.min_p or 0.0,
-            seed=self.seed,
-            presence_penalty=self.presence_penalty or 0.0,
-            frequency_penalty=self.frequency_penalty or 0.0,
-            repetition_penalty=self.repetition_penalty or 1.0,
-            stop=self.stop_list,
-            include_stop_str_in_output=self.include_stop_str_in_output,
-            ignore_eos=self.ignore_eos,
-            logit_bias=logit_bias,
-            logprobs=logprobs,
-            prompt_logprobs=prompt_logprobs,
-            use_beam_search=self.use_beam_search,
-            beam_width=(self.beam_width or self.n) if self.use_beam_search else None,
-            length_penalty=self.length_penalty,
-            early_stopping=self.early_stopping,
-            structured_output=structured,
-            speculate=self.speculate,
-        )
+    @property
+    def num_samples(self) -> int:
+        """Samples per prompt (more than n for completions' best_of)."""
+        return self.n
+
+    @property
+    def num_sequences(self) -> int:
+        """Engine requests per prompt: a beam search runs beam_width beams, sampling one per sample."""
+        return (self.beam_width or self.n) if self.use_beam_search else self.num_samples
 
     @property
     def stop_list(self) -> list[str]:
@@ -216,10 +268,6 @@ class CompletionRequest(SamplingFields):
     @property
     def num_samples(self) -> int:
         return self.best_of or self.n
-
-    @property
-    def num_sequences(self) -> int:
-        return (self.beam_width or self.n) if self.use_beam_search else self.num_samples
 
 
 class TokenizeRequest(RequestBody):

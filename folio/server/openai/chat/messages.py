@@ -5,19 +5,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator, model_validator
+from pydantic import field_validator, model_validator
 
-from folio.server.request_body import load_json_text
+from folio.server.request_body import StrictModel, load_json_text
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextPart(StrictModel):
     type: Literal["text"]
     text: str
 
 
-class CalledFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class CalledFunction(StrictModel):
     name: str
     arguments: str
 
@@ -33,15 +31,13 @@ class CalledFunction(BaseModel):
         return value
 
 
-class MessageToolCall(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class MessageToolCall(StrictModel):
     id: str
     type: Literal["function"] = "function"
     function: CalledFunction
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChatMessage(StrictModel):
     role: Literal["system", "developer", "user", "assistant", "tool"]
     content: str | list[TextPart] | None = None
     name: str | None = None

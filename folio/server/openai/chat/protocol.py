@@ -4,38 +4,35 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from folio.sampling_params import INT64_MAX, MAX_LOGPROBS
 from folio.server.errors import APIError
 from folio.server.openai.chat.messages import ChatMessage
 from folio.server.openai.protocol import SamplingFields
+from folio.server.request_body import StrictModel
 from folio.tool_calls.types import FunctionTool
 
 MAX_TOOLS = 128  # as OpenAI
 
 
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionDefinition(StrictModel):
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")  # OpenAI's rule for function names
     description: str | None = None
     parameters: dict[str, Any] | None = None
     strict: bool | None = None  # folio enforces schemas only for required and named choices
 
 
-class ToolParam(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ToolParam(StrictModel):
     type: Literal["function"]
     function: FunctionDefinition
 
 
-class ChosenFunction(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ChosenFunction(StrictModel):
     name: str
 
 
-class NamedToolChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class NamedToolChoice(StrictModel):
     type: Literal["function"]
     function: ChosenFunction
 

@@ -10,17 +10,13 @@ from typing import Any
 
 from starlette.concurrency import run_in_threadpool
 
-from folio.server.chat_answer import Answer, AnswerPiece, AnswerReader, AnswerStream
-from folio.server.choices import collect
+from folio.server.chat_answer import Answer, AnswerPiece, AnswerStream
 from folio.server.context import ServerContext
 from folio.server.engine_client.protocol import GenerationStream
-from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
-from folio.server.errors import error_for
-from folio.server.lifetime import ClosingStreamingResponse
-from folio.server.openai.chat.prompt import prepare_chat
+from folio.server.openai.chat.prompt import ChatPrompt, prepare_chat
 from folio.server.openai.chat.protocol import ChatCompletionRequest
 from folio.server.openai.logprobs_format import TokenText, chat_logprobs
-from folio.server.sse import DONE, event, guarded, usage
+from folio.server.sse import DONE, event, usage
 
 
 async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest):
@@ -31,12 +27,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
     with ctx.open_call(body.num_sequences, "beam_width" if body.use_beam_search else "n") as call:
         call.generation.add(prompt_ids, choice_params, body.cache_salt, body.priority)
         if body.stream:
-            events = _stream(ctx, body, prompt.reader, head, call.generation, len(prompt_ids))
-            return ClosingStreamingResponse(guarded(events), on_close=call.hand_off().close)
-        try:
-            results = await collect(call.generation, body.n)
-        except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            raise error_for(exc) from exc
+            events = _stream(ctx, body, prompt, head, call.generation)
+            return call.stream(events)
+        results = await call.collect(body.n)
     token_text = TokenText(ctx.tokenizer)
     choices = []
     for index, result in enumerate(results):
@@ -75,14 +68,9 @@ def _deltas(piece: AnswerPiece, stream: AnswerStream) -> list[dict[str, Any]]:
 
 
 async def _stream(
-    ctx: ServerContext,
-    body: ChatCompletionRequest,
-    reader: AnswerReader,
-    head: dict,
-    generation: GenerationStream,
-    prompt_tokens: int,
+    ctx: ServerContext, body: ChatCompletionRequest, prompt: ChatPrompt, head: dict, generation: GenerationStream
 ) -> AsyncIterator[str]:
-    head = {**head, "object": "chat.completion.chunk"}
+    reader, head = prompt.reader, {**head, "object": "chat.completion.chunk"}
     extra = {"usage": None} if body.include_usage else {}
     token_text = TokenText(ctx.tokenizer)
     answers = [reader.stream() for _ in range(body.n)]
@@ -108,5 +96,5 @@ async def _stream(
             finish_reason = reader.finish_reason(update.finish_reason, answers[index].num_calls > 0)
             yield chunk(index, {}, finish_reason=finish_reason)
     if body.include_usage:
-        yield event({**head, "choices": [], "usage": usage(prompt_tokens, completion_tokens)})
+        yield event({**head, "choices": [], "usage": usage(len(prompt.token_ids), completion_tokens)})
     yield DONE

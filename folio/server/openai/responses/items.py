@@ -33,11 +33,6 @@ def call_item(call: ToolCall, status: str = "completed") -> dict[str, Any]:
             "arguments": call.arguments, "status": status}  # fmt: skip
 
 
-def response_logprobs(entries: dict[str, Any] | None) -> list[dict[str, Any]]:
-    """Chat logprobs entries in the Responses shape (token, logprob, bytes, top_logprobs)."""
-    return [] if entries is None else list(entries["content"])
-
-
 class ResponseShell:
     """The response object's fields other than its output, as the request set them."""
 

@@ -9,18 +9,17 @@ from __future__ import annotations
 
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import ConfigDict, Field
 
 from folio.sampling_params import INT64_MAX, MAX_LOGPROBS
 from folio.server.errors import APIError
-from folio.server.request_body import RequestBody
+from folio.server.request_body import RequestBody, StrictModel
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 HARMLESS_INCLUDES = {LOGPROBS_INCLUDE, "reasoning.encrypted_content"}  # the latter: folio encrypts nothing
 
 
-class FunctionToolParam(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionToolParam(StrictModel):
     type: Literal["function"]
     name: str = Field(pattern=r"^[A-Za-z0-9_-]{1,64}$")
     description: str | None = None
@@ -28,14 +27,13 @@ class FunctionToolParam(BaseModel):
     strict: bool | None = None
 
 
-class FunctionChoice(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class FunctionChoice(StrictModel):
     type: Literal["function"]
     name: str
 
 
-class TextFormat(BaseModel):
-    model_config = ConfigDict(extra="forbid", populate_by_name=True)
+class TextFormat(StrictModel):
+    model_config = ConfigDict(populate_by_name=True)
     type: Literal["text", "json_object", "json_schema"]
     name: str | None = None
     description: str | None = None
@@ -43,14 +41,12 @@ class TextFormat(BaseModel):
     strict: bool | None = None
 
 
-class TextConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class TextConfig(StrictModel):
     format: TextFormat | None = None
     verbosity: Literal["low", "medium", "high"] | None = None  # refused: a prompt's length is the model's own
 
 
-class ReasoningConfig(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class ReasoningConfig(StrictModel):
     effort: str | None = None  # refused: no effort levels here
     summary: str | None = None  # refused: thinking comes back whole, as reasoning_text
     generate_summary: str | None = None

@@ -59,60 +59,56 @@ class ResponseEvents:
     def _index(self) -> int:
         return len(self.output)
 
-    def _open(self, item: dict[str, Any]) -> list[str]:
+    def _item_event(self, kind: str, **fields: Any) -> str:
+        """An event about the item being filled."""
+        assert self.open is not None
+        return self._event(kind, item_id=self.open["id"], output_index=self._index(), **fields)
+
+    def _open(self, item: dict[str, Any], part: dict[str, Any] | None = None) -> list[str]:
+        """Finish the item being filled and start `item`, with its empty content `part` if it has one."""
+        events = self._close()
         self.open = item
-        return [self._event("response.output_item.added", output_index=self._index(), item=item)]
+        events.append(self._event("response.output_item.added", output_index=self._index(), item=item))
+        if part is not None:
+            events.append(self._item_event("response.content_part.added", content_index=0, part=part))
+        return events
 
     def _piece(self, piece: AnswerPiece, logprobs: list[dict[str, Any]]) -> list[str]:
         events: list[str] = []
         if piece.reasoning:
             if self.open is None or self.open["type"] != "reasoning":
-                events += self._close() + self._open(reasoning_item("", "in_progress"))
-                events.append(self._event("response.content_part.added", item_id=self.open["id"],
-                                          output_index=self._index(), content_index=0,
-                                          part={"type": "reasoning_text", "text": ""}))  # fmt: skip
+                events += self._open(reasoning_item("", "in_progress"), {"type": "reasoning_text", "text": ""})
             self.open["content"][0]["text"] += piece.reasoning
-            events.append(self._event("response.reasoning_text.delta", item_id=self.open["id"],
-                                      output_index=self._index(), content_index=0, delta=piece.reasoning))  # fmt: skip
+            events.append(self._item_event("response.reasoning_text.delta", content_index=0, delta=piece.reasoning))
         if piece.content:
             if self.open is None or self.open["type"] != "message":
-                events += self._close() + self._open(message_item("", [], "in_progress"))
-                events.append(self._event("response.content_part.added", item_id=self.open["id"],
-                                          output_index=self._index(), content_index=0,
-                                          part={"type": "output_text", "text": "", "annotations": []}))  # fmt: skip
+                empty = {"type": "output_text", "text": "", "annotations": []}
+                events += self._open(message_item("", [], "in_progress"), empty)
             part = self.open["content"][0]
             part["text"] += piece.content
             part["logprobs"] += logprobs
-            events.append(self._event("response.output_text.delta", item_id=self.open["id"],
-                                      output_index=self._index(), content_index=0, delta=piece.content,
-                                      logprobs=logprobs))  # fmt: skip
+            events.append(self._item_event("response.output_text.delta", content_index=0, delta=piece.content,
+                                           logprobs=logprobs))  # fmt: skip
         for call in piece.tool_calls:
-            events += self._close() + self._open({**call_item(call, "in_progress"), "arguments": ""})
+            events += self._open({**call_item(call, "in_progress"), "arguments": ""})
             self.open["arguments"] = call.arguments
-            events.append(self._event("response.function_call_arguments.delta", item_id=self.open["id"],
-                                      output_index=self._index(), delta=call.arguments))  # fmt: skip
+            events.append(self._item_event("response.function_call_arguments.delta", delta=call.arguments))
             events += self._close()
         return events
 
     def _close(self) -> list[str]:
-        item, self.open = self.open, None
+        item = self.open
         if item is None:
             return []
         item["status"] = "completed"
-        index, events = self._index(), []
         if item["type"] == "function_call":
-            events.append(self._event("response.function_call_arguments.done", item_id=item["id"],
-                                      output_index=index, arguments=item["arguments"]))  # fmt: skip
+            events = [self._item_event("response.function_call_arguments.done", arguments=item["arguments"])]
         else:
-            part = item["content"][0]
-            if item["type"] == "message":
-                events.append(self._event("response.output_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"], logprobs=part["logprobs"]))  # fmt: skip
-            else:
-                events.append(self._event("response.reasoning_text.done", item_id=item["id"], output_index=index,
-                                          content_index=0, text=part["text"]))  # fmt: skip
-            events.append(self._event("response.content_part.done", item_id=item["id"], output_index=index,
-                                      content_index=0, part=part))  # fmt: skip
-        events.append(self._event("response.output_item.done", output_index=index, item=item))
+            part = item["content"][0]  # its type names its events: output_text or reasoning_text
+            done = {"text": part["text"], **({"logprobs": part["logprobs"]} if "logprobs" in part else {})}
+            events = [self._item_event(f"response.{part['type']}.done", content_index=0, **done),
+                      self._item_event("response.content_part.done", content_index=0, part=part)]  # fmt: skip
+        events.append(self._event("response.output_item.done", output_index=self._index(), item=item))
         self.output.append(item)
+        self.open = None
         return events

@@ -8,20 +8,59 @@ as generation requests (continuous batching, chunked prefill) and takes an admis
 from __future__ import annotations
 
 import base64
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from pydantic import Field, StrictInt, model_validator
 from starlette.concurrency import run_in_threadpool
 
+from folio.loaders.tokenizer import Tokenizer
 from folio.sampling_params import PoolingParams, SamplingParams
 from folio.server.context import ServerContext
 from folio.server.engine_client.protocol import GenerationStream
-from folio.server.engine_client.updates import EngineDeadError, RequestFailedError
-from folio.server.errors import APIError, error_for
-from folio.server.openai.embeddings.protocol import EmbeddingRequest
+from folio.server.engine_client.updates import RequestFailedError
+from folio.server.errors import APIError, engine_errors
+from folio.server.limits import RequestLimits
+from folio.server.request_body import RequestBody
 
 # The engine's pooling (None: its --pooling option), normalised as OpenAI's embeddings are.
 EMBEDDING_PARAMS = SamplingParams(max_tokens=1, pooling=PoolingParams())
+
+
+class EmbeddingRequest(RequestBody):
+    """OpenAI's body: unknown fields, empty inputs and out-of-range values get a 400."""
+
+    model: str
+    # Strict integers: JSON's true/false are no token ids (nor a dimension count).
+    input: str | list[str] | list[StrictInt] | list[list[StrictInt]]
+    encoding_format: Literal["float", "base64"] | None = "float"  # base64: little-endian float32 bytes; null: float
+    dimensions: StrictInt | None = Field(None, ge=1)  # keep the first k values, then normalise again
+    user: str | None = None
+
+    @property
+    def inputs(self) -> list[str] | list[list[int]]:
+        """One item per input: a text, or a list of token ids."""
+        given = self.input
+        one = isinstance(given, str) or (given and isinstance(given[0], int))
+        return [given] if one else given  # type: ignore[return-value,list-item]
+
+    @model_validator(mode="after")
+    def _inputs_not_empty(self) -> EmbeddingRequest:
+        inputs = self.inputs
+        if not inputs:
+            raise ValueError("input must not be empty")
+        if any(len(item) == 0 for item in inputs):
+            raise ValueError("input must not hold an empty string or an empty list of token ids")
+        return self
+
+    def token_inputs(self, tokenizer: Tokenizer, limits: RequestLimits) -> list[list[int]]:
+        """Each input's token ids: text is tokenized, token ids are taken as given. Their count is checked
+        before any is tokenized (--max-request-inputs), their tokens together after (--max-request-tokens)."""
+        limits.check_inputs(len(self.inputs), "input")
+        inputs = [tokenizer.encode(item) if isinstance(item, str) else list(item) for item in self.inputs]
+        limits.check_prompt_tokens(sum(len(ids) for ids in inputs), "input")
+        return inputs
 
 
 async def create_embedding(ctx: ServerContext, body: EmbeddingRequest) -> dict:
@@ -37,23 +76,18 @@ async def create_embedding(ctx: ServerContext, body: EmbeddingRequest) -> dict:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}  # fmt: skip
 
 
-async def embed_inputs(
-    ctx: ServerContext, inputs: list[list[int]], dimensions: int | None, dimensions_param: str = "dimensions"
-) -> list[torch.Tensor]:
+async def embed_inputs(ctx: ServerContext, inputs: list[list[int]], dimensions: int | None) -> list[torch.Tensor]:
     """One vector per input (cut to `dimensions`), each input an engine request. Everything is checked
     before the call takes admission slots or engine requests. Ollama's /api/embed uses this too."""
     for ids in inputs:
         ctx.check_prompt(ids, param="input", generates=False)
     if dimensions is not None and dimensions > ctx.hidden_size:
         raise APIError(400, f"dimensions must be at most the model's embedding size, {ctx.hidden_size}; got "
-                       f"{dimensions}", param=dimensions_param)  # fmt: skip
-    with ctx.open_call(len(inputs), "input") as call:
-        try:
-            for ids in inputs:
-                call.generation.add(ids, [EMBEDDING_PARAMS])
-            vectors = await _collect(call.generation, len(inputs))
-        except (EngineDeadError, RequestFailedError, ValueError) as exc:
-            raise error_for(exc) from exc
+                       f"{dimensions}", param="dimensions")  # fmt: skip
+    with ctx.open_call(len(inputs), "input") as call, engine_errors():
+        for ids in inputs:
+            call.generation.add(ids, [EMBEDDING_PARAMS])
+        vectors = await _collect(call.generation, len(inputs))
     return [fit_dimensions(vector, dimensions) for vector in vectors]
 
 

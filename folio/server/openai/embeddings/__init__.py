@@ -1,1 +1,0 @@
-"""OpenAI embeddings: the request, the vectors' encodings, the route."""
