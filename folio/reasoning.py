@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from folio.tool_calls.streaming import held_prefix
+
 OPEN, CLOSE = "<think>", "</think>"
 REASONING_CHOICES = ("auto", "none", "think", "deepseek_r1", "qwen3")
 
@@ -44,14 +46,6 @@ def split_reasoning(text: str, starts_inside: bool) -> SplitAnswer:
     return SplitAnswer(reasoning, content if closed and content else None)
 
 
-def _held(text: str, tag: str) -> int:
-    """How much of the end of `text` could still grow into `tag`."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if text.endswith(tag[:size]):
-            return size
-    return 0
-
-
 class ReasoningStream:
     """Streamed deltas split as `split_reasoning` splits the whole answer."""
 
@@ -76,7 +70,7 @@ class ReasoningStream:
         if self._mode == "reasoning":
             head, closed, tail = self._buffer.partition(CLOSE)
             if not closed:
-                safe = len(self._buffer) - _held(self._buffer, CLOSE)
+                safe = len(self._buffer) - held_prefix(self._buffer, (CLOSE,))
                 reasoning, self._buffer = self._buffer[:safe], self._buffer[safe:]
                 return reasoning, ""
             reasoning, self._buffer, self._mode = head, tail, "content"

@@ -14,7 +14,7 @@ Scores are float32, as in transformers, so that near-ties break the same way.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Literal
 
 import torch
@@ -39,26 +39,21 @@ class Continuation:
     cumulative_logprob: float
 
 
+@dataclass(eq=False)
 class BeamSearch:
-    def __init__(
-        self,
-        beam_width: int,
-        max_new_tokens: int,
-        eos_token_ids: frozenset[int],
-        length_penalty: float = 1.0,
-        early_stopping: EarlyStopping = False,
-    ) -> None:
-        self.beam_width = beam_width
-        self.max_new_tokens = max_new_tokens
-        self.eos_token_ids = eos_token_ids
-        self.length_penalty = length_penalty
-        self.early_stopping = early_stopping
+    beam_width: int
+    max_new_tokens: int
+    eos_token_ids: frozenset[int]
+    length_penalty: float = 1.0
+    early_stopping: EarlyStopping = False
+    finished: list[BeamHypothesis] = field(default_factory=list, init=False)  # the best beam_width, best first
+    num_generated: int = field(default=0, init=False)
+    done: bool = field(default=False, init=False)
+    _improvable: bool = field(default=True, init=False)
+
+    def __post_init__(self) -> None:
         # Enough continuations that beam_width of them survive even if the best all end in an EOS.
-        self.num_candidates = max(2, 1 + len(eos_token_ids)) * beam_width
-        self.finished: list[BeamHypothesis] = []  # the best beam_width, best first
-        self.num_generated = 0
-        self.done = False
-        self._improvable = True
+        self.num_candidates = max(2, 1 + len(self.eos_token_ids)) * self.beam_width
 
     def step(
         self, beams: Sequence[tuple[list[int], float]], candidates: Sequence[BeamCandidates]

@@ -34,7 +34,7 @@ from folio.memory import reuse_large_allocations
 from folio.models.base import CausalLM
 from folio.platform import configure_threads, default_device, default_kv_cache_memory, resolve_dtype
 from folio.spec_decode.factory import make_proposer
-from folio.step import SchedulerOutput
+from folio.step import ModelRunnerOutput, SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
 from folio.weight_formats.activation_bits import set_activation_bits
 from folio.worker.executor import SplitModelExecutor, WorkerDiedError, WorkerLaunch
@@ -162,20 +162,12 @@ class EngineCore:
         self.last_step: StepStats | None = None
         self.num_steps = 0  # steps that ran the model, for per-step figures
         self.grammars: GrammarCompiler | None = None  # set by from_engine_args, which has the tokenizer
-        logger.info(
-            "KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
-            "prefix caching %s%s",
-            num_blocks,
-            cache_config.block_size,
-            self.kv.capacity_tokens,
-            num_blocks * cache_config.block_size * bytes_per_block_token * tp / 2**20,
-            bytes_per_token,
-            f" over {tp} tensor-parallel ranks" if tp > 1 else f", {cp} context-parallel ranks" if cp > 1 else "",
-            cache_config.kv_cache_dtype,
-            max_len,
-            "on" if cache_config.enable_prefix_caching else "off",
-            _groups_note(kv_groups),
-        )
+        ranks = f" over {tp} tensor-parallel ranks" if tp > 1 else f", {cp} context-parallel ranks" if cp > 1 else ""
+        logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
+                    "prefix caching %s%s", num_blocks, cache_config.block_size, self.kv.capacity_tokens,
+                    num_blocks * cache_config.block_size * bytes_per_block_token * tp / 2**20, bytes_per_token, ranks,
+                    cache_config.kv_cache_dtype, max_len, "on" if cache_config.enable_prefix_caching else "off",
+                    _groups_note(kv_groups))  # fmt: skip
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -212,18 +204,10 @@ class EngineCore:
             logger.info("draft model: %s, %.1f MiB resident (%s)", draft.path.name, draft.weight_bytes / 2**20,
                         draft.quantization)  # fmt: skip
         config = loaded.config
-        engine = cls(
-            loaded.model,
-            config,
-            args.cache_config(),
-            args.scheduler_config(config.max_position_embeddings),
-            dtype,
-            device,
-            spec,
-            draft.model if draft is not None else None,
-            WorkerLaunch(args.model, args.quantization, parallel) if parallel.is_parallel else None,
-            cuda_graphs=not args.enforce_eager,
-        )
+        engine = cls(loaded.model, config, args.cache_config(), args.scheduler_config(config.max_position_embeddings),
+                     dtype, device, spec, draft.model if draft is not None else None,
+                     WorkerLaunch(args.model, args.quantization, parallel) if parallel.is_parallel else None,
+                     cuda_graphs=not args.enforce_eager)  # fmt: skip
         engine.loaded, engine.draft = loaded, draft
         if isinstance(engine.runner, SplitModelExecutor):
             weakref.finalize(engine, engine.runner.shutdown)  # the executor holds no reference to the engine
@@ -312,11 +296,7 @@ class EngineCore:
         out = self.scheduler.schedule()
         if self.max_steps_in_flight == 1:
             self._record(out)
-            result = self.runner.execute(out)  # an empty step still tells the runner which requests ended
-            if out.is_empty:
-                return []
-            self.num_steps += 1
-            return self.scheduler.update_from_output(out, result)
+            return self._apply(out, self.runner.execute(out))  # an empty step still tells the runner who ended
         started = not out.is_empty or bool(out.finished_request_ids)
         if started:
             assert isinstance(self.runner, SplitModelExecutor)
@@ -337,8 +317,9 @@ class EngineCore:
     def _collect(self) -> list[Request]:
         """The oldest step in flight: its result applied."""
         assert isinstance(self.runner, SplitModelExecutor)
-        out = self.in_flight.popleft()
-        result = self.runner.collect()
+        return self._apply(self.in_flight.popleft(), self.runner.collect())
+
+    def _apply(self, out: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:
         if out.is_empty:
             return []
         self.num_steps += 1

@@ -23,8 +23,6 @@ from folio.kv_cache.hashing import BlockKey, extend_block_keys
 from folio.worker.model_runner import ModelRunner
 
 
-# Whole KV blocks of a prompt's prefix, as the value one engine hands another: each block named by
-# its prefix-cache key, its K/V in the cache's own format (8-bit codes and their scales included).
 @dataclass(frozen=True)
 class KVLayout:
     """What two caches must share for one's blocks to mean the same in the other."""
@@ -38,6 +36,9 @@ class KVLayout:
 
 @dataclass
 class KVBlocks:
+    """Whole KV blocks of a prompt's prefix, as the value one engine hands another: each block named by
+    its prefix-cache key, its K/V in the cache's own format (8-bit codes and their scales included)."""
+
     layout: KVLayout
     keys: list[BlockKey]  # the blocks' identities, in prompt order
     # Per layer: K, V (and scales), each [n, B, ...] as raw bytes (numpy: Ray's object store reads it in place).
@@ -77,10 +78,7 @@ def _cached(core: EngineCore, key: BlockKey) -> list[int] | None:
 
 def held_prefix(core: EngineCore, keys: list[BlockKey]) -> int:
     """How many of `keys`, from the first, this engine's prefix cache holds (in every KV cache group)."""
-    for count, key in enumerate(keys):
-        if _cached(core, key) is None:
-            return count
-    return len(keys)
+    return next((count for count, key in enumerate(keys) if _cached(core, key) is None), len(keys))
 
 
 def export_prefix(core: EngineCore, keys: list[BlockKey], skip: int = 0) -> KVBlocks:
@@ -103,9 +101,9 @@ def import_prefix(core: EngineCore, blocks: KVBlocks) -> int:
     group). Blocks already held are skipped; when the pool is short, the tail of the prefix is dropped
     (recomputed later)."""
     runner = _runner(core)
-    if blocks.layout != kv_layout(runner, core.kv_cache_dtype):
+    if blocks.layout != (layout := kv_layout(runner, core.kv_cache_dtype)):
         raise ValueError(f"these KV blocks were written by another cache layout ({blocks.layout}); this engine's "
-                         f"is {kv_layout(runner, core.kv_cache_dtype)}")  # fmt: skip
+                         f"is {layout}")  # fmt: skip
     if not core.kv.enable_prefix_caching:
         return 0
     pool = core.kv.pool

@@ -64,23 +64,13 @@ class LLM:
         activation_bits: int = 16,
         enforce_eager: bool = False,
     ) -> None:
-        args = EngineArgs(
-            str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
-            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
-            hybrid_kv_cache=hybrid_kv_cache, batching=batching,
-            batch_size=batch_size, batch_timeout_ms=batch_timeout_ms, quantization=quantization,
-            kv_cache_dtype=kv_cache_dtype,
-            speculative_config=SpeculativeConfig(**speculative_config) if isinstance(speculative_config, dict)
-            else speculative_config,
-            tensor_parallel_size=tensor_parallel_size, pipeline_parallel_size=pipeline_parallel_size,
-            context_parallel_size=context_parallel_size,
-            pipeline_micro_batches=pipeline_micro_batches,
-            pipeline_layers=pipeline_layers if pipeline_layers is None or isinstance(pipeline_layers, str)
-            else ",".join(map(str, pipeline_layers)),
-            nnodes=nnodes, master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives,
-            pooling=pooling, compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager,
-        )  # fmt: skip
+        if isinstance(speculative_config, dict):
+            speculative_config = SpeculativeConfig(**speculative_config)
+        if pipeline_layers is not None and not isinstance(pipeline_layers, str):
+            pipeline_layers = ",".join(map(str, pipeline_layers))
+        options = dict(locals())  # every keyword is the EngineArgs field of its name (EngineArgs.llm_kwargs)
+        del options["self"], options["model"]
+        args = EngineArgs(str(model), **options)
         self.engine = EngineCore.from_engine_args(args)
         assert self.engine.loaded is not None
         self.loaded: LoadedModel = self.engine.loaded
@@ -150,6 +140,27 @@ class LLM:
             prompt_logprobs=list(first.prompt_logprobs) if first.sampling_params.prompt_logprobs is not None else None,
         )
 
+    def _run(
+        self, groups: list[list[Request]], desc: str, use_tqdm: bool, processor: OutputProcessor | None = None
+    ) -> None:
+        """Add each group (a request and its forks) and step the engine until all are done."""
+        requests = [r for group in groups for r in group]
+        bar = tqdm(total=len(requests), desc=desc, unit="req", disable=not use_tqdm or len(requests) < 2)
+        with self._offline():
+            try:
+                for first, *forks in groups:
+                    self.engine.add_request(first, forks)
+                while self.engine.has_unfinished():
+                    updated = self.engine.step()
+                    if processor is not None:  # before counting: it may end requests (a stop string)
+                        processor.process(updated)
+                    bar.update(sum(r.is_finished for r in updated))
+            finally:
+                bar.close()
+                for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
+                    if not request.is_finished:
+                        self.engine.abort_request(request.request_id)
+
     # -- public API --------------------------------------------------------------------------------
     def generate(
         self,
@@ -171,26 +182,12 @@ class LLM:
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
         groups = [self._make_samples(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
-        for group, rank in zip(groups, priorities, strict=True):
-            for request in group:
-                request.priority = rank
-        requests = [r for group in groups for r in group]
         processor = OutputProcessor(self.engine, self.tokenizer)
-        for request in requests:  # decoded once at the end, unless stop strings need the text as it grows
-            processor.add(request, stream_text=False)
-        bar = tqdm(total=len(requests), desc="generating", unit="req", disable=not use_tqdm or len(requests) < 2)
-        with self._offline():
-            try:
-                for first, *forks in groups:
-                    self.engine.add_request(first, forks)
-                while self.engine.has_unfinished():
-                    deltas = processor.process(self.engine.step())
-                    bar.update(sum(delta.request.is_finished for delta in deltas))
-            finally:
-                bar.close()
-                for request in requests:  # a bad prompt or an error mid-run must not leave requests behind
-                    if not request.is_finished:
-                        self.engine.abort_request(request.request_id)
+        for group, rank in zip(groups, priorities, strict=True):
+            for request in group:  # decoded once at the end, unless stop strings need the text as it grows
+                request.priority = rank
+                processor.add(request, stream_text=False)
+        self._run(groups, "generating", use_tqdm, processor)
         return [
             self._output(group, p if isinstance(p, str) else None, processor)
             for group, p in zip(groups, prompts, strict=True)
@@ -199,11 +196,8 @@ class LLM:
     def _make_samples(self, prompt: Prompt, params: SamplingParams) -> list[Request]:
         """One request per sample; sample j draws with seed + j so that the samples differ."""
         first = self._make_request(prompt, params)
-        forks = []
-        for j in range(1, params.n):
-            fork = Request(str(next(self._ids)), first.prompt_token_ids, replace(params, seed=params.sample_seed(j)),
-                           eos_token_ids=first.eos_token_ids)  # fmt: skip
-            forks.append(fork)
+        forks = [Request(str(next(self._ids)), first.prompt_token_ids, replace(params, seed=params.sample_seed(j)),
+                         eos_token_ids=first.eos_token_ids) for j in range(1, params.n)]  # fmt: skip
         return [first, *forks]
 
     def stream(self, prompt: Prompt, sampling_params: SamplingParams | None = None) -> Iterator[str]:
@@ -236,18 +230,7 @@ class LLM:
             prompts = [prompts]  # type: ignore[list-item]
         params = SamplingParams(max_tokens=1, pooling=PoolingParams(pooling, normalize))
         requests = [self._make_request(p, params) for p in prompts]
-        bar = tqdm(total=len(requests), desc="embedding", unit="req", disable=not use_tqdm or len(requests) < 2)
-        with self._offline():
-            try:
-                for request in requests:
-                    self.engine.add_request(request)
-                while self.engine.has_unfinished():
-                    bar.update(sum(r.is_finished for r in self.engine.step()))
-            finally:
-                bar.close()
-                for request in requests:
-                    if not request.is_finished:
-                        self.engine.abort_request(request.request_id)
+        self._run([[r] for r in requests], "embedding", use_tqdm)
         outputs = []
         for request, prompt in zip(requests, prompts, strict=True):
             if request.embedding is None:

@@ -143,12 +143,11 @@ class OutputProcessor:
         return self.tokenizer.decode(request.output_token_ids)
 
     def _delta(self, request: Request, tracked: _Tracked) -> OutputDelta:
-        new_tokens = request.output_token_ids[tracked.num_sent :]
-        new_logprobs = request.output_logprobs[tracked.num_sent :]
+        sent = tracked.num_sent
         text = ""
         if tracked.detokenizer is not None:
             try:
-                text = detokenize_step(tracked.detokenizer, request, new_tokens)
+                text = detokenize_step(tracked.detokenizer, request, request.output_token_ids[sent:])
             except Exception:
                 logger.exception("could not decode the output of request %s", request.request_id)
                 self.fail(request, "the output could not be decoded")
@@ -157,12 +156,7 @@ class OutputProcessor:
                 # A step that added several tokens (speculative decoding) may have run past the stop
                 # string: the tokens after it are not part of the output.
                 kept = tracked.detokenizer.num_tokens
-                if len(request.output_token_ids) > kept:
-                    del request.output_token_ids[kept:], request.output_logprobs[kept:]
-                    new_tokens, new_logprobs = (
-                        new_tokens[: kept - tracked.num_sent],
-                        new_logprobs[: kept - tracked.num_sent],
-                    )
+                del request.output_token_ids[kept:], request.output_logprobs[kept:]
                 if not request.is_finished:
                     self.engine.abort_request(request.request_id, FinishReason.STOP)
         tracked.num_sent = len(request.output_token_ids)
@@ -170,7 +164,8 @@ class OutputProcessor:
         if request.sampling_params.prompt_logprobs is not None and not tracked.sent_prompt_logprobs:
             prompt_logprobs, tracked.sent_prompt_logprobs = list(request.prompt_logprobs), True
         stop = tracked.detokenizer.matched_stop if tracked.detokenizer is not None else None
-        return OutputDelta(request, text, list(new_tokens), list(new_logprobs), prompt_logprobs, stop)
+        new_tokens, new_logprobs = request.output_token_ids[sent:], request.output_logprobs[sent:]
+        return OutputDelta(request, text, new_tokens, new_logprobs, prompt_logprobs, stop)
 
     def fail(self, request: Request, error: str) -> None:
         """End one request with an error, however far it got."""

@@ -7,7 +7,7 @@ When a running request needs a block and none is free, the least urgent request 
 this step (the largest (priority, arrival): the lowest priority, then the latest arrival) is preempted:
 its blocks are freed and it goes back to the queue at its arrival place, ahead of later arrivals, to be
 recomputed.
-Beam search groups run their beams as ordinary requests (see beam_group.py).
+Beam search groups run their beams as ordinary requests (see beam_scheduling.py).
 """
 
 from __future__ import annotations
@@ -19,8 +19,7 @@ import time
 
 from folio.config import SchedulerConfig
 from folio.engine.batching import BatchGate
-from folio.engine.beam_group import BeamGroup, start_group
-from folio.engine.beam_scheduling import BeamScheduling
+from folio.engine.beam_scheduling import BeamGroup, BeamScheduling, start_group
 from folio.engine.request import FinishReason, Request, RequestStatus
 from folio.engine.runner_view import RunnerView
 from folio.engine.stats import SchedulerStats, read_stats
@@ -152,9 +151,7 @@ class Scheduler(BeamScheduling):
             num_new += len(drafts)
             while not self.kv.allocate_slots(request.request_id, start + num_new, write_from=start):
                 victim = max(self._preemptible(self.running[index:]), key=_queue_order)  # maybe this request itself
-                self.running.remove(victim)
-                self._preempt(victim)
-                preempted.append(victim)
+                self._preempt(victim, preempted)
                 if victim is request:
                     return budget  # nothing after it can run either
             chosen.append((request, num_new))
@@ -172,10 +169,7 @@ class Scheduler(BeamScheduling):
         while not chosen and (parked := [r for r in self.running if self._is_parked(r)]):
             if not any(self.gate.admits(r) and not self._is_parked(r) for r in self.waiting):
                 break
-            victim = max(parked, key=_queue_order)
-            self.running.remove(victim)
-            self._preempt(victim)
-            preempted.append(victim)
+            self._preempt(max(parked, key=_queue_order), preempted)
             budget = self._admit(budget, chosen)
 
     def _output(self, chosen: list[tuple[Request, int]], preempted: list[Request]) -> SchedulerOutput:
@@ -212,8 +206,7 @@ class Scheduler(BeamScheduling):
                     num_draft_tokens=len(drafts),
                 )
             )
-        self.in_flight.update(c.request_id for c in chunks)
-        self.in_flight.update(fork_id for c in chunks for fork_id in c.fork_ids)
+        self.in_flight.update(request_id for c in chunks for request_id in (c.request_id, *c.fork_ids))
         return SchedulerOutput(
             new_requests=tuple(new_requests),
             scheduled=tuple(chunks),
@@ -241,10 +234,9 @@ class Scheduler(BeamScheduling):
             request.num_computed_tokens = num_cached
             if request.first_scheduled_time is None:  # the first admission: prompt tokens only
                 request.num_cached_tokens = num_cached
+                request.first_scheduled_time = time.monotonic()
             self.waiting.remove(request)
             request.status = RequestStatus.RUNNING
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
             self.running.append(request)
             chosen.append((request, num_new))
             budget -= num_new
@@ -288,7 +280,10 @@ class Scheduler(BeamScheduling):
             logger.exception("request %s failed to take its sampled token", request.request_id)
             request.fail("the sampled token could not be applied")
 
-    def _preempt(self, request: Request) -> None:
+    def _preempt(self, request: Request, preempted: list[Request]) -> None:
+        """Take a running request off the batch, free its blocks and requeue it (noted in `preempted`)."""
+        self.running.remove(request)
+        preempted.append(request)
         if (group := self._beam_groups.get(request.request_id)) is not None:
             group.num_preemptions += 1
         self.kv.free(request.request_id)
@@ -312,9 +307,7 @@ class Scheduler(BeamScheduling):
             has_slot = len(self.running) < self.config.max_num_seqs
             if has_slot and self.kv.blocks_needed(chunk) * self.kv.num_groups <= self.kv.pool.num_free_blocks:
                 break
-            self.running.remove(worst)
-            self._preempt(worst)
-            victims.append(worst)
+            self._preempt(worst, victims)
         return victims
 
     def update_from_output(self, output: SchedulerOutput, result: ModelRunnerOutput) -> list[Request]:

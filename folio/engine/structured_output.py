@@ -10,6 +10,8 @@ request's failure.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -31,41 +33,26 @@ class StructuredOutputManager:
             return None
         if self.vocab_size is None:
             raise ValueError("structured output needs the model's vocabulary size")
+        vocab_size = self.vocab_size
         grammars = [grammar for _, grammar, drafts in rows if not drafts]
         try:
-            plain = grammar_bitmask(grammars, self.vocab_size, self.timing) if grammars else None
+            plain = fill_bitmask(grammars, vocab_size, self.timing) if grammars else None
         except Exception:
             logger.exception("computing %d grammar masks failed; computing each alone", len(grammars))
-            plain = torch.cat([self._one_row(grammar) for grammar in grammars])
+            plain = torch.cat([self._guarded_rows(1, fill_bitmask, [g], vocab_size, self.timing) for g in grammars])
         request_ids = [request_id for request_id, _, drafts in rows if not drafts]
         parts = [] if plain is None else [plain]
         for request_id, grammar, drafts in rows:
             if drafts:
-                parts.append(self._draft_rows(grammar, drafts))
+                parts.append(self._guarded_rows(len(drafts) + 1, grammar.draft_masks, drafts, vocab_size))
                 request_ids += [request_id] * (len(drafts) + 1)
         return GrammarBitmask(tuple(request_ids), torch.cat(parts))
 
-    def _one_row(self, grammar: TokenGrammar) -> torch.Tensor:
-        assert self.vocab_size is not None
+    def _guarded_rows(self, num_rows: int, compute: Callable[..., torch.Tensor], *args: Any) -> torch.Tensor:
+        """`compute(*args)`, one grammar's `num_rows` mask rows; if it raises, rows that allow no token."""
         try:
-            return grammar_bitmask([grammar], self.vocab_size, self.timing)
+            return compute(*args)
         except Exception:
-            logger.exception("a grammar failed to compute its mask; that request fails")
-            return self._nothing_allowed(1)
-
-    def _draft_rows(self, grammar: TokenGrammar, drafts: list[int]) -> torch.Tensor:
-        assert self.vocab_size is not None
-        try:
-            return grammar.draft_masks(drafts, self.vocab_size)
-        except Exception:
-            logger.exception("a grammar failed to compute its masks over %d drafts; that request fails", len(drafts))
-            return self._nothing_allowed(len(drafts) + 1)
-
-    def _nothing_allowed(self, num_rows: int) -> torch.Tensor:
-        assert self.vocab_size is not None
-        return torch.zeros((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)
-
-
-def grammar_bitmask(grammars: list[TokenGrammar], vocab_size: int, timing: MaskTiming) -> torch.Tensor:
-    """[len(grammars), ceil(vocab / 32)] int32 bitmask of the tokens each grammar allows next."""
-    return fill_bitmask(grammars, vocab_size, timing)
+            logger.exception("a grammar failed to compute %d mask rows; that request fails", num_rows)
+            assert self.vocab_size is not None
+            return torch.zeros((num_rows, (self.vocab_size + 31) // 32), dtype=torch.int32)

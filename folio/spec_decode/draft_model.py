@@ -16,6 +16,7 @@ target's only by its weights' rounding; its drafts are proposals either way, ver
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -26,20 +27,13 @@ from folio.kv_cache.block_pool import BlockPool
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.layers.attention.metadata import build_attention_metadata
 from folio.models.base import CausalLM
-from folio.spec_decode.proposer import DraftRequest, Proposer
+from folio.spec_decode.proposer import DraftRequest, Proposer, common_prefix
 
 
 @dataclass
 class _DraftSequence:
     token_ids: list[int] = field(default_factory=list)  # tokens whose K/V the draft's cache holds, in order
     block_ids: list[int] = field(default_factory=list)
-
-
-def _common_prefix(a: list[int], b: list[int]) -> int:
-    n = min(len(a), len(b))
-    if a[:n] == b[:n]:  # the usual case, the context having only grown: one C-level comparison
-        return n
-    return next(i for i in range(n) if a[i] != b[i])
 
 
 class DraftModelProposer(Proposer):
@@ -79,7 +73,7 @@ class DraftModelProposer(Proposer):
         active: list[tuple[DraftRequest, _DraftSequence, int]] = []
         for request in requests:
             sequence = self.sequences.setdefault(request.request_id, _DraftSequence())
-            keep = min(_common_prefix(sequence.token_ids, request.token_ids), len(request.token_ids) - 1)
+            keep = min(common_prefix(sequence.token_ids, request.token_ids), len(request.token_ids) - 1)
             del sequence.token_ids[keep:]
             num_drafts = min(self.k, request.max_tokens)
             if num_drafts > 0 and self._reserve(sequence, len(request.token_ids) + num_drafts - 1):
@@ -90,7 +84,7 @@ class DraftModelProposer(Proposer):
         if self.target_kv is not None and all(r.block_tables for r, _, _ in active):
             self._copy_target_kv(active)
             active = [(r, s, len(r.token_ids) - 1) for r, s, _ in active]
-        chunks = [(r.request_id, r.token_ids[keep:], keep, s) for r, s, keep in active]
+        chunks = [(r.token_ids[keep:], keep, s) for r, s, keep in active]
         for (request, sequence, _), token in zip(active, self._step(chunks), strict=True):
             sequence.token_ids += request.token_ids[len(sequence.token_ids) :]  # it now holds them all
             drafts[request.request_id] = [token]
@@ -99,7 +93,7 @@ class DraftModelProposer(Proposer):
             going = [(r, s) for r, s, _ in active if min(self.k, r.max_tokens) > j]
             if not going:
                 break
-            chunks = [(r.request_id, [drafts[r.request_id][-1]], len(s.token_ids), s) for r, s in going]
+            chunks = [([drafts[r.request_id][-1]], len(s.token_ids), s) for r, s in going]
             for (request, sequence), token in zip(going, self._step(chunks), strict=True):
                 sequence.token_ids.append(drafts[request.request_id][-1])
                 drafts[request.request_id].append(token)
@@ -140,14 +134,14 @@ class DraftModelProposer(Proposer):
             sequence.block_ids += self.pool.allocate(missing)
         return True
 
-    def _step(self, chunks: list[tuple[str, list[int], int, _DraftSequence]]) -> list[int]:
+    def _step(self, chunks: list[tuple[list[int], int, _DraftSequence]]) -> list[int]:
         """One forward of the draft over each chunk (tokens, first position); each chunk's greedy next token."""
-        input_ids = [t for _, tokens, _, _ in chunks for t in tokens]
-        positions = [p for _, tokens, start, _ in chunks for p in range(start, start + len(tokens))]
+        input_ids = [t for tokens, _, _ in chunks for t in tokens]
+        positions = [p for tokens, start, _ in chunks for p in range(start, start + len(tokens))]
         meta = build_attention_metadata(
-            [start for _, _, start, _ in chunks],
-            [len(tokens) for _, tokens, _, _ in chunks],
-            [s.block_ids for _, _, _, s in chunks],
+            [start for _, start, _ in chunks],
+            [len(tokens) for tokens, _, _ in chunks],
+            [s.block_ids for _, _, s in chunks],
             self.block_size,
             self.device,
         )
@@ -156,11 +150,7 @@ class DraftModelProposer(Proposer):
             torch.tensor(positions, dtype=torch.long, device=self.device),
             meta,
         )
-        last_rows: list[int] = []
-        row = 0
-        for _, tokens, _, _ in chunks:
-            row += len(tokens)
-            last_rows.append(row - 1)
+        last_rows = [end - 1 for end in itertools.accumulate(len(tokens) for tokens, _, _ in chunks)]
         logits = self.model.compute_logits(hidden[torch.tensor(last_rows, device=hidden.device)])
         return logits.argmax(dim=-1).tolist()
 

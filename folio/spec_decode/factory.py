@@ -29,12 +29,9 @@ def make_proposer(
     """`num_blocks` x `block_size`: the target's KV pool, which a draft model's own pool matches in
     tokens; `target_kv`: the target's cache, which a draft of the same architecture reads, each layer through
     the block table of its KV cache group (`target_layer_groups`)."""
-    if config.method == "ngram":
-        return NgramProposer(config)
-    if config.method == "suffix":
-        return SuffixProposer(config)
-    if config.method == "lookahead":
-        return LookaheadProposer(config)
+    learned = {"ngram": NgramProposer, "suffix": SuffixProposer, "lookahead": LookaheadProposer}  # no model
+    if config.method in learned:
+        return learned[config.method](config)
     if config.method == "draft":
         if draft_model is None:
             raise ValueError("speculative method 'draft' needs the loaded draft model")

@@ -15,7 +15,7 @@ import random
 from collections.abc import Sequence
 
 from folio.config import SpeculativeConfig
-from folio.spec_decode.proposer import DraftRequest, Proposer
+from folio.spec_decode.proposer import DraftRequest, Proposer, common_prefix
 
 Ngram = tuple[int, ...]
 
@@ -149,16 +149,9 @@ class LookaheadProposer(Proposer):
         if candidates:
             best, agreed = candidates[-1], -1
             for candidate in reversed(candidates):  # most recent first, so it wins ties
-                same = _common_prefix(candidate, guess)
+                same = common_prefix(candidate, guess)
                 if same > agreed:
                     best, agreed = candidate, same
             draft = [*best[:want], *guess[len(best) : want]]
         state.guess = draft  # what the next verification iterates
         return draft
-
-
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))

@@ -42,3 +42,11 @@ def next_draft_length(current: int, num_drafted: int, num_accepted: int, most: i
     if num_accepted == num_drafted:
         return min(most, current + 1)
     return max(1, num_accepted + 1)
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading tokens `a` and `b` share."""
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:  # the usual case, a context having only grown: one C-level comparison
+        return n
+    return next((i for i in range(n) if a[i] != b[i]), n)  # a tuple and a list never compare equal

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 from abc import ABC, abstractmethod
-from collections.abc import Iterator
 from typing import Any, ClassVar
 
 from folio.tool_calls.types import ParsedOutput, ToolCall
@@ -92,18 +91,19 @@ def calls_from_objects(items: list[Any], known: frozenset[str]) -> list[ToolCall
     return None if any(c is None for c in calls) else calls  # type: ignore[return-value]
 
 
-def json_values(text: str, separators: str = "") -> Iterator[Any]:
+def json_values(text: str, separators: str = "") -> list[Any] | None:
     """The JSON values written one after another in `text`, with whitespace and any of `separators`
-    between them; raises ValueError if anything else is there."""
+    between them; None if anything else is there."""
     decoder = json.JSONDecoder()
+    values: list[Any] = []
     position = 0
     while True:
         while position < len(text) and (text[position].isspace() or text[position] in separators):
             position += 1
         if position == len(text):
-            return
+            return values
         try:
             value, position = decoder.raw_decode(text, position)
-        except RecursionError:  # the decoder recurses: a model can nest deeper than Python allows
-            raise ValueError("JSON nested too deeply") from None
-        yield value
+        except (ValueError, RecursionError):  # the decoder recurses: a model can nest deeper than Python allows
+            return None
+        values.append(value)

@@ -14,6 +14,11 @@ def _listed(values: list) -> list:
     return values[0] if len(values) == 1 and isinstance(values[0], list) else values
 
 
+def _listed_calls(text: str, known: frozenset[str]) -> list[ToolCall] | None:
+    values = json_values(text)
+    return None if values is None else calls_from_objects(_listed(values), known)
+
+
 class HermesFormat(ToolCallFormat):
     """`<tool_call>{"name": ..., "arguments": {...}}</tool_call>`, one block per call (Hermes, Qwen), or a
     JSON list of calls in one block (SmolLM2's training format)."""
@@ -23,11 +28,7 @@ class HermesFormat(ToolCallFormat):
     closing: ClassVar[str | None] = "</tool_call>"
 
     def parse_section(self, section: str, known: frozenset[str]) -> list[ToolCall] | None:
-        body = section.removeprefix("<tool_call>").removesuffix("</tool_call>")
-        try:
-            return calls_from_objects(_listed(list(json_values(body))), known)
-        except ValueError:
-            return None
+        return _listed_calls(section.removeprefix("<tool_call>").removesuffix("</tool_call>"), known)
 
 
 class Llama3JsonFormat(ToolCallFormat):
@@ -39,10 +40,7 @@ class Llama3JsonFormat(ToolCallFormat):
     leading: ClassVar[str] = "{"
 
     def parse_section(self, section: str, known: frozenset[str]) -> list[ToolCall] | None:
-        try:
-            values = list(json_values(section.removeprefix("<|python_tag|>"), separators=";"))
-        except ValueError:
-            return None
+        values = json_values(section.removeprefix("<|python_tag|>"), separators=";")
         return calls_from_objects(values, known) if values else None
 
 
@@ -64,14 +62,11 @@ class MistralFormat(ToolCallFormat):
 
     @staticmethod
     def _piece(piece: str, known: frozenset[str]) -> list[ToolCall] | None:
-        try:
-            if piece.startswith("["):
-                return calls_from_objects(_listed(list(json_values(piece))), known)
-            name, _, arguments = piece.partition("[ARGS]") if "[ARGS]" in piece else piece.partition("{")
-            values = list(json_values(arguments if "[ARGS]" in piece else "{" + arguments))
-        except ValueError:
-            return None
-        if len(values) != 1:
+        if piece.startswith("["):
+            return _listed_calls(piece, known)
+        name, _, arguments = piece.partition("[ARGS]") if "[ARGS]" in piece else piece.partition("{")
+        values = json_values(arguments if "[ARGS]" in piece else "{" + arguments)
+        if values is None or len(values) != 1:
             return None
         call = call_from_object({"name": name.strip(), "arguments": values[0]}, known)
         return None if call is None else [call]
@@ -84,9 +79,8 @@ class JsonFormat(ToolCallFormat):
     leading: ClassVar[str] = "{["
 
     def parse_section(self, section: str, known: frozenset[str]) -> list[ToolCall] | None:
-        try:
-            values = list(json_values(section))
-        except ValueError:
+        values = json_values(section)
+        if values is None:
             return None
         if len(values) == 1 and isinstance(values[0], dict) and isinstance(values[0].get("tool_calls"), list):
             values = values[0]["tool_calls"]

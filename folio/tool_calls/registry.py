@@ -12,12 +12,6 @@ FORMATS: dict[str, type[ToolCallFormat]] = {
 PARSER_CHOICES = ("auto", *FORMATS)
 
 
-def format_named(name: str) -> ToolCallFormat:
-    if name not in FORMATS:
-        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSER_CHOICES)}")
-    return FORMATS[name]()
-
-
 def detect_format(template: str | None, renders_tools: bool) -> ToolCallFormat:
     """The format a template teaches its model. A template that cannot show tools gets folio's own
     prompt, which asks for Hermes-style blocks (the format SmolLM2 was trained on)."""
@@ -35,4 +29,8 @@ def detect_format(template: str | None, renders_tools: bool) -> ToolCallFormat:
 
 
 def choose_format(name: str, template: str | None, renders_tools: bool) -> ToolCallFormat:
-    return detect_format(template, renders_tools) if name == "auto" else format_named(name)
+    if name == "auto":
+        return detect_format(template, renders_tools)
+    if name not in FORMATS:
+        raise ValueError(f"unknown tool-call parser {name!r}; choose one of {', '.join(PARSER_CHOICES)}")
+    return FORMATS[name]()

@@ -19,7 +19,7 @@ class StreamPiece:
     tool_calls: list[ToolCall] = field(default_factory=list)
 
 
-def _held_prefix(text: str, markers: tuple[str, ...]) -> int:
+def held_prefix(text: str, markers: tuple[str, ...]) -> int:
     """The length of the longest end of `text` that could still grow into a marker."""
     longest = 0
     for marker in markers:
@@ -54,7 +54,7 @@ class ToolCallStream:
             if self._mode == "prose":
                 start = self.fmt.next_marker(self._buffer)
                 if start < 0:
-                    safe = len(self._buffer) - _held_prefix(self._buffer, self.fmt.markers)
+                    safe = len(self._buffer) - held_prefix(self._buffer, self.fmt.markers)
                     self._prose(piece, self._buffer[:safe])
                     self._buffer = self._buffer[safe:]
                     return piece

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio.spec_decode.rejection_sampler import verify_greedy, verify_sampled
+from folio.spec_decode.verification import verify_greedy, verify_sampled
 
 P = torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.1, 0.6, 0.2, 0.1], [0.25, 0.25, 0.25, 0.25]])
 Q = torch.tensor([[0.1, 0.7, 0.1, 0.1], [0.4, 0.2, 0.2, 0.2]])
