@@ -15,11 +15,10 @@ Switches (read when a kernel is first loaded in a process):
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 from types import ModuleType
-from typing import Any, Literal, get_args
+from typing import Any, Literal, NamedTuple, get_args
 
 from folio.cpp_extension import compiler, load_extension
 
@@ -28,63 +27,40 @@ SOURCES = Path(__file__).parent / "csrc"
 KernelName = Literal["paged_decode", "fused_ops", "decode_stack", "int8_dot", "q8_linear", "nf4_linear", "json_shape"]
 
 
-@dataclass(frozen=True)
-class Kernel:
+class Kernel(NamedTuple):
     """One extension: its source is csrc/<name>.cpp, its module folio_<name>."""
 
-    name: KernelName
     what: str  # for people: what the compile and failure messages call it
     fallback: str  # what the caller does instead when it is None
 
-    @property
-    def source(self) -> Path:
-        return SOURCES / f"{self.name}.cpp"
-
-    @property
-    def module_name(self) -> str:
-        return f"folio_{self.name}"
-
 
 KERNELS: dict[KernelName, Kernel] = {
-    kernel.name: kernel
-    for kernel in (
-        Kernel(
-            "paged_decode",
-            "decode-attention kernel",
-            "decode attention gathers each sequence's K/V cache in PyTorch instead (slower on long contexts)",
-        ),
-        Kernel(
-            "fused_ops",
-            "fused norm/rotary/activation kernel",
-            "norms, rotary embeddings and activations run as separate PyTorch ops instead (slower decode)",
-        ),
-        Kernel(
-            "decode_stack",
-            "C++ decode-step kernel",
-            "decode steps run the Python layers instead (slower at small batches)",
-        ),
-        Kernel(
-            "int8_dot",
-            "int8 dot-product kernel",
-            "4-bit weights are widened for PyTorch matmuls, 8-bit ones take the float kernel (slower decode)",
-        ),
-        Kernel(
-            "q8_linear",
-            "int8 weight kernel",
-            "8-bit weights are widened for a PyTorch matmul instead (slower at small batches)",
-        ),
-        Kernel(
-            "json_shape",
-            "JSON body scanner",
-            "large request bodies are parsed whole before their shape is checked (a hostile body of a few MiB "
-            "holds the interpreter for tens of milliseconds)",
-        ),
-        Kernel(
-            "nf4_linear",
-            "NF4 weight kernel",
-            "NF4 weights are widened for a PyTorch matmul instead (3-4x slower matmuls at batch 1)",
-        ),
-    )
+    "paged_decode": Kernel(
+        "decode-attention kernel",
+        "decode attention gathers each sequence's K/V cache in PyTorch instead (slower on long contexts)",
+    ),
+    "fused_ops": Kernel(
+        "fused norm/rotary/activation kernel",
+        "norms, rotary embeddings and activations run as separate PyTorch ops instead (slower decode)",
+    ),
+    "decode_stack": Kernel(
+        "C++ decode-step kernel", "decode steps run the Python layers instead (slower at small batches)"
+    ),
+    "int8_dot": Kernel(
+        "int8 dot-product kernel",
+        "4-bit weights are widened for PyTorch matmuls, 8-bit ones take the float kernel (slower decode)",
+    ),
+    "q8_linear": Kernel(
+        "int8 weight kernel", "8-bit weights are widened for a PyTorch matmul instead (slower at small batches)"
+    ),
+    "json_shape": Kernel(
+        "JSON body scanner",
+        "large request bodies are parsed whole before their shape is checked (a hostile body of a few MiB "
+        "holds the interpreter for tens of milliseconds)",
+    ),
+    "nf4_linear": Kernel(
+        "NF4 weight kernel", "NF4 weights are widened for a PyTorch matmul instead (3-4x slower matmuls at batch 1)"
+    ),
 }
 assert set(KERNELS) == set(get_args(KernelName))
 
@@ -112,10 +88,9 @@ def compiler_available() -> bool:
 def load(name: KernelName) -> ModuleType | None:
     """The compiled extension `name` (built on first use), or None when switched off or it cannot be built
     (reported once, naming the slower path). Cached per process; `load.__wrapped__` reads the switches again."""
-    kernel = KERNELS[name]
     if name in disabled_kernels():
         return None
-    return load_extension(kernel.name, kernel.module_name, kernel.source, kernel.what, kernel.fallback)
+    return load_extension(name, f"folio_{name}", SOURCES / f"{name}.cpp", *KERNELS[name])
 
 
 def entries(*modules: ModuleType) -> dict[str, Any]:

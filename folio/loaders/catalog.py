@@ -30,7 +30,7 @@ from pathlib import Path
 from folio.loaders import wheels
 from folio.loaders.gguf_file import GGUFFile, GGUFFormatError
 from folio.loaders.wheels import ModelSourceError, WheelFile
-from folio.paths import folio_home
+from folio.paths import atomic_open, folio_home
 
 __all__ = [
     "CATALOG",
@@ -130,7 +130,8 @@ def _read_manifest(folder: Path) -> dict | None:
             return manifest
         if _file_sha256(path) != manifest["sha256"]:
             return None
-        unchanged = _stamp(path.stat()) == _stamp(seen)
+        now = path.stat()
+        unchanged = (now.st_size, now.st_mtime_ns) == (seen.st_size, seen.st_mtime_ns)
     except (OSError, ValueError, KeyError, TypeError):
         return None
     if unchanged:  # not written to while we hashed it: remember this mtime as verified
@@ -140,22 +141,9 @@ def _read_manifest(folder: Path) -> dict | None:
     return manifest
 
 
-def _stamp(stat: os.stat_result) -> tuple[int, int]:
-    return stat.st_size, stat.st_mtime_ns
-
-
 def _write_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        os.fchmod(fd, 0o644)  # mkstemp makes files private; these are plain data
-        with os.fdopen(fd, "w", encoding="utf-8") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())  # on disk before the rename makes it count
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    with atomic_open(path) as f:
+        f.write(text)
 
 
 def _lock(path: Path, name: str) -> int:

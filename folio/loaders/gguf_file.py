@@ -50,15 +50,7 @@ _SCALARS: dict[GGUFValueType, struct.Struct] = {
     GGUFValueType.INT64: struct.Struct("<q"),
     GGUFValueType.FLOAT64: struct.Struct("<d"),
 }
-_NUMPY_DTYPES: dict[GGUFValueType, np.dtype] = {
-    vtype: np.dtype(code)
-    for vtype, code in (
-        (GGUFValueType.UINT8, "<u1"), (GGUFValueType.INT8, "<i1"), (GGUFValueType.UINT16, "<u2"),
-        (GGUFValueType.INT16, "<i2"), (GGUFValueType.UINT32, "<u4"), (GGUFValueType.INT32, "<i4"),
-        (GGUFValueType.FLOAT32, "<f4"), (GGUFValueType.BOOL, "?"), (GGUFValueType.UINT64, "<u8"),
-        (GGUFValueType.INT64, "<i8"), (GGUFValueType.FLOAT64, "<f8"),
-    )
-}  # fmt: skip
+_NUMPY_DTYPES = {vtype: np.dtype(fmt.format) for vtype, fmt in _SCALARS.items()}  # numpy reads struct codes
 # The fewest bytes one item can take: a count is plausible only if count * this fits in the bytes left.
 _MIN_VALUE_BYTES = {**{vtype: fmt.size for vtype, fmt in _SCALARS.items()},
                     GGUFValueType.STRING: _U64.size, GGUFValueType.ARRAY: _ARRAY_HEAD.size}  # fmt: skip
@@ -132,13 +124,7 @@ class GGUFFile:
             raise self._error(f"unknown value type {raw} in {self._where}") from None
 
     def _read_str(self) -> str:
-        (length,) = _U64.unpack_from(self._map, self._pos)
-        start = self._pos + _U64.size
-        end = start + length
-        if end > self._size:
-            raise self._error(f"a string of {length} bytes in {self._where} runs past the end of the file")
-        self._pos = end
-        return self._map[start:end].decode("utf-8", errors="replace")
+        return self._read_strings(1)[0]
 
     def _read_strings(self, count: int) -> list[str]:
         # The hot loop for vocabularies (262k strings for Gemma 3): locals only, one bounds check each.
@@ -230,18 +216,16 @@ class GGUFFile:
         return name, dims, ggml_type, offset, num_elements // block_size * type_size
 
     def _read_tensors(self, tensor_count: int, alignment: int) -> dict[str, GGUFTensor]:
-        infos = []
-        names: set[str] = set()
+        infos = {}
         for index in range(tensor_count):
             info = self._read_tensor_info(index)
-            if info[0] in names:
+            if info[0] in infos:
                 raise self._error(f"duplicate tensor name {_quote(info[0])}")
-            names.add(info[0])
-            infos.append(info)
+            infos[info[0]] = info
         data_start = -(-self._pos // alignment) * alignment
         # Each tensor's bytes must be aligned, inside the file, and overlap no other tensor's.
         previous, previous_end = "", 0
-        for name, _dims, _type, offset, nbytes in sorted(infos, key=lambda info: info[3]):
+        for name, _dims, _type, offset, nbytes in sorted(infos.values(), key=lambda info: info[3]):
             start, end = data_start + offset, data_start + offset + nbytes
             if offset % alignment:
                 raise self._error(f"tensor {_quote(name)} has offset {offset}, not a multiple of {alignment}")
@@ -254,7 +238,7 @@ class GGUFFile:
                 previous, previous_end = name, end
         data = np.frombuffer(self._map, dtype=np.uint8)
         tensors = {}
-        for name, dims, ggml_type, offset, nbytes in infos:
+        for name, dims, ggml_type, offset, nbytes in infos.values():
             start = data_start + offset
             tensors[name] = GGUFTensor(name, tuple(reversed(dims)), ggml_type, data[start : start + nbytes])
         return tensors

@@ -17,8 +17,7 @@ from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from folio.config import ModelConfig
 from folio.loaders.gguf_file import GGUFFile, GGUFTensor
-from folio.models.architecture import GGUFLayout
-from folio.models.registry import gguf_architecture
+from folio.models.registry import GGUFLayout, gguf_architecture
 from folio.weight_formats.gguf_dequant import dequantize_tensor, unpack
 from folio.weight_formats.int4 import Int4Groups, int4_groups
 from folio.weight_formats.int8 import Int8Groups, int8_groups
@@ -75,20 +74,16 @@ def _rope_heads(name: str, layout: GGUFLayout, config: ModelConfig) -> int | Non
     return config.num_kv_heads if ".attn_k." in name else None
 
 
-def _as_int4(tensor: GGUFTensor, name: str, heads: int | None) -> Int4Groups | None:
-    """A projection weight whose format maps exactly onto 4-bit groups, kept that way; else None."""
-    if name.startswith("token_embd") or tensor.ggml_type not in INT4_FORMATS:
+def _kept_groups(tensor: GGUFTensor, name: str, heads: int | None) -> Int4Groups | Int8Groups | None:
+    """A projection weight whose format maps exactly onto 4-bit groups, kept that way; else a weight in a
+    symmetric 5- to 8-bit format (Q8_0, Q6_K, and Q5_0 for the embedding), kept as 8-bit groups; else None."""
+    to_int4 = not name.startswith("token_embd") and tensor.ggml_type in INT4_FORMATS
+    if not to_int4 and tensor.ggml_type not in INT8_FORMATS:
         return None
-    groups = int4_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
-    return groups if groups is None or heads is None else groups.rows(_rope_row_order(groups.shape[0], heads))
-
-
-def _as_int8(tensor: GGUFTensor, heads: int | None) -> Int8Groups | None:
-    """A weight in a symmetric 5- to 8-bit format (Q8_0, Q6_K, Q5_0) that is not kept as 4-bit tiles (the
-    embedding), kept as 8-bit groups; else None."""
-    if tensor.ggml_type not in INT8_FORMATS:
-        return None
-    groups = int8_groups(unpack(tensor.data, tensor.ggml_type, tensor.shape), tensor.shape)
+    quant = unpack(tensor.data, tensor.ggml_type, tensor.shape)
+    groups = int4_groups(quant, tensor.shape) if to_int4 else None
+    if groups is None and tensor.ggml_type in INT8_FORMATS:
+        groups = int8_groups(quant, tensor.shape)
     return groups if groups is None or heads is None else groups.rows(_rope_row_order(groups.shape[0], heads))
 
 
@@ -129,7 +124,7 @@ class GGUFWeight:
     def load(self) -> torch.Tensor | Int4Groups | Int8Groups:
         tensor, heads = self.tensor, self.rope_heads
         if self.keep_quantized:
-            groups = _as_int4(tensor, self.name, heads) or _as_int8(tensor, heads)
+            groups = _kept_groups(tensor, self.name, heads)
             if groups is not None:
                 return groups
         weight = dequantize_tensor(tensor, dtype=torch.float32)

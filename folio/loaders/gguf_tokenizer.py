@@ -21,8 +21,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-import os
-import tempfile
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -30,9 +29,9 @@ import numpy as np
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, normalizers, pre_tokenizers, processors
 from tokenizers.models import BPE
 
-from folio.loaders.catalog import folio_home
 from folio.loaders.gguf_file import GGUFFile
 from folio.models.registry import gguf_architecture
+from folio.paths import atomic_open, folio_home
 
 # Bump when the builder's output changes, so stale cache entries are never read.
 CACHE_VERSION = 2
@@ -164,25 +163,13 @@ def _byte_level(vocab: GGUFVocab) -> tuple[Tokenizer, set[str]]:
     }
     if vocab.merges is None:
         raise GGUFTokenizerError("byte-level BPE file has no tokenizer.ggml.merges")
-    model = BPE(
-        ids,
-        _parse_merges(vocab.merges),
-        dropout=None,
-        continuing_subword_prefix="",
-        end_of_word_suffix="",
-        fuse_unk=False,
-    )
-    tok = Tokenizer(model)
+    merges = _parse_merges(vocab.merges)
+    tok = Tokenizer(BPE(ids, merges, dropout=None, continuing_subword_prefix="", end_of_word_suffix="", fuse_unk=False))
     split = BYTE_LEVEL_SPLITS.get(vocab.pre or "")
-    if split is None:
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    else:
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [
-                pre_tokenizers.Split(Regex(split), behavior="isolated"),
-                pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
-            ]
-        )
+    pre = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=split is None)
+    if split is not None:  # the vocabulary's own split, then ByteLevel only respells the bytes
+        pre = pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(split), behavior="isolated"), pre])
+    tok.pre_tokenizer = pre
     tok.decoder = decoders.ByteLevel()
     return tok, alphabet
 
@@ -322,20 +309,12 @@ def load_gguf_tokenizer(gguf_path: str | Path) -> Tokenizer:
         except Exception:  # a damaged cache entry is rebuilt, never fatal
             cache.unlink(missing_ok=True)
     tok = tokenizer_from_gguf(gguf_path)
-    try:
+    with suppress(OSError):  # a read-only cache dir only costs speed
         cache.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache.parent, prefix=".tmp-", suffix=".json")
-        try:
-            os.fchmod(fd, 0o644)  # mkstemp makes files private; these are plain data
-            with os.fdopen(fd, "w", encoding="utf-8") as f:
-                f.write(_compact_json(tok))
-            os.replace(tmp, cache)
-        finally:
-            Path(tmp).unlink(missing_ok=True)
+        with atomic_open(cache) as f:
+            f.write(_compact_json(tok))
         stem = cache.name.rsplit("-", 1)[0]
         for stale in cache.parent.glob(f"{glob.escape(stem)}-*.json"):  # entries for earlier versions of this file
             if stale != cache:
                 stale.unlink(missing_ok=True)
-    except OSError:
-        pass  # a read-only cache dir only costs speed
     return tok

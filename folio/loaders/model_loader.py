@@ -16,10 +16,9 @@ from folio.config import ModelConfig
 from folio.distributed.pipeline_parallel import current_stage
 from folio.distributed.tensor_parallel import current as current_tp
 from folio.layers.linear import ON_THE_FLY_METHODS, Linear
+from folio.loaders import hf_folder
 from folio.loaders.gguf_file import GGUFFile
 from folio.loaders.gguf_model import gguf_model_config, iter_gguf_weights
-from folio.loaders.hf_folder import iter_safetensors, read_hf_config
-from folio.loaders.quantized_folder import iter_quantized_safetensors, read_quantization_config
 from folio.loaders.tokenizer import Tokenizer
 from folio.memory import gather_weights
 from folio.models.registry import model_class
@@ -92,15 +91,15 @@ def open_checkpoint(path: Path, dtype: torch.dtype, quantization: str | None = N
         tokenizer = Tokenizer.from_gguf(gguf)
         label = gguf.quantization_summary()
     elif (path / "config.json").exists():
-        config = read_hf_config(path)
-        checkpoint_quant = read_quantization_config(path)
+        config = hf_folder.read_hf_config(path)
+        checkpoint_quant = hf_folder.read_quantization_config(path)
         if checkpoint_quant is None:
-            weights, label = iter_safetensors(path), "none"
+            weights, label = hf_folder.iter_safetensors(path), "none"
         else:
             if quantization in ON_THE_FLY_METHODS:
                 raise ValueError(f"{path} is already quantized ({checkpoint_quant.label}); load it as it is or "
                                  "with quantization 'none'")  # fmt: skip
-            weights = iter_quantized_safetensors(path, checkpoint_quant, dequantize=quantization == "none")
+            weights = hf_folder.iter_quantized_safetensors(path, checkpoint_quant, dequantize=quantization == "none")
             label = checkpoint_quant.label
         tokenizer = Tokenizer.from_hf_folder(path, extra_eos=config.eos_token_ids)
     else:

@@ -50,18 +50,8 @@ class WheelFile:
 def download_wheel(requirement: str, dest: Path) -> Path:
     """Download the one wheel for `requirement` into the empty folder `dest`, never its dependencies."""
     dest.mkdir(parents=True, exist_ok=True)
-    cmd = [
-        sys.executable,
-        "-m",
-        "pip",
-        "download",
-        "--no-deps",
-        "--only-binary=:all:",
-        "--disable-pip-version-check",
-        "-d",
-        str(dest),
-        requirement,
-    ]
+    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    cmd = [*pip, "-d", str(dest), requirement]
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     except OSError as exc:

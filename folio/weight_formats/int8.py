@@ -95,11 +95,7 @@ class Int8Groups:
 
     def embedding(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the weight, dequantized."""
-        return (
-            Int8Groups(self.codes[ids.flatten()], self.scales[ids.flatten()])
-            .dequantize(dtype)
-            .view(*ids.shape, self.shape[1])
-        )
+        return self.rows(ids.flatten()).dequantize(dtype).view(*ids.shape, self.shape[1])
 
     def load_kernels(self) -> None:
         if self.codes.device.type == "cpu":
@@ -117,13 +113,6 @@ class Int8Groups:
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.shape[0])
-
-
-def tiles_take(groups: Int8Groups) -> bool:
-    """Whether the tiled dot-product kernel takes these groups: on CPU, K a multiple of 32, groups of 16,
-    32 or a multiple of 64."""
-    cols = groups.shape[1]
-    return groups.codes.device.type == "cpu" and cols % ACTIVATION_BLOCK == 0 and groups.group_size in INT8_GROUP_SIZES
 
 
 class PackedInt8:
@@ -264,8 +253,11 @@ class PackedInt8:
 
 
 def packed_for_kernel(groups: Int8Groups) -> PackedInt8 | Int8Groups:
-    """The groups as the tiled kernel holds them, where it takes them."""
-    return PackedInt8(groups) if tiles_take(groups) else groups
+    """The groups as the tiled kernel holds them, where it takes them: on CPU, K a multiple of 32, groups of
+    16, 32 or a multiple of 64."""
+    on_cpu, cols = groups.codes.device.type == "cpu", groups.shape[1]
+    takes = on_cpu and cols % ACTIVATION_BLOCK == 0 and groups.group_size in INT8_GROUP_SIZES
+    return PackedInt8(groups) if takes else groups
 
 
 def int8_groups(quant: GroupQuant, shape: tuple[int, ...]) -> Int8Groups | None:

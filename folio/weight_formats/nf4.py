@@ -27,27 +27,12 @@ import torch.nn.functional as F
 from folio import ops
 
 # bitsandbytes' `get_4bit_type("nf4")`: the normal quantiles of QLoRA (arXiv 2305.14314), scaled to [-1, 1].
-NF4_CODEBOOK = torch.tensor(
-    [
-        -1.0,
-        -0.6961928009986877,
-        -0.5250730514526367,
-        -0.39491748809814453,
-        -0.28444138169288635,
-        -0.18477343022823334,
-        -0.09105003625154495,
-        0.0,
-        0.07958029955625534,
-        0.16093020141124725,
-        0.24611230194568634,
-        0.33791524171829224,
-        0.44070982933044434,
-        0.5626170039176941,
-        0.7229568362236023,
-        1.0,
-    ],
-    dtype=torch.float32,
-)
+NF4_CODEBOOK = torch.tensor([
+    -1.0, -0.6961928009986877, -0.5250730514526367, -0.39491748809814453,
+    -0.28444138169288635, -0.18477343022823334, -0.09105003625154495, 0.0,
+    0.07958029955625534, 0.16093020141124725, 0.24611230194568634, 0.33791524171829224,
+    0.44070982933044434, 0.5626170039176941, 0.7229568362236023, 1.0,
+], dtype=torch.float32)  # fmt: skip
 BLOCK_SIZE = 64  # weights per absmax, along K within a row
 SCALE_BLOCK_SIZE = 256  # absmax values per double-quantization scale
 ZERO_CODE = 128  # the 8-bit absmax code of `absmax_offset`
@@ -155,14 +140,8 @@ class NF4Weight:
         if kernel is None or flat.shape[0] > max_rows:
             out = F.linear(flat, self.dequantize(x.dtype))
         else:
-            out = kernel.nf4_linear(
-                flat.float().contiguous(),
-                self.codes,
-                self.absmax_codes,
-                self.absmax_scales,
-                self.absmax_offset,
-                NF4_CODEBOOK,
-            ).to(x.dtype)
+            out = kernel.nf4_linear(flat.float().contiguous(), self.codes, self.absmax_codes, self.absmax_scales,
+                                    self.absmax_offset, NF4_CODEBOOK).to(x.dtype)  # fmt: skip
         if bias is not None:
             out = out + bias
         return out.view(*x.shape[:-1], self.shape[0])
