@@ -3,12 +3,15 @@ Plain (ungated) activations for MLPs without a gate (GPT-2, BLOOM)."""
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
 from folio.layers.fused_ops import fused_ops_for
+
+Activation = Callable[[torch.Tensor], torch.Tensor]
 
 
 def silu_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
@@ -21,7 +24,7 @@ def gelu_tanh_and_mul_reference(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(gate, approximate="tanh") * up
 
 
-def _fused(reference: Callable[[torch.Tensor], torch.Tensor], gelu: bool) -> Callable[[torch.Tensor], torch.Tensor]:
+def _fused(reference: Activation, gelu: bool) -> Activation:
     def activation(x: torch.Tensor) -> torch.Tensor:
         ops = fused_ops_for(x)
         if ops is None or x.dim() != 2:
@@ -41,19 +44,14 @@ ACTIVATIONS = {
 }
 
 
-def get_gated_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        return ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; known: {sorted(ACTIVATIONS)}") from None
+def get_gated_activation(name: str) -> Activation:
+    return _lookup(ACTIVATIONS, name)
 
 
-def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
-    return F.gelu(x, approximate="tanh")
-
+gelu_tanh = functools.partial(F.gelu, approximate="tanh")
 
 # config.json names of ungated activations: GPT-2's "gelu_new" and BLOOM's GELU are the tanh form.
-PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+PLAIN_ACTIVATIONS: dict[str, Activation] = {
     "gelu_new": gelu_tanh,
     "gelu_pytorch_tanh": gelu_tanh,
     "gelu_tanh": gelu_tanh,
@@ -63,8 +61,11 @@ PLAIN_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
 }
 
 
-def get_activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
-    try:
-        return PLAIN_ACTIVATIONS[name]
-    except KeyError:
-        raise ValueError(f"unsupported activation {name!r}; known: {sorted(PLAIN_ACTIVATIONS)}") from None
+def get_activation(name: str) -> Activation:
+    return _lookup(PLAIN_ACTIVATIONS, name)
+
+
+def _lookup(known: dict[str, Activation], name: str) -> Activation:
+    if name not in known:
+        raise ValueError(f"unsupported activation {name!r}; known: {sorted(known)}")
+    return known[name]

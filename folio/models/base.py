@@ -1,11 +1,15 @@
-"""What every causal LM shares: the LM head, logits, weight loading and access to its attention layers.
+"""What every causal LM shares: the LM head, logits, weight loading and access to its attention layers;
+and the MLPs and decoder blocks several architectures share.
 
-A concrete model sets `self.model` (embeddings, decoder layers, final norm) before calling
-`_finish_init`, and lists how checkpoint tensors fuse into its layers in `stacked_params`.
+A concrete model names its `body` (embeddings, decoder layers, final norm: a `StagedBody`), how checkpoint
+names and layouts map onto its own (`checkpoint_rename`), and how separate checkpoint tensors fuse into its
+layers (`stacked_params`, e.g. ("qkv_proj", "q_proj", "q")); every parameter's own `weight_loader` then
+copies its slice.
 """
 
 from __future__ import annotations
 
+import re
 from collections.abc import Callable, Iterable
 
 import torch
@@ -15,15 +19,19 @@ from folio.config import ModelConfig
 from folio.distributed.tensor_parallel import current
 from folio.kv_cache.groups import KVGroups
 from folio.kv_cache.quant import KVFormat
-from folio.layers.activation import get_gated_activation
+from folio.layers.activation import get_activation, get_gated_activation
 from folio.layers.attention.kv_tensors import LayerKV, allocate_layer_kv
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import LMHead
-from folio.layers.parallel_linear import MergedColumnParallelLinear, RowParallelLinear
+from folio.layers.linear import default_weight_loader
+from folio.layers.norm import LayerNorm
+from folio.layers.parallel_linear import ColumnParallelLinear, MergedColumnParallelLinear, RowParallelLinear
 from folio.layers.split_argmax import local_best, pick_best
-from folio.models.staged import HeldElsewhere, StageCarry
-from folio.models.weights import StackedMapping, check_all_loaded, load_named_weights
+from folio.layers.weight_narrowing import LazyWeight
+from folio.models.staged import HeldElsewhere, StageCarry, StagedBody
+from folio.weight_formats.int4 import Int4Groups
+from folio.weight_formats.int8 import Int8Groups
 
 
 class GatedMLP(nn.Module):
@@ -38,6 +46,89 @@ class GatedMLP(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(self.act(self.gate_up_proj(x)))
+
+
+class UngatedMLP(nn.Module):
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.fc_in = ColumnParallelLinear(config.hidden_size, config.intermediate_size, bias=True)
+        self.fc_out = RowParallelLinear(config.intermediate_size, config.hidden_size, bias=True)
+        self.act = get_activation(config.hidden_act)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc_out(self.act(self.fc_in(x)))
+
+
+class LayerNormBlock(nn.Module):
+    """The decoder block of the GPT-2 lineage (GPT-2, BLOOM): LayerNorm before attention and before an
+    ungated MLP, biases on every projection, residuals around both. Each architecture brings its own
+    attention (learned positions, ALiBi); the parameter names match the Llama family's where they can."""
+
+    def __init__(self, config: ModelConfig, attention: nn.Module) -> None:
+        super().__init__()
+        self.input_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = attention
+        self.post_attention_layernorm = LayerNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = UngatedMLP(config)
+
+    def forward(self, hidden: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
+        hidden = hidden + self.self_attn(self.input_layernorm(hidden), meta)
+        return hidden + self.mlp(self.post_attention_layernorm(hidden))
+
+
+def layernorm_block_params(config: ModelConfig, embedding_extras: int) -> int:
+    """A GPT-2-lineage model's parameter count: the token embedding (and an untied head) and
+    `embedding_extras` (a position table, an embedding norm), then per layer two LayerNorms, q/k/v and
+    output projections and the MLP, all with biases, then the final LayerNorm."""
+    h, i = config.hidden_size, config.intermediate_size
+    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
+    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + embedding_extras
+    return embeddings + config.num_layers * layer + 2 * h
+
+
+StackedMapping = list[tuple[str, str, object]]  # (fused name, checkpoint name, shard id)
+
+
+def load_named_weights(
+    model: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor | Int4Groups | Int8Groups]],
+    stacked: StackedMapping,
+    skip_prefixes: tuple[str, ...] = (),
+) -> set[str]:
+    """Load every tensor; return the names of parameters that were filled."""
+    params = dict(model.named_parameters(remove_duplicate=False))
+    loaded: set[str] = set()
+    for name, tensor in weights:
+        if name.startswith(skip_prefixes) or "rotary_emb.inv_freq" in name:
+            continue
+        target, shard_id = _route(name, stacked)
+        param = params.get(target)
+        if param is None:
+            raise KeyError(f"checkpoint tensor {name!r} has no matching parameter in {type(model).__name__}")
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        if isinstance(tensor, LazyWeight) and not getattr(param, "loads_slices", False):
+            tensor = tensor.load()  # a loader that takes the whole tensor
+        # Quantized groups go to the layer as they are; it keeps them or widens them itself.
+        loader(param, tensor.to(param.dtype) if isinstance(tensor, torch.Tensor) else tensor, shard_id)
+        loaded.add(target)
+    return loaded
+
+
+def _route(name: str, stacked: StackedMapping) -> tuple[str, object]:
+    """Checkpoint name -> (parameter name, shard id); unfused names map to themselves."""
+    for fused, part, shard_id in stacked:
+        if f".{part}." in name:
+            return name.replace(f".{part}.", f".{fused}."), shard_id
+    return name, None
+
+
+def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
+    # Tied parameters appear under two names; either one being loaded is enough.
+    seen_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}
+    missing = [n for n, p in model.named_parameters() if id(p) not in seen_ids]
+    if missing:
+        shown = ", ".join(missing[:5]) + (" ..." if len(missing) > 5 else "")
+        raise ValueError(f"checkpoint is missing {len(missing)} tensors: {shown}")
 
 
 # Separate q/k/v and gate/up checkpoint tensors stacked into qkv_proj and gate_up_proj.
@@ -57,13 +148,45 @@ def keep_checkpoint_name(name: str, tensor: torch.Tensor) -> tuple[str, torch.Te
     return name, tensor
 
 
+def gpt2_lineage_rename(
+    model: str, top_names: dict[str, str], block_names: dict[str, str], conv1d: tuple[str, ...] = (),
+    ignored: str | None = None,
+) -> CheckpointRename:  # fmt: skip
+    """Hugging Face's GPT-2-lineage names (GPT-2, BLOOM), `[transformer.]h.N.<part>.weight|bias` and
+    `[transformer.]<top>.weight|bias`, onto folio's; the `conv1d` parts hold Conv1D weights ([in, out], the
+    transpose of a Linear's); names matching the `ignored` pattern are no weights (skipped)."""
+    block_re = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
+    top_re = re.compile(rf"^(?:transformer\.)?({'|'.join(top_names)})\.(weight|bias)$")
+
+    def rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
+        if name.startswith("lm_head."):
+            return name, tensor
+        if top := top_re.match(name):
+            return f"model.{top_names[top.group(1)]}.{top.group(2)}", tensor
+        block = block_re.match(name)
+        if block is None or block.group(2) not in block_names:
+            if ignored is not None and re.search(ignored, name):
+                return None
+            raise KeyError(f"unexpected {model} checkpoint tensor {name!r}")
+        layer, part, kind = block.groups()
+        if part in conv1d and kind == "weight":
+            if not isinstance(tensor, torch.Tensor):
+                raise ValueError(f"{model} checkpoints with quantized Conv1D weights are not supported")
+            tensor = tensor.t()
+        return f"model.layers.{layer}.{block_names[part]}.{kind}", tensor
+
+    return rename
+
+
 class CausalLM(nn.Module):
+    body: Callable[[ModelConfig], StagedBody]
     stacked_params: StackedMapping = QKV_GATE_UP
     # Hugging Face checkpoint name and layout -> this model's parameter name and layout.
     checkpoint_rename: CheckpointRename = staticmethod(keep_checkpoint_name)
-    model: nn.Module
 
-    def _finish_init(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig) -> None:
+        super().__init__()
+        self.model = self.body(config)
         self.config = config
         self.tp = current()  # the group the layers were built for
         self.stage = self.model.stage  # the pipeline stage it was built for

@@ -7,8 +7,6 @@ the layer keeps that order (so the weight loads, quantizes and exports as one te
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -18,13 +16,11 @@ from folio.layers.attention.alibi import alibi_slopes
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
-from folio.layers.layernorm_block import LayerNormBlock
 from folio.layers.norm import LayerNorm
 from folio.layers.parallel_linear import ColumnParallelLinear, RowParallelLinear
-from folio.models.architecture import Architecture, HFConfig
-from folio.models.base import CausalLM
+from folio.models.base import CausalLM, LayerNormBlock, StackedMapping, gpt2_lineage_rename, layernorm_block_params
+from folio.models.registry import Architecture, HFConfig
 from folio.models.staged import StagedBody
-from folio.models.weights import StackedMapping
 
 
 class BloomAttention(nn.Module):
@@ -56,16 +52,6 @@ class BloomModel(StagedBody):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_norm(self.embed_tokens(input_ids))
 
-    def run_layers(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, None]:
-        for layer in self.held_layers():
-            hidden = layer(hidden, meta)
-        return hidden, None
-
-    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(hidden)
-
 
 _TOP_NAMES = {"word_embeddings": "embed_tokens", "word_embeddings_layernorm": "embed_norm", "ln_f": "norm"}
 _BLOCK_NAMES = {
@@ -76,30 +62,12 @@ _BLOCK_NAMES = {
     "mlp.dense_h_to_4h": "mlp.fc_in",
     "mlp.dense_4h_to_h": "mlp.fc_out",
 }
-_BLOCK_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
-_TOP_RE = re.compile(r"^(?:transformer\.)?(word_embeddings|word_embeddings_layernorm|ln_f)\.(weight|bias)$")
-
-
-def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-    if name.startswith("lm_head."):
-        return name, tensor
-    if top := _TOP_RE.match(name):
-        return f"model.{_TOP_NAMES[top.group(1)]}.{top.group(2)}", tensor
-    block = _BLOCK_RE.match(name)
-    if block is None or block.group(2) not in _BLOCK_NAMES:
-        raise KeyError(f"unexpected BLOOM checkpoint tensor {name!r}")
-    layer, part, kind = block.groups()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}", tensor
 
 
 class BloomForCausalLM(CausalLM):
+    body = BloomModel
     stacked_params: StackedMapping = []
-    checkpoint_rename = staticmethod(_rename)
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.model = BloomModel(config)
-        self._finish_init(config)
+    checkpoint_rename = staticmethod(gpt2_lineage_rename("BLOOM", _TOP_NAMES, _BLOCK_NAMES))
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:
@@ -147,14 +115,6 @@ def _config_to_hf(config: ModelConfig) -> HFConfig:
     }
 
 
-def _estimate_params(config: ModelConfig) -> int:
-    """Embeddings, then per layer: two LayerNorms, q/k/v and output projections, the MLP, all with biases."""
-    h, i = config.hidden_size, config.intermediate_size
-    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
-    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + 2 * h
-    return embeddings + config.num_layers * layer + 2 * h
-
-
 ARCHITECTURES = (
     Architecture(
         "bloom",
@@ -162,6 +122,6 @@ ARCHITECTURES = (
         BloomForCausalLM,
         _config_from_hf,
         _config_to_hf,
-        estimate_params=_estimate_params,
+        estimate_params=lambda config: layernorm_block_params(config, 2 * config.hidden_size),  # the embedding's norm
     ),
 )

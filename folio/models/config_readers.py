@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from folio.config import ModelConfig
-from folio.models.architecture import GGUFMetadata, HFConfig
+from folio.models.registry import GGUFMetadata, HFConfig
 
 
 def hf_common_fields(raw: HFConfig) -> dict[str, Any]:

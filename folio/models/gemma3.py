@@ -10,15 +10,10 @@ import torch
 from torch import nn
 
 from folio.config import ModelConfig
-from folio.distributed.tensor_parallel import current, head_shard
-from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
-from folio.layers.embedding import VocabEmbedding
 from folio.layers.norm import RMSNorm
-from folio.layers.parallel_linear import RowParallelLinear, qkv_parallel
-from folio.layers.rotary import RotaryEmbedding, apply_rotary
-from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
-from folio.models.base import CausalLM, GatedMLP
+from folio.layers.rotary import RotaryEmbedding
+from folio.models.base import GatedMLP
 from folio.models.config_readers import (
     LLAMA_BLOCK_NAMES,
     LLAMA_TOP_NAMES,
@@ -27,54 +22,28 @@ from folio.models.config_readers import (
     hf_common_fields,
     scaling_or_none,
 )
-from folio.models.decode_stack import DecodeStack, build_decode_stack
-from folio.models.staged import StageCarry, StagedBody
-
-Rope = tuple[torch.Tensor, torch.Tensor]
-
-
-def _norm(dim: int, config: ModelConfig) -> RMSNorm:
-    return RMSNorm(dim, config.rms_norm_eps, weight_offset=1.0)
+from folio.models.decode_stack import Rope, build_decode_stack
+from folio.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from folio.models.registry import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 
 
-class Gemma3Attention(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__()
-        heads = head_shard(config.num_heads, config.num_kv_heads, current())
-        self.num_heads = heads.num_heads  # this rank's (all of them with one rank)
-        self.num_kv_heads = heads.num_kv_heads
-        self.head_dim = config.head_dim
-        self.is_sliding = config.is_sliding(layer_index)
-        q_size = self.num_heads * self.head_dim
-        kv_size = self.num_kv_heads * self.head_dim
-        self.qkv_proj = qkv_parallel(config.hidden_size, self.head_dim, config.num_heads, config.num_kv_heads, heads,
-                                     config.attention_bias)  # fmt: skip
-        self.o_proj = RowParallelLinear(config.num_heads * self.head_dim, config.hidden_size)
-        self.q_norm = _norm(self.head_dim, config)
-        self.k_norm = _norm(self.head_dim, config)
-        scalar = config.query_pre_attn_scalar or self.head_dim
-        window = config.sliding_window if self.is_sliding else None
-        self.attn = PagedAttention(self.num_heads, self.num_kv_heads, self.head_dim, scalar**-0.5, window)
-        self.split = (q_size, kv_size, kv_size)
+class Gemma3Attention(LlamaAttention):
+    qk_norm_offset = 1.0
 
-    def forward(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        q = self.q_norm(q.view(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.view(-1, self.num_kv_heads, self.head_dim))
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        return self.o_proj(self.attn(q, k, v, meta))
+
+def _norm(config: ModelConfig) -> RMSNorm:
+    return RMSNorm(config.hidden_size, config.rms_norm_eps, weight_offset=1.0)
 
 
 class Gemma3DecoderLayer(nn.Module):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
+    def __init__(self, config: ModelConfig, layer_index: int, attention: type[LlamaAttention]) -> None:
         super().__init__()
-        self.self_attn = Gemma3Attention(config, layer_index)
+        self.self_attn = attention(config, layer_index)
         self.mlp = GatedMLP(config)
-        self.input_layernorm = _norm(config.hidden_size, config)
-        self.post_attention_layernorm = _norm(config.hidden_size, config)
-        self.pre_feedforward_layernorm = _norm(config.hidden_size, config)
-        self.post_feedforward_layernorm = _norm(config.hidden_size, config)
+        self.input_layernorm = _norm(config)
+        self.post_attention_layernorm = _norm(config)
+        self.pre_feedforward_layernorm = _norm(config)
+        self.post_feedforward_layernorm = _norm(config)
 
     def forward(self, hidden: torch.Tensor, rope: Rope, meta: AttentionMetadata) -> torch.Tensor:
         attn_out = self.self_attn(self.input_layernorm(hidden), rope, meta)
@@ -83,33 +52,28 @@ class Gemma3DecoderLayer(nn.Module):
         return hidden + self.post_feedforward_layernorm(mlp_out)
 
 
-class Gemma3Model(StagedBody):
+class Gemma3Model(LlamaModel):
+    """Llama's body with layers that add their own residuals, scaled embeddings, and a second RoPE for the
+    sliding-window layers."""
+
+    carries_residual = False
+    attention = Gemma3Attention
+    decoder_layer = Gemma3DecoderLayer
+    norm_offset = 1.0
+
     def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.config = config
-        self.embed_tokens = self.on_first(lambda: VocabEmbedding(config.vocab_size, config.hidden_size))
-        self.layers = self.build_layers(config, lambda i: Gemma3DecoderLayer(config, i))
-        self.norm = self.on_last(lambda: _norm(config.hidden_size, config))
-        self.rotary_global = RotaryEmbedding(
-            config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
-        )
+        super().__init__(config)
         self.rotary_local = RotaryEmbedding(
             config.head_dim, config.max_position_embeddings, config.rope_local_theta or 10000.0, None
         )
         self.embed_scale = config.hidden_size**0.5
-        self.decode_stack: DecodeStack | None = None  # the C++ decode step, once the KV cache is bound (whole models)
 
-    def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-        carried: StageCarry | None = None,
-    ) -> torch.Tensor | StageCarry:  # fmt: skip
-        stack = self.decode_stack
-        if stack is None or not stack.takes_step(input_ids.shape[0], meta):
-            return super().forward(input_ids, positions, meta, carried)
-        hidden = self.embed(input_ids, positions)
-        ropes = [rotary.cos_sin(positions, hidden.dtype) for rotary in (self.rotary_global, self.rotary_local)]
-        hidden, residual = stack.forward(hidden, ropes, meta)
-        return self.norm.add_and_norm(hidden, residual)[0]
+    def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:
+        return [rotary.cos_sin(positions, dtype) for rotary in (self.rotary, self.rotary_local)]
+
+    def bind_decode_stack(self, dtype: torch.dtype) -> None:
+        local = [int(layer.self_attn.is_sliding) for layer in self.layers]  # their RoPE: the second table
+        self.decode_stack = build_decode_stack(self, dtype, sandwich=True, rope_tables=local)
 
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         hidden = self.embed_tokens(input_ids)
@@ -119,28 +83,14 @@ class Gemma3Model(StagedBody):
     def run_layers(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, None]:
-        rope_global = self.rotary_global.cos_sin(positions, hidden.dtype)
-        rope_local = self.rotary_local.cos_sin(positions, hidden.dtype)
+        rope_global, rope_local = self.ropes(positions, hidden.dtype)
         for layer in self.held_layers():
-            rope = rope_local if layer.self_attn.is_sliding else rope_global
-            hidden = layer(hidden, rope, meta)
-        return hidden, None
-
-    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(hidden)
+            hidden = layer(hidden, rope_local if layer.self_attn.is_sliding else rope_global, meta)
+        return hidden, None  # Llama's `finish` then norms the hidden states alone
 
 
-class Gemma3ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.model = Gemma3Model(config)
-        self._finish_init(config)
-
-    def bind_decode_stack(self, dtype: torch.dtype) -> None:
-        if self.tp.size == 1 and self.stage.size == 1:  # the C++ step runs whole models only
-            body = self.model
-            local = [int(layer.self_attn.is_sliding) for layer in body.layers]  # their RoPE: the second table
-            body.decode_stack = build_decode_stack(body, dtype, sandwich=True, rope_tables=local)
+class Gemma3ForCausalLM(LlamaForCausalLM):
+    body = Gemma3Model
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:

@@ -7,8 +7,6 @@ Checkpoints store the projections as `Conv1D` ([in, out], the transpose of a Lin
 
 from __future__ import annotations
 
-import re
-
 import torch
 from torch import nn
 
@@ -17,13 +15,11 @@ from folio.distributed.tensor_parallel import SINGLE, current, head_shard
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
-from folio.layers.layernorm_block import LayerNormBlock
 from folio.layers.norm import LayerNorm
 from folio.layers.parallel_linear import RowParallelLinear, qkv_parallel
-from folio.models.architecture import Architecture, HFConfig
-from folio.models.base import CausalLM
+from folio.models.base import CausalLM, LayerNormBlock, StackedMapping, gpt2_lineage_rename, layernorm_block_params
+from folio.models.registry import Architecture, HFConfig
 from folio.models.staged import StagedBody
-from folio.models.weights import StackedMapping
 
 
 class GPT2Attention(nn.Module):
@@ -54,16 +50,6 @@ class GPT2Model(StagedBody):
     def embed(self, input_ids: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         return self.embed_tokens(input_ids) + self.embed_positions(positions)
 
-    def run_layers(
-        self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, None]:
-        for layer in self.held_layers():
-            hidden = layer(hidden, meta)
-        return hidden, None
-
-    def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        return self.norm(hidden)
-
 
 # Hugging Face name (after "transformer.") -> folio's; the Conv1D ones hold transposed weights.
 _TOP_NAMES = {"wte": "embed_tokens", "wpe": "embed_positions", "ln_f": "norm"}
@@ -76,36 +62,13 @@ _BLOCK_NAMES = {
     "mlp.c_proj": "mlp.fc_out",
 }
 _CONV1D = ("attn.c_attn", "attn.c_proj", "mlp.c_fc", "mlp.c_proj")
-_BLOCK_RE = re.compile(r"^(?:transformer\.)?h\.(\d+)\.(.+)\.(weight|bias)$")
-_TOP_RE = re.compile(r"^(?:transformer\.)?(wte|wpe|ln_f)\.(weight|bias)$")
-
-
-def _rename(name: str, tensor: torch.Tensor) -> tuple[str, torch.Tensor] | None:
-    if name.startswith("lm_head."):
-        return name, tensor
-    if top := _TOP_RE.match(name):
-        return f"model.{_TOP_NAMES[top.group(1)]}.{top.group(2)}", tensor
-    block = _BLOCK_RE.match(name)
-    if block is None or block.group(2) not in _BLOCK_NAMES:
-        if re.search(r"\.attn\.(masked_)?bias$", name):
-            return None  # old checkpoints saved the causal mask buffers
-        raise KeyError(f"unexpected GPT-2 checkpoint tensor {name!r}")
-    layer, part, kind = block.groups()
-    if part in _CONV1D and kind == "weight":
-        if not isinstance(tensor, torch.Tensor):
-            raise ValueError("GPT-2 checkpoints with quantized Conv1D weights are not supported")
-        tensor = tensor.t()
-    return f"model.layers.{layer}.{_BLOCK_NAMES[part]}.{kind}", tensor
+_MASK_BUFFERS = r"\.attn\.(masked_)?bias$"  # old checkpoints saved the causal mask buffers
 
 
 class GPT2LMHeadModel(CausalLM):
+    body = GPT2Model
     stacked_params: StackedMapping = []
-    checkpoint_rename = staticmethod(_rename)
-
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.model = GPT2Model(config)
-        self._finish_init(config)
+    checkpoint_rename = staticmethod(gpt2_lineage_rename("GPT-2", _TOP_NAMES, _BLOCK_NAMES, _CONV1D, _MASK_BUFFERS))
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:
@@ -158,11 +121,7 @@ def _config_to_hf(config: ModelConfig) -> HFConfig:
 
 
 def _estimate_params(config: ModelConfig) -> int:
-    """Embeddings, then per layer: two LayerNorms, q/k/v and output projections, the MLP, all with biases."""
-    h, i = config.hidden_size, config.intermediate_size
-    layer = 2 * 2 * h + (3 * h * h + 3 * h) + (h * h + h) + (h * i + i) + (i * h + h)
-    embeddings = config.vocab_size * h * (1 if config.tie_word_embeddings else 2) + h * config.max_position_embeddings
-    return embeddings + config.num_layers * layer + 2 * h
+    return layernorm_block_params(config, config.hidden_size * config.max_position_embeddings)  # + positions
 
 
 ARCHITECTURES = (

@@ -5,10 +5,10 @@ config sets one, applies to every layer. The C++ decode step serves it like any 
 from __future__ import annotations
 
 from folio.config import ModelConfig
-from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
+from folio.models.base import StackedMapping
 from folio.models.config_readers import LLAMA_TOP_NAMES, gguf_common_fields, hf_common_config, hf_common_fields
 from folio.models.llama import LlamaForCausalLM
-from folio.models.weights import StackedMapping
+from folio.models.registry import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 
 
 class Phi3ForCausalLM(LlamaForCausalLM):

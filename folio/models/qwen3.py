@@ -3,14 +3,7 @@ and no q/k/v bias. The C++ decode step (decode_stack.py) serves it as it serves 
 
 from __future__ import annotations
 
-import torch
-
 from folio.config import ModelConfig
-from folio.layers.attention.metadata import AttentionMetadata
-from folio.layers.norm import RMSNorm
-from folio.layers.rotary import apply_rotary
-from folio.models.architecture import Architecture, GGUFLayout, GGUFMetadata, HFConfig
-from folio.models.base import CausalLM
 from folio.models.config_readers import (
     LLAMA_BLOCK_NAMES,
     LLAMA_TOP_NAMES,
@@ -18,36 +11,20 @@ from folio.models.config_readers import (
     hf_common_config,
     hf_common_fields,
 )
-from folio.models.decode_stack import build_decode_stack
-from folio.models.llama import LlamaAttention, LlamaModel
+from folio.models.llama import LlamaAttention, LlamaForCausalLM, LlamaModel
+from folio.models.registry import Architecture, GGUFLayout, GGUFMetadata, HFConfig
 
 
 class Qwen3Attention(LlamaAttention):
-    def __init__(self, config: ModelConfig, layer_index: int) -> None:
-        super().__init__(config, layer_index)
-        self.q_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-        self.k_norm = RMSNorm(self.head_dim, config.rms_norm_eps)
-
-    def forward(
-        self, hidden: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], meta: AttentionMetadata
-    ) -> torch.Tensor:
-        q, k, v = self.qkv_proj(hidden).split(self.split, dim=-1)
-        q = self.q_norm(q.reshape(-1, self.num_heads, self.head_dim))
-        k = self.k_norm(k.reshape(-1, self.num_kv_heads, self.head_dim))
-        v = v.reshape(-1, self.num_kv_heads, self.head_dim)
-        q, k = apply_rotary(q, k, *rope)
-        return self.o_proj(self.attn(q, k, v, meta))
+    qk_norm_offset = 0.0
 
 
-class Qwen3ForCausalLM(CausalLM):
-    def __init__(self, config: ModelConfig) -> None:
-        super().__init__()
-        self.model = LlamaModel(config, Qwen3Attention)
-        self._finish_init(config)
+class Qwen3Model(LlamaModel):
+    attention = Qwen3Attention
 
-    def bind_decode_stack(self, dtype: torch.dtype) -> None:
-        if self.tp.size == 1 and self.stage.size == 1:  # the C++ step runs whole models only
-            self.model.decode_stack = build_decode_stack(self.model, dtype)
+
+class Qwen3ForCausalLM(LlamaForCausalLM):
+    body = Qwen3Model
 
 
 def _config_from_hf(raw: HFConfig) -> ModelConfig:

@@ -1,7 +1,8 @@
 """The body every model shares in shape: embed, run the decoder layers, apply the final norm; split
 into pipeline stages, each runs its part.
 
-A model body subclasses `StagedBody` and supplies the three parts (`embed`, `run_layers`, `finish`).
+A model body subclasses `StagedBody` and supplies the three parts (`embed`, `run_layers`, `finish`; the
+last two have defaults for layers that add their own residuals).
 Parts another stage holds are `HeldElsewhere` placeholders (no parameters, so they load nothing and
 allocate nothing); the layer list keeps its length so that every layer keeps its index and its
 checkpoint name. Between stages travels a `StageCarry`: the hidden states, and the residual stream
@@ -47,6 +48,7 @@ class StagedBody(nn.Module):
     # Whether a carry between stages holds the residual stream too (set by bodies that fuse it).
     carries_residual: bool = False
     layers: nn.ModuleList
+    norm: nn.Module  # the final norm
 
     def __init__(self) -> None:
         super().__init__()
@@ -85,7 +87,10 @@ class StagedBody(nn.Module):
     def run_layers(
         self, hidden: torch.Tensor, residual: torch.Tensor | None, positions: torch.Tensor, meta: AttentionMetadata
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
-        raise NotImplementedError
+        """By default, layers that add their own residuals and read no positions (GPT-2's, BLOOM's)."""
+        for layer in self.held_layers():
+            hidden = layer(hidden, meta)
+        return hidden, None
 
     def finish(self, hidden: torch.Tensor, residual: torch.Tensor | None) -> torch.Tensor:
-        raise NotImplementedError
+        return self.norm(hidden)

@@ -11,6 +11,10 @@ request gets the same tokens whatever shares its batch:
   races within the head or within the rest. That is the same distribution as one race over the whole
   row (a mixture of the two parts, each drawn in proportion), and the whole row's noise is drawn only
   when the tail wins the toss (the tails of a batch in one race).
+
+The noise E = -log(U), U uniform in [0, 1): U = 0 gives E = inf, which no token wins with, so a token of
+probability 0 can never be drawn (0 / 0 would be NaN, which argmax takes). Speculative decoding's
+verification races with it too (p / E directly).
 """
 
 from __future__ import annotations
@@ -19,10 +23,20 @@ from collections.abc import Sequence
 
 import torch
 
-from folio.sample.noise import exponential_rows
 from folio.sample.top_k_top_p import KeptTokens
 
 HEAD = 1024
+
+
+def exponential_rows(columns: int, generators: Sequence[torch.Generator | None]) -> torch.Tensor:
+    """[len(generators), columns] float32 Exp(1) noise, row i from generators[i] (None: torch's default), so
+    a seeded request draws the same tokens whatever shares its batch. torch's `exponential_` on CPU cost ~5x
+    as much (347 ms against 63 for 64 rows of a 262,144-token vocabulary, one generator a row); the
+    logarithm then runs over the whole batch at once."""
+    noise = torch.empty(len(generators), columns, dtype=torch.float32)
+    for row, generator in enumerate(generators):
+        torch.rand(columns, generator=generator, out=noise[row])
+    return noise.log_().neg_()
 
 
 def race_kept(

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.layers.finite_rows import nonfinite_rows, rows_without_finite
+from folio.layers.split_argmax import nonfinite_rows, rows_without_finite
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs
 from folio.sample.penalties import PenaltyBatch

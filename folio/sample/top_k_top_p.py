@@ -4,7 +4,7 @@ Sorting 64 rows of a 262,144-token vocabulary took ~0.8 s a step on this machine
 the best 1,024 takes ~30 ms. Top-k needs only its k best tokens. The nucleus needs the best tokens until
 their mass reaches top_p: once a prefix holds that mass, every token past it has at least top_p of
 better mass before it and is dropped, so the prefix decides the row exactly. A row whose best 1,024 do
-not hold it (a flat distribution) is decided by a histogram of its probabilities (`wide_nucleus.py`).
+not hold it (a flat distribution) is decided by a histogram of its probabilities (`nucleus_mask`).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 
 import torch
 
-from folio.sample.wide_nucleus import nucleus_mask
-
 NUCLEUS_PREFIX = 1024  # the nucleus of a trained model at top_p 0.9-0.95 is mostly far smaller
+BUCKETS = (0x3F800000 >> 16) + 1  # 1.0's top 16 bits, and every bucket below
+ROWS_AT_ONCE = 8  # the bucket indices of 8 rows of 262,144 tokens are 16 MB: glibc reuses, not remaps, them
 
 
 @dataclass(frozen=True)
@@ -78,3 +78,39 @@ def top_k_top_p_kept(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Ten
         return KeptTokens(index, counts, filters)
     wide_mask = nucleus_mask(probs, list(wide_rows), top_p[list(wide_rows)])
     return KeptTokens(index, counts, filters, wide_rows, wide_mask)
+
+
+def nucleus_mask(probs: torch.Tensor, rows: list[int], top_p: torch.Tensor) -> torch.Tensor:
+    """probs [N, V] (each row sums to 1); rows: M of them; top_p [M] -> [M, V] bool: the tokens of each
+    row whose strictly better tokens hold less than its top_p of the mass (the best always among them).
+
+    For a flat row, which may keep most of the vocabulary, without sorting it: probabilities are
+    non-negative floats, whose bit patterns order as integers do, so their top 16 bits (sign, exponent, 7
+    bits of mantissa) are 16,257 ordered buckets for values in [0, 1]. One pass adds each token's mass into
+    its bucket; the buckets' mass from the top down finds the one where the nucleus ends. Tokens in higher
+    buckets are kept, tokens in lower ones are not, and only the few hundred in that one bucket are sorted.
+    ~0.15 s for 64 such rows, against ~0.7 s for sorting them (and ~1 s for ever wider topk prefixes)."""
+    keep = torch.empty(len(rows), probs.shape[1], dtype=torch.bool)
+    for first in range(0, len(rows), ROWS_AT_ONCE):
+        chunk = rows[first : first + ROWS_AT_ONCE]
+        keep[first : first + len(chunk)] = _nucleus(probs[chunk], top_p[first : first + len(chunk)])
+    return keep
+
+
+def _nucleus(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    buckets = (probs.view(torch.int32) >> 16).long()
+    mass = torch.zeros(probs.shape[0], BUCKETS, dtype=probs.dtype).scatter_add_(1, buckets, probs)
+    from_top = mass.flip(1).cumsum(dim=1).flip(1)  # [m, b]: the mass in buckets b and above
+    # The last bucket whose mass from the top reaches top_p (-1: rounding left the whole row short).
+    crossing = (from_top >= top_p.unsqueeze(1)).sum(dim=1) - 1
+    keep = buckets > crossing.unsqueeze(1)
+    padded = torch.cat([from_top, torch.zeros(probs.shape[0], 1, dtype=probs.dtype)], dim=1)
+    above = padded.gather(1, (crossing + 1).unsqueeze(1)).squeeze(1)  # mass of the surely kept buckets
+    for row, bucket in enumerate(crossing.tolist()):
+        if bucket < 0:
+            continue
+        members = (buckets[row] == bucket).nonzero().flatten()
+        member_probs, order = probs[row, members].sort(descending=True, stable=True)
+        before = above[row] + member_probs.cumsum(dim=0) - member_probs
+        keep[row, members[order[before < top_p[row]]]] = True
+    return keep

@@ -76,7 +76,6 @@ class ModelRunner:
         self.block_size = cache.block_size
         self.context = context if context is not None and context.size > 1 else None
         self.slots_per_block = self.block_size // (self.context.size if self.context is not None else 1)
-        self.num_blocks = num_blocks
         self.dtype = dtype
         self.device = device
         self.requests = RequestStates()
@@ -96,10 +95,6 @@ class ModelRunner:
         bound_slots = (num_blocks + int(graphs)) * slots
         # Per layer; with several KV cache groups, the layers of one slot share their tensors.
         self.kv_caches: list[LayerKV] = model.bind_kv_cache(bound_slots, slots, dtype, fmt, device, kv_groups)
-
-    def prepare(self, out: SchedulerOutput) -> BatchInputs:
-        """Flatten the step's chunks into one batch; `self.requests` must already hold this step's update."""
-        return prepare_batch(out, self.requests, self.config.vocab_size, self.block_size, self.device)
 
     @torch.inference_mode()
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
@@ -162,7 +157,7 @@ class ModelRunner:
                 self.proposer.finish(state.request_id, state.token_ids)
         if out.is_empty:
             return ModelRunnerOutput()
-        inputs = self.prepare(out)
+        inputs = prepare_batch(out, self.requests, self.config.vocab_size, self.block_size, self.device)
         if out.block_copies:
             self.copy_blocks(list(out.block_copies))
         hidden = self.forward(inputs, out)
@@ -180,7 +175,7 @@ class ModelRunner:
             failed |= not_finite
         elif inputs.logits_rows:
             # The LM head runs only on rows that sample: for a long prefill that is one row, not thousands.
-            logits = self.compute_logits(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
+            logits = self.compute_logits(_rows(hidden, inputs.logits_rows))
             if self.logits_observer is not None:
                 for row, (request_id, flat) in enumerate(zip(inputs.sampled_ids, inputs.logits_rows, strict=True)):
                     self.logits_observer(request_id, [int(inputs.positions[flat])], logits[row : row + 1])
@@ -210,14 +205,10 @@ class ModelRunner:
     def _greedy(self, hidden: torch.Tensor, inputs: BatchInputs) -> tuple[dict[str, int], dict[str, str]]:
         """The argmax of each sampled row, without a sampling batch (or, split, a gathered vocabulary),
         and the rows that fail because their logits were not finite."""
-        chosen, finite = self.greedy_tokens(hidden[torch.tensor(inputs.logits_rows, device=hidden.device)])
-        tokens, failed = {}, {}
-        for request_id, token, ok in zip(inputs.sampled_ids, chosen.tolist(), finite.tolist(), strict=True):
-            if ok:
-                tokens[request_id] = token
-            else:
-                failed[request_id] = "the model's logits were not finite"
-        return tokens, failed
+        chosen, finite = self.greedy_tokens(_rows(hidden, inputs.logits_rows))
+        picks = list(zip(inputs.sampled_ids, chosen.tolist(), finite.tolist(), strict=True))
+        failed = {request_id: "the model's logits were not finite" for request_id, _, ok in picks if not ok}
+        return {request_id: token for request_id, token, ok in picks if ok}, failed
 
     def _verify_drafts(
         self, hidden: torch.Tensor, inputs: BatchInputs
@@ -296,7 +287,7 @@ class ModelRunner:
         """For requests with prompt_logprobs: each computed prompt position's logprob of the next prompt token."""
         if not inputs.prompt_rows:
             return {}
-        logits = self.compute_logits(hidden[torch.tensor(inputs.prompt_rows, device=hidden.device)]).cpu()
+        logits = self.compute_logits(_rows(hidden, inputs.prompt_rows)).cpu()
         scored: dict[str, tuple[TokenLogprob, ...]] = {}
         targets = torch.tensor(inputs.prompt_targets)
         for request_id, (first, last) in inputs.prompt_scored.items():
@@ -314,9 +305,13 @@ class ModelRunner:
         if not beam_rows:
             return {}
         k = max(inputs.samplers[i].num_beam_candidates for i in beam_rows)
-        found = top_candidates(logits[torch.tensor(beam_rows, device=logits.device)].cpu(), k)
+        found = top_candidates(_rows(logits, beam_rows).cpu(), k)
         candidates = {}
         for row, best in zip(beam_rows, found, strict=True):
             n = inputs.samplers[row].num_beam_candidates
             candidates[inputs.sampled_ids[row]] = BeamCandidates(best.logprobs[:n], best.token_ids[:n])
         return candidates
+
+
+def _rows(values: torch.Tensor, rows: list[int]) -> torch.Tensor:
+    return values[torch.tensor(rows, device=values.device)]

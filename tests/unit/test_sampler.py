@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from folio.sample import race, top_k_top_p
-from folio.sample.noise import exponential_rows
+from folio.sample.race import exponential_rows
 from folio.sample.sampler import SamplingBatch, apply_top_k_top_p_min_p, row_problems
 from folio.sample.sampler import sample_tokens as sample
 from folio.sampling_params import SamplingParams

@@ -6,8 +6,7 @@ import pytest
 import torch
 
 from folio.sample import top_k_top_p
-from folio.sample.top_k_top_p import top_k_top_p_kept
-from folio.sample.wide_nucleus import nucleus_mask
+from folio.sample.top_k_top_p import nucleus_mask, top_k_top_p_kept
 
 
 def top_k_top_p_keep(logits: torch.Tensor, top_k: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor | None:

@@ -155,26 +155,21 @@ def build_attention_metadata(
     Every row's K/V is written before any row attends, so that is exactly causal attention, and the
     step stays a pure decode step for the decode kernel and the C++ decode step."""
     slots: list[int] = []
-    decode_rows: list[int] = []
-    decode_starts: list[int] = []
-    decode_tables: list[list[int]] = []
-    decode_seqs: list[int] = []
+    decodes: list[tuple[int, int, list[int], int]] = []  # each decode row's (row, position, table, sequence)
     groups: list[AttentionGroup] = []
     row = 0
     for seq, (start, qlen, table) in enumerate(zip(start_positions, query_lens, block_tables, strict=True)):
         slots.extend(table[pos // block_size] * block_size + pos % block_size for pos in range(start, start + qlen))
         if qlen == 1 or (seq < len(as_decodes) and as_decodes[seq]):
-            decode_rows.extend(range(row, row + qlen))
-            decode_starts.extend(range(start, start + qlen))
-            decode_tables.extend([table] * qlen)
-            decode_seqs.extend([seq] * qlen)
+            decodes.extend((row + i, start + i, table, seq) for i in range(qlen))
         else:
             groups.append(
                 _group(list(range(row, row + qlen)), [start], qlen, [table], [seq], block_size, start == 0, device)
             )
         row += qlen
-    if decode_rows:
-        groups.insert(0, _group(decode_rows, decode_starts, 1, decode_tables, decode_seqs, block_size, False, device))
+    if decodes:
+        rows, starts, tables, seqs = (list(column) for column in zip(*decodes, strict=True))
+        groups.insert(0, _group(rows, starts, 1, tables, seqs, block_size, False, device))
     return AttentionMetadata(torch.tensor(slots, dtype=torch.long, device=device), groups, row)
 
 
