@@ -53,16 +53,8 @@ class ModelConfig:
     position_embedding: str = "rope"
 
     def __post_init__(self) -> None:
-        for name in (
-            "vocab_size",
-            "hidden_size",
-            "intermediate_size",
-            "num_layers",
-            "num_heads",
-            "num_kv_heads",
-            "head_dim",
-            "max_position_embeddings",
-        ):
+        for name in ("vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
+                     "head_dim", "max_position_embeddings"):  # fmt: skip
             if getattr(self, name) <= 0:
                 raise ValueError(f"model config: {name} must be positive, got {getattr(self, name)}")
         if self.num_heads % self.num_kv_heads:
@@ -101,12 +93,9 @@ class CacheConfig:
     hybrid_kv_cache: bool = True
 
     def __post_init__(self) -> None:
-        if self.block_size <= 0:
-            raise ValueError(f"block_size must be positive, got {self.block_size}")
-        if self.kv_cache_memory is not None and self.kv_cache_memory <= 0:
-            raise ValueError(f"kv_cache_memory must be positive, got {self.kv_cache_memory}")
-        if self.num_blocks is not None and self.num_blocks <= 0:
-            raise ValueError(f"num_blocks must be positive, got {self.num_blocks}")
+        for name in ("block_size", "kv_cache_memory", "num_blocks"):
+            if (value := getattr(self, name)) is not None and value <= 0:
+                raise ValueError(f"{name} must be positive, got {value}")
         check_kv_cache_dtype(self.kv_cache_dtype)
 
 
@@ -156,13 +145,12 @@ class ParallelConfig:
     pipeline_layers: tuple[int, ...] | None = None
 
     def __post_init__(self) -> None:
-        for name in ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        sizes = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "pipeline_micro_batches")
+        for name in sizes:
+            if (value := getattr(self, name)) is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.context_parallel_size > 1 and self.tensor_parallel_size * self.pipeline_parallel_size > 1:
             raise ValueError("context parallelism does not combine with tensor or pipeline parallelism yet")
-        if self.pipeline_micro_batches is not None and self.pipeline_micro_batches < 1:
-            raise ValueError(f"pipeline_micro_batches must be at least 1, got {self.pipeline_micro_batches}")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"node_rank must be in [0, nnodes), got {self.node_rank} of {self.nnodes}")
         if self.cpu_collectives not in CPU_COLLECTIVES:
@@ -224,24 +212,19 @@ class SpeculativeConfig:
             raise ValueError("speculative method 'draft' needs a draft model (--draft-model)")
         if self.method != "draft" and self.draft_model is not None:
             raise ValueError(f"a draft model is only used by speculative method 'draft', not {self.method!r}")
-        if self.num_speculative_tokens < 1:
-            raise ValueError(f"num_speculative_tokens must be at least 1, got {self.num_speculative_tokens}")
+        # A suffix tree of depth 1 holds single tokens and continues none; a lookahead n-gram is a key token
+        # and at least one to propose after it.
+        least = {"num_speculative_tokens": 1, "disable_by_batch_size": 1, "suffix_max_tree_depth": 2,
+                 "suffix_max_cached_requests": 0, "lookahead_ngram_size": 2, "lookahead_pool_size": 1}  # fmt: skip
+        for name, low in least.items():
+            if getattr(self, name) < low:
+                raise ValueError(f"{name} must be at least {low}, got {getattr(self, name)}")
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise ValueError("prompt lookup needs 1 <= prompt_lookup_min <= prompt_lookup_max")
-        if self.disable_by_batch_size < 1:
-            raise ValueError("disable_by_batch_size must be at least 1")
-        if self.suffix_max_tree_depth < 2:  # depth 1 holds single tokens and continues none
-            raise ValueError(f"suffix_max_tree_depth must be at least 2, got {self.suffix_max_tree_depth}")
-        if self.suffix_max_cached_requests < 0:
-            raise ValueError(f"suffix_max_cached_requests must be at least 0, got {self.suffix_max_cached_requests}")
         if not self.suffix_max_spec_factor > 0:
             raise ValueError(f"suffix_max_spec_factor must be positive, got {self.suffix_max_spec_factor}")
         if not 0 <= self.suffix_min_token_prob <= 1:
             raise ValueError(f"suffix_min_token_prob must be between 0 and 1, got {self.suffix_min_token_prob}")
-        if self.lookahead_ngram_size < 2:  # a key token and at least one to propose after it
-            raise ValueError(f"lookahead_ngram_size must be at least 2, got {self.lookahead_ngram_size}")
-        if self.lookahead_pool_size < 1:
-            raise ValueError(f"lookahead_pool_size must be at least 1, got {self.lookahead_pool_size}")
 
 
 _DTYPES = {

@@ -6,12 +6,14 @@ import argparse
 import asyncio
 import json
 import sys
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
 from tqdm import tqdm
 
 from folio import LLM
+from folio.cli.parser import LIMIT_FLAGS
 from folio.config import ParallelConfig
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import EngineArgs
@@ -33,24 +35,19 @@ from folio.server.serve import (
     sigterm_stops_startup,
 )
 from folio.structured.params import StructuredOutputParams
-from folio.worker.worker_host import run_worker_host
+from folio.worker.executor import run_worker_host
 
 
 def _llm(args: argparse.Namespace) -> LLM:
     return LLM.from_engine_args(EngineArgs.from_cli_args(args))
 
 
+_SAMPLING_FLAGS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed")  # parser.py's _add_sampling_args
+
+
 def _sampling(args: argparse.Namespace, **overrides: Any) -> SamplingParams:
-    fields = dict(
-        max_tokens=args.max_tokens,
-        temperature=args.temperature,
-        top_k=args.top_k,
-        top_p=args.top_p,
-        min_p=args.min_p,
-        seed=args.seed,
-    )
-    fields.update(overrides)
-    return SamplingParams(**fields, structured_output=_output_format(getattr(args, "format", None)))
+    given = {**{name: getattr(args, name) for name in _SAMPLING_FLAGS}, **overrides}
+    return SamplingParams(**given, structured_output=_output_format(getattr(args, "format", None)))
 
 
 def _output_format(value: str | None) -> StructuredOutputParams | None:
@@ -142,7 +139,7 @@ def cmd_chat(args: argparse.Namespace) -> int:
         messages.append({"role": "assistant", "content": "".join(reply)})
 
 
-_SAMPLING_KEYS = ("max_tokens", "temperature", "top_k", "top_p", "min_p", "seed", "stop_token_ids", "ignore_eos")
+_SAMPLING_KEYS = (*_SAMPLING_FLAGS, "stop_token_ids", "ignore_eos")  # what a `folio generate` line may set
 
 
 def cmd_generate(args: argparse.Namespace) -> int:
@@ -166,23 +163,17 @@ def cmd_generate(args: argparse.Namespace) -> int:
     with open(args.output, "w", encoding="utf-8") as out:
         for record, result in zip(records, outputs, strict=True):
             completion = result.outputs[0]
-            metrics = result.metrics
-            out.write(
-                json.dumps(
-                    {
-                        **{k: record[k] for k in ("id", "prompt", "messages") if k in record},
-                        "text": completion.text,
-                        "token_ids": completion.token_ids,
-                        "finish_reason": completion.finish_reason,
-                        "prompt_tokens": len(result.prompt_token_ids),
-                        "completion_tokens": len(completion.token_ids),
-                        "time_to_first_token_s": metrics.time_to_first_token,
-                        "latency_s": metrics.latency,
-                    },
-                    ensure_ascii=False,
-                )
-                + "\n"
-            )
+            row = {
+                **{k: record[k] for k in ("id", "prompt", "messages") if k in record},
+                "text": completion.text,
+                "token_ids": completion.token_ids,
+                "finish_reason": completion.finish_reason,
+                "prompt_tokens": len(result.prompt_token_ids),
+                "completion_tokens": len(completion.token_ids),
+                "time_to_first_token_s": result.metrics.time_to_first_token,
+                "latency_s": result.metrics.latency,
+            }
+            out.write(json.dumps(row, ensure_ascii=False) + "\n")
     print(f"wrote {len(outputs)} completions to {args.output}", file=sys.stderr)
     return 0
 
@@ -251,17 +242,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
     bind_address(args.host, args.port).close()  # fail before starting Ray and loading replicas
-    routing = RoutingConfig(policy=args.routing, imbalance_bound=args.routing_imbalance)
+    same = ("min_replicas", "max_replicas", "cpus_per_replica", "ray_address", "disaggregate", "prefill_replicas")
     replicas = ReplicaOptions(
         replicas=args.replicas if args.replicas is not None else 1,
-        min_replicas=args.min_replicas,
-        max_replicas=args.max_replicas,
         target_ongoing_requests=args.autoscale_target,
-        cpus_per_replica=args.cpus_per_replica,
-        routing=routing,
-        ray_address=args.ray_address,
-        disaggregate=args.disaggregate,
-        prefill_replicas=args.prefill_replicas,
+        routing=RoutingConfig(policy=args.routing, imbalance_bound=args.routing_imbalance),
+        **{name: getattr(args, name) for name in same},
     )
     try:  # Ray is an optional extra: only this command needs it
         from folio.scale_out.deploy import serve_on_ray
@@ -273,30 +259,15 @@ def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
 
 def cmd_worker(args: argparse.Namespace) -> int:
     parallel = ParallelConfig(
-        tensor_parallel_size=args.tensor_parallel_size,
-        pipeline_parallel_size=args.pipeline_parallel_size,
-        context_parallel_size=args.context_parallel_size,
-        nnodes=args.nnodes,
-        node_rank=args.node_rank,
-        master_addr=args.master_addr,
-        master_port=args.master_port,
+        **{f.name: getattr(args, f.name) for f in fields(ParallelConfig) if hasattr(args, f.name)}
     )
     return run_worker_host(parallel, args.device or str(default_device()))
 
 
 def request_limits(args: argparse.Namespace) -> RequestLimits:
     """The limits parser.py's `request limits` flags set."""
-    return RequestLimits(
-        max_body_bytes=args.max_request_bytes,
-        max_stop_strings=args.max_stop_strings,
-        max_stop_chars=args.max_stop_length,
-        max_logit_bias=args.max_logit_bias,
-        max_grammar_bytes=args.max_grammar_bytes,
-        max_logprobs=args.max_logprobs_per_request,
-        max_inputs=args.max_request_inputs,
-        max_prompt_tokens=args.max_request_tokens,
-        priority_range=_priority_range(args.scheduling_policy, args.priority_range),
-    )
+    given = {name: getattr(args, flag[2:].replace("-", "_")) for flag, (name, _) in LIMIT_FLAGS.items()}
+    return RequestLimits(**given, priority_range=_priority_range(args.scheduling_policy, args.priority_range))
 
 
 def _priority_range(policy: str, given: str | None) -> tuple[int, int] | None:

@@ -59,31 +59,28 @@ def _add_chat_parser_args(parser: argparse.ArgumentParser) -> None:
                         "text into reasoning_content (default auto: if the template mentions <think>)")  # fmt: skip
 
 
+# Each request-limit flag (but the priority ones): the RequestLimits field it sets, and its help.
+LIMIT_FLAGS = {
+    "--max-request-bytes": ("max_body_bytes", "largest HTTP request body"),
+    "--max-stop-strings": ("max_stop_strings", "stop strings per request"),
+    "--max-stop-length": ("max_stop_chars", "characters in one stop string"),
+    "--max-logit-bias": ("max_logit_bias", "logit_bias entries per request"),
+    "--max-grammar-bytes": ("max_grammar_bytes", "size of a structured-output schema, regex, grammar or choice "
+                            "list, as JSON"),
+    "--max-logprobs-per-request": ("max_logprobs", "choices x (top_logprobs + 1) x max_tokens a request may ask for"),
+    "--max-request-inputs": ("max_inputs", "prompts in one completion request, inputs in one embedding request"),
+    "--max-request-tokens": ("max_prompt_tokens", "prompt tokens of one request, all its prompts together"),
+}  # fmt: skip
+
+
 def _add_limit_args(parser: argparse.ArgumentParser) -> None:
     """What one request may cost (folio/server/limits.py); beyond a limit the server answers 400 (413 for
     the body)."""
     defaults = RequestLimits()
     limits = parser.add_argument_group("request limits")
-    limits.add_argument("--max-request-bytes", type=int, default=defaults.max_body_bytes,
-                        help=f"largest HTTP request body (default {defaults.max_body_bytes})")  # fmt: skip
-    limits.add_argument("--max-stop-strings", type=int, default=defaults.max_stop_strings,
-                        help=f"stop strings per request (default {defaults.max_stop_strings})")  # fmt: skip
-    limits.add_argument("--max-stop-length", type=int, default=defaults.max_stop_chars,
-                        help=f"characters in one stop string (default {defaults.max_stop_chars})")  # fmt: skip
-    limits.add_argument("--max-logit-bias", type=int, default=defaults.max_logit_bias,
-                        help=f"logit_bias entries per request (default {defaults.max_logit_bias})")  # fmt: skip
-    limits.add_argument("--max-grammar-bytes", type=int, default=defaults.max_grammar_bytes,
-                        help="size of a structured-output schema, regex, grammar or choice list, as JSON "
-                        f"(default {defaults.max_grammar_bytes})")  # fmt: skip
-    limits.add_argument("--max-logprobs-per-request", type=int, default=defaults.max_logprobs,
-                        help="choices x (top_logprobs + 1) x max_tokens a request may ask for "
-                        f"(default {defaults.max_logprobs})")  # fmt: skip
-    limits.add_argument("--max-request-inputs", type=int, default=defaults.max_inputs,
-                        help="prompts in one completion request, inputs in one embedding request "
-                        f"(default {defaults.max_inputs})")  # fmt: skip
-    limits.add_argument("--max-request-tokens", type=int, default=defaults.max_prompt_tokens,
-                        help=f"prompt tokens of one request, all its prompts together (default "
-                        f"{defaults.max_prompt_tokens})")  # fmt: skip
+    for flag, (name, help) in LIMIT_FLAGS.items():
+        default = getattr(defaults, name)
+        limits.add_argument(flag, type=int, default=default, help=f"{help} (default {default})")
     limits.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                         help="fcfs (default): first come, first served, and a request's priority must be 0; "
                         "priority: requests' own priorities order the queue (lower first), as vLLM's")  # fmt: skip

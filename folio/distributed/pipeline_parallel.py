@@ -18,6 +18,7 @@ import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
+from itertools import accumulate
 from typing import Any
 
 import torch
@@ -103,8 +104,7 @@ def partition_layers(config: ModelConfig, stages: int, counts: tuple[int, ...] |
                 f"pipeline layers {','.join(map(str, counts))}: give {stages} counts of at least 1 that add up "
                 f"to the model's {n} layers"
             )
-        starts = [sum(counts[:i]) for i in range(stages)]
-        return [range(start, start + count) for start, count in zip(starts, counts, strict=True)]
+        return [range(end - count, end) for end, count in zip(accumulate(counts), counts, strict=True)]
     layer = layer_weights(config)
     head = config.vocab_size * config.hidden_size
     costs = [layer] * n
@@ -116,9 +116,7 @@ def _balanced_ranges(costs: list[int], parts: int) -> list[range]:
     """Split `costs` into `parts` non-empty contiguous runs minimising the largest run's sum (exact:
     dynamic programming over the split points; layers number in the tens)."""
     n = len(costs)
-    prefix = [0]
-    for cost in costs:
-        prefix.append(prefix[-1] + cost)
+    prefix = [0, *accumulate(costs)]
     # best[k][i]: the smallest possible heaviest run splitting the first i costs into k runs.
     inf = float("inf")
     best = [[inf] * (n + 1) for _ in range(parts + 1)]

@@ -26,9 +26,10 @@ KEEPALIVE_SECONDS = 30.0
 STORE_BACKLOG = 128  # connections the store's socket queues: a few per rank as they join
 
 
-def free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` ("": on every interface)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 

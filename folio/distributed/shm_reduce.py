@@ -101,22 +101,14 @@ class SharedMemoryReducer:
         x = x.contiguous()
         width = x.shape[-1]
         rows = x.view(-1, width)
-        joined = torch.empty(rows.shape[0], self.world_size, width, dtype=x.dtype)
         rows_per_chunk = SLOT_BYTES // max(1, width * x.element_size())
-        if rows_per_chunk == 0:  # a row larger than a slot: gather flat, then lay the parts side by side
-            parts = [torch.empty_like(rows) for _ in range(self.world_size)]
-            offset = 0
-            for chunk in self._chunks(rows.view(-1)):
-                for rank, part in enumerate(self._exchange(chunk)):
-                    parts[rank].view(-1)[offset : offset + chunk.numel()].copy_(part)
-                offset += chunk.numel()
-            for rank, part in enumerate(parts):
-                joined[:, rank].copy_(part)
-        else:  # whole rows per chunk, each rank's copied straight to its place in the result
-            for first in range(0, rows.shape[0], rows_per_chunk):
-                block = rows[first : first + rows_per_chunk]
-                for rank, part in enumerate(self._exchange(block.reshape(-1))):
-                    joined[first : first + block.shape[0], rank].copy_(part.view_as(block))
+        if rows_per_chunk == 0:  # a row larger than a slot: gather whole, then lay the parts side by side
+            return self.all_gather(x).movedim(0, -2).reshape(*x.shape[:-1], self.world_size * width)
+        joined = torch.empty(rows.shape[0], self.world_size, width, dtype=x.dtype)
+        for first in range(0, rows.shape[0], rows_per_chunk):  # each rank's rows straight to their place
+            block = rows[first : first + rows_per_chunk]
+            for rank, part in enumerate(self._exchange(block.reshape(-1))):
+                joined[first : first + block.shape[0], rank].copy_(part.view_as(block))
         return joined.view(*x.shape[:-1], self.world_size * width)
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
@@ -136,10 +128,9 @@ class SharedMemoryReducer:
         x = x.contiguous()
         width = x.shape[1]
         out = torch.empty(self.world_size, mine.numel(), width, dtype=x.dtype)
-        rows_per_chunk = max(1, SLOT_BYTES // max(1, width * x.element_size()))
-        if rows_per_chunk * width * x.element_size() > SLOT_BYTES:  # a row larger than a slot
-            every = self.all_gather(x)
-            return every[:, mine]
+        rows_per_chunk = SLOT_BYTES // max(1, width * x.element_size())
+        if rows_per_chunk == 0:  # a row larger than a slot
+            return self.all_gather(x)[:, mine]
         for first in range(0, x.shape[0], rows_per_chunk):
             block = x[first : first + rows_per_chunk]
             lo, hi = torch.searchsorted(mine, torch.tensor([first, first + block.shape[0]])).tolist()

@@ -71,19 +71,13 @@ def check_disaggregation(args: EngineArgs) -> None:
 def _engine_deployment(
     name: str, args: EngineArgs, server: ServerOptions, options: ReplicaOptions, cpus: float, scaling: dict
 ) -> Deployment:
-    world = args.parallel_config().world_size
+    # Over several nodes, one bundle per node: the replica in the first, a RankHost in each other one. On one,
+    # the replica's ranks are its own processes: a bundle per rank reserves their CPUs on the replica's node.
+    bundles = args.nnodes if args.nnodes > 1 else args.parallel_config().world_size
     placement: dict = {}
-    if args.nnodes > 1:  # one bundle per node: the replica in the first, a RankHost in each other one
-        per_node = cpus / args.nnodes
-        placement = {"placement_group_bundles": [{"CPU": per_node}] * args.nnodes,
-                     "placement_group_strategy": "STRICT_SPREAD"}  # fmt: skip
-        actor_options = {"num_cpus": per_node}
-    elif world > 1:  # the replica's ranks are its own processes: reserve their CPUs on the replica's node
-        per_rank = cpus / world
-        placement = {"placement_group_bundles": [{"CPU": per_rank}] * world, "placement_group_strategy": "STRICT_PACK"}
-        actor_options = {"num_cpus": per_rank}
-    else:
-        actor_options = {"num_cpus": cpus}
+    if bundles > 1:
+        placement = {"placement_group_bundles": [{"CPU": cpus / bundles}] * bundles,
+                     "placement_group_strategy": "STRICT_SPREAD" if args.nnodes > 1 else "STRICT_PACK"}  # fmt: skip
     router = RequestRouterConfig(
         request_router_class=f"{FolioRequestRouter.__module__}.{FolioRequestRouter.__qualname__}",
         request_router_kwargs={**options.routing.__dict__, "block_size": args.block_size},
@@ -91,7 +85,7 @@ def _engine_deployment(
     return serve.deployment(
         EngineReplica,
         name=name,
-        ray_actor_options=actor_options,
+        ray_actor_options={"num_cpus": cpus / bundles},
         # Each replica's engine queues its own requests; the ingress's admission bounds the total.
         max_ongoing_requests=args.max_num_seqs + server.max_queue,
         request_router_config=router,

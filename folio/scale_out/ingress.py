@@ -11,23 +11,20 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Iterator
 
 import ray
 from fastapi import FastAPI
-from prometheus_client import CollectorRegistry
-from prometheus_client.metrics_core import Metric
+from prometheus_client import CollectorRegistry, Gauge
 from ray.serve.handle import DeploymentHandle
 
 from folio.engine_args import EngineArgs
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import open_checkpoint
 from folio.platform import default_device, resolve_dtype
-from folio.scale_out.board import REPORT_PERIOD_S, ReplicaReport, board_for
+from folio.scale_out.board import REPORT_PERIOD_S, ROUTER_REGISTRY, ReplicaMetricsCollector, ReplicaReport, board_for
 from folio.scale_out.jobs import ReplicaDescription
 from folio.scale_out.loopback import replica_grpc_on_loopback
 from folio.scale_out.remote_engine import RemoteEngine
-from folio.scale_out.replica_metrics import ROUTER_REGISTRY, ReplicaMetricsCollector
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.auth import APIKeyDigest
@@ -36,16 +33,6 @@ from folio.server.model_card import ModelCard
 from folio.server.serve import ServerOptions
 
 logger = logging.getLogger("folio")
-
-
-class _RegistryCollector:
-    """Serves another registry's metrics inside this one (prometheus_client has no registry nesting)."""
-
-    def __init__(self, registry: CollectorRegistry) -> None:
-        self._registry = registry
-
-    def collect(self) -> Iterator[Metric]:
-        yield from self._registry.collect()
 
 
 class FolioIngress:
@@ -89,8 +76,11 @@ class FolioIngress:
     def __serve_build_asgi_app__(self) -> FastAPI:
         registry = CollectorRegistry()
         registry.register(ReplicaMetricsCollector(lambda: self.reports))
-        registry.register(_RegistryCollector(ROUTER_REGISTRY))
-        registry.register(_AdmissionCollector(self.context))
+        registry.register(ROUTER_REGISTRY)  # a registry is a collector too
+        doc = ("Engine requests holding admission slots, all replicas together; new requests get 429 beyond "
+               "max_num_seqs x replicas + --max-queue.")  # fmt: skip
+        admitted = Gauge("folio:num_requests_admitted", doc, ["model_name"], registry=registry)
+        admitted.labels(self.context.model_name).set_function(lambda: self.context.admission.in_flight)
         return create_app(self.context, registry, self.api_key)
 
     async def _refresh(self) -> None:
@@ -99,7 +89,7 @@ class FolioIngress:
         except ray.exceptions.RayActorError:
             self._board = board_for(self._app_name)
             return
-        self.engine.alive = any(report.alive for report in self.reports if report.role != "prefill")
+        self.engine.is_alive = any(report.alive for report in self.reports if report.role != "prefill")
 
     async def _refresh_forever(self) -> None:
         while True:
@@ -113,17 +103,3 @@ class FolioIngress:
         refresher = getattr(self, "_refresher", None)
         if refresher is not None:
             refresher.cancel()
-
-
-class _AdmissionCollector:
-    NAME = "folio:num_requests_admitted"
-    DOC = ("Engine requests holding admission slots, all replicas together; new requests get 429 beyond "
-           "max_num_seqs x replicas + --max-queue.")  # fmt: skip
-
-    def __init__(self, context: ServerContext) -> None:
-        self._context = context
-
-    def collect(self) -> Iterator[Metric]:
-        metric = Metric(self.NAME, self.DOC, "gauge")
-        metric.add_sample(self.NAME, {"model_name": self._context.model_name}, self._context.admission.in_flight)
-        yield metric

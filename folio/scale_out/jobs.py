@@ -29,18 +29,13 @@ class JobFailure:
 
     @classmethod
     def of(cls, exc: Exception) -> JobFailure:
-        if isinstance(exc, EngineDeadError):
-            return cls("dead", str(exc))
-        if isinstance(exc, ValueError):
-            return cls("invalid", str(exc))
-        return cls("failed", str(exc))
+        return cls(next((kind for kind, error in _ERRORS.items() if isinstance(exc, error)), "failed"), str(exc))
 
     def as_exception(self) -> Exception:
-        if self.kind == "dead":
-            return EngineDeadError(self.message)
-        if self.kind == "invalid":
-            return ValueError(self.message)
-        return RequestFailedError(self.message)
+        return _ERRORS.get(self.kind, RequestFailedError)(self.message)
+
+
+_ERRORS: dict[str, type[Exception]] = {"dead": EngineDeadError, "invalid": ValueError, "failed": RequestFailedError}
 
 
 @dataclass(frozen=True)

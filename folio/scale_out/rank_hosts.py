@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 from dataclasses import replace
 from multiprocessing.process import BaseProcess
 
@@ -22,7 +21,7 @@ from ray.util.placement_group import get_current_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from folio.config import ParallelConfig
-from folio.distributed import rank_auth
+from folio.distributed import rank_auth, rendezvous
 from folio.engine_args import EngineArgs
 from folio.worker.executor import start_ranks, stop_ranks
 
@@ -47,12 +46,6 @@ class RankHost:
         stop_ranks(self.processes)
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("", 0))
-        return probe.getsockname()[1]
-
-
 def start_rank_hosts(args: EngineArgs, device: str) -> tuple[EngineArgs, list[ray.actor.ActorHandle]]:
     """For a replica split over `args.nnodes` nodes: the args its own engine runs with (the rendezvous at
     this node), and the started actors holding the other nodes' ranks."""
@@ -61,7 +54,7 @@ def start_rank_hosts(args: EngineArgs, device: str) -> tuple[EngineArgs, list[ra
     group = get_current_placement_group()
     if group is None or len(group.bundle_specs) < args.nnodes:
         raise ValueError(f"a replica over {args.nnodes} nodes needs a placement group of one bundle per node")
-    args = replace(args, master_addr=ray.util.get_node_ip_address(), master_port=_free_port())
+    args = replace(args, master_addr=ray.util.get_node_ip_address(), master_port=rendezvous.free_port(""))
     parallel = args.parallel_config()
     # This replica's own ranks read the secret from its environment (executor.py); Ray carries it to the
     # other nodes' ranks, on the cluster Ray's own trust covers.

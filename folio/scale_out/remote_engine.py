@@ -32,16 +32,8 @@ class ReplicaLostError(EngineDeadError):
 class RemoteEngine:
     def __init__(self, handle: DeploymentHandle, max_model_len: int) -> None:
         self.handle = handle.options(stream=True, method_name="generate")
-        self._max_model_len = max_model_len
-        self.alive = True  # kept by the ingress from the replicas' reports
-
-    @property
-    def is_alive(self) -> bool:
-        return self.alive
-
-    @property
-    def max_model_len(self) -> int:
-        return self._max_model_len
+        self.max_model_len = max_model_len
+        self.is_alive = True  # kept by the ingress from the replicas' reports
 
     def generation(self) -> RemoteGeneration:
         return RemoteGeneration(self)

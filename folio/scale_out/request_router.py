@@ -14,7 +14,7 @@ from typing import Any
 
 from ray.serve.request_router import FIFOMixin, PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from folio.scale_out import replica_metrics
+from folio.scale_out import board
 from folio.scale_out.jobs import EngineJob
 from folio.scale_out.routing import RoutingConfig, RoutingPolicy, prefix_digests
 
@@ -32,19 +32,13 @@ class FolioRequestRouter(FIFOMixin, RequestRouter):
         self._lock = threading.Lock()  # the policy's tables, against Serve's routing tasks
 
     async def _loads(self, replicas: list[RunningReplica]) -> dict[ReplicaID, int]:
-        loads: dict[ReplicaID, int] = {}
-        stale = []
-        for replica in replicas:
-            cached = self._replica_queue_len_cache.get(replica.replica_id)
-            if cached is None:
-                stale.append(replica)
-            else:
-                loads[replica.replica_id] = cached
+        """Serve's cached counts of the replicas' requests in flight; the replicas whose count is stale are probed."""
+        loads = {replica.replica_id: self._replica_queue_len_cache.get(replica.replica_id) for replica in replicas}
+        stale = [replica for replica in replicas if loads[replica.replica_id] is None]
         if stale:
             for replica, queue_len in await self._probe_queue_lens(stale, 0):
-                if queue_len is not None:
-                    loads[replica.replica_id] = queue_len
-        return loads
+                loads[replica.replica_id] = queue_len
+        return {replica_id: load for replica_id, load in loads.items() if load is not None}
 
     async def choose_replicas(
         self, candidate_replicas: list[RunningReplica], pending_request: PendingRequest | None = None
@@ -84,9 +78,9 @@ class FolioRequestRouter(FIFOMixin, RequestRouter):
         decision = getattr(pending_request.routing_context, "folio_decision", None)
         went_as_chosen = decision is not None and decision.replica == replica_id.unique_id
         reason = decision.reason if went_as_chosen else "fallback"
-        replica_metrics.ROUTED.labels(replica_id.unique_id, reason).inc()
+        board.ROUTED.labels(replica_id.unique_id, reason).inc()
         if went_as_chosen and decision.matched_blocks:
-            replica_metrics.MATCHED_BLOCKS.labels(replica_id.unique_id).inc(decision.matched_blocks)
+            board.MATCHED_BLOCKS.labels(replica_id.unique_id).inc(decision.matched_blocks)
 
     def on_replica_actor_died(self, replica_id: ReplicaID) -> None:
         super().on_replica_actor_died(replica_id)

@@ -7,10 +7,12 @@ rest to -inf. Masks are computed in parallel across rows by llguidance's executo
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import llguidance
 import torch
@@ -76,17 +78,14 @@ class GrammarCompiler:
     def __init__(self, tokenizer: Tokenizer, vocab_size: int) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size  # the model's logits width (may exceed the tokenizer's vocabulary)
-        self._lltokenizer: llguidance.LLTokenizer | None = None
 
-    @property
+    @cached_property
     def lltokenizer(self) -> llguidance.LLTokenizer:
-        if self._lltokenizer is None:
-            self._lltokenizer = llguidance.LLTokenizer(
-                self.tokenizer.backend.to_str(),
-                n_vocab=self.vocab_size,
-                eos_token=sorted(self.tokenizer.eos_token_ids) or None,
-            )
-        return self._lltokenizer
+        return llguidance.LLTokenizer(
+            self.tokenizer.backend.to_str(),
+            n_vocab=self.vocab_size,
+            eos_token=sorted(self.tokenizer.eos_token_ids) or None,
+        )
 
     def compile(self, params: StructuredOutputParams) -> TokenGrammar:
         matcher = llguidance.LLMatcher(self.lltokenizer, params.compiled, log_level=0)
@@ -139,11 +138,7 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.reshape(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-_shared_executor: llguidance.LLExecutor | None = None
-
-
+@functools.cache
 def _executor() -> llguidance.LLExecutor:
-    global _shared_executor
-    if _shared_executor is None:
-        _shared_executor = llguidance.LLExecutor()
-    return _shared_executor
+    """One executor (its thread pool) for every compiler."""
+    return llguidance.LLExecutor()
