@@ -48,10 +48,10 @@ def _nan_logits(monkeypatch):
 
 
 def _mask_raises(monkeypatch):
-    def grammar_bitmask(grammars, vocab_size, timing):
+    def fill_bitmask(grammars, vocab_size, timing):
         raise RuntimeError("injected grammar fault")
 
-    monkeypatch.setattr(structured_output, "grammar_bitmask", grammar_bitmask)
+    monkeypatch.setattr(structured_output, "fill_bitmask", fill_bitmask)
 
 
 def _advance_raises(monkeypatch):
