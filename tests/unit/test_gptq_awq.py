@@ -80,11 +80,11 @@ def test_folding_awq_scales_leaves_the_float_model_unchanged(tmp_path, kind):
     llm = LLM(folder, num_kv_blocks=64, block_size=4, enable_prefix_caching=False)
     _, before = run_greedy_capturing_logits(llm.engine, prompts, 1)
     model = llm.loaded.model
-    stats = {}
+    stats, generator = {}, torch.Generator().manual_seed(0)  # its own: the same inputs whatever ran before
     for name, layer in model.named_modules():
         if isinstance(layer, Linear):  # skewed channel magnitudes, so the scales are far from 1
             cols = layer.in_features
-            x = torch.randn(512, cols, generator=GEN) * torch.linspace(0.1, 10, cols)
+            x = torch.randn(512, cols, generator=generator) * torch.linspace(0.1, 10, cols)
             stats[name] = InputStatistics(x.t() @ x, x.abs().sum(0), 512)
     weights_before = {n: m.weight.data.clone() for n, m in model.named_modules() if isinstance(m, Linear)}
     fold_awq_scales(model, stats, 32, show_progress=False)
