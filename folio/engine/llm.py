@@ -68,9 +68,18 @@ class LLM:
             speculative_config = SpeculativeConfig(**speculative_config)
         if pipeline_layers is not None and not isinstance(pipeline_layers, str):
             pipeline_layers = ",".join(map(str, pipeline_layers))
-        options = dict(locals())  # every keyword is the EngineArgs field of its name (EngineArgs.llm_kwargs)
-        del options["self"], options["model"]
-        args = EngineArgs(str(model), **options)
+        args = EngineArgs(
+            str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
+            block_size=block_size, max_num_seqs=max_num_seqs, max_num_batched_tokens=max_num_batched_tokens,
+            max_model_len=max_model_len, enable_prefix_caching=enable_prefix_caching,
+            hybrid_kv_cache=hybrid_kv_cache, batching=batching, batch_size=batch_size,
+            batch_timeout_ms=batch_timeout_ms, quantization=quantization, kv_cache_dtype=kv_cache_dtype,
+            speculative_config=speculative_config, tensor_parallel_size=tensor_parallel_size,
+            pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size,
+            pipeline_micro_batches=pipeline_micro_batches, pipeline_layers=pipeline_layers, nnodes=nnodes,
+            master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives, pooling=pooling,
+            compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager,
+        )  # fmt: skip
         self.engine = EngineCore.from_engine_args(args)
         assert self.engine.loaded is not None
         self.loaded: LoadedModel = self.engine.loaded
@@ -184,9 +193,9 @@ class LLM:
         groups = [self._make_samples(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         processor = OutputProcessor(self.engine, self.tokenizer)
         for group, rank in zip(groups, priorities, strict=True):
-            for request in group:  # decoded once at the end, unless stop strings need the text as it grows
+            for request in group:
                 request.priority = rank
-                processor.add(request, stream_text=False)
+                processor.add(request, stream_text=False)  # decoded once at the end, unless stop strings need it
         self._run(groups, "generating", use_tqdm, processor)
         return [
             self._output(group, p if isinstance(p, str) else None, processor)
