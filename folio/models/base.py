@@ -228,6 +228,12 @@ class CausalLM(nn.Module):
         """torch.compile each held decoder layer in place (shapes dynamic: every step's token count differs).
         The C++ kernels a layer calls are opaque to the compiler, so it compiles what lies between them."""
         for layer in self.model.held_layers():
+            # Attention stays out of the graphs (the layer breaks there, as vLLM's piecewise graphs do):
+            # traced, its branches on the step's metadata (group count, fresh prompts, cached masks) became
+            # guards, and a few mixed steps spent the compiler's 8 recompiles, after which layers ran eager.
+            # Wrapped here rather than decorated: the decorator imports torch._dynamo (~2 s) in every process.
+            attention = layer.self_attn.attn
+            attention.forward = torch.compiler.disable(attention.forward)
             layer.compile(dynamic=True)
 
     @property

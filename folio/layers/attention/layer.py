@@ -48,11 +48,6 @@ class PagedAttention(nn.Module):
         self.cache, self.block_size, self.kv_group = cache, block_size, kv_group
         self.decode_kernel = ops.load("paged_decode") if cache.k.device.type == "cpu" else None
 
-    # Left out of --compile's graphs (the layer around it breaks there, as vLLM's piecewise graphs do at
-    # attention): traced, its branches on the step's metadata (group count, fresh prompts, cached masks)
-    # became guards, and a few steps of mixed batches spent the compiler's 8 recompiles, after which the
-    # layers ran eager.
-    @torch.compiler.disable
     def forward(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, meta: AttentionMetadata) -> torch.Tensor:
         """q: [T, H, D]; k, v: [T, Hkv, D] -> [T, H * D]."""
         cache = self.cache
