@@ -16,7 +16,7 @@ from folio import LLM
 from folio.cli.parser import LIMIT_FLAGS
 from folio.config import ParallelConfig
 from folio.engine.engine_core import EngineCore
-from folio.engine_args import EngineArgs
+from folio.engine_args import DEFAULT_MODEL, EngineArgs
 from folio.loaders.catalog import CATALOG, list_pulled, pull
 from folio.paths import atomic_open
 from folio.platform import default_device
@@ -25,6 +25,8 @@ from folio.scale_out.options import ReplicaOptions
 from folio.scale_out.routing import RoutingConfig
 from folio.server.context import ChatOptions
 from folio.server.limits import RequestLimits
+from folio.server.model_manager import ManagerOptions
+from folio.server.model_sources import ModelSources
 from folio.server.openai.batch_file import batch_lines, run_batch
 from folio.server.serve import (
     ServerOptions,
@@ -32,8 +34,10 @@ from folio.server.serve import (
     bind_address,
     build_server,
     serve,
+    serve_models,
     sigterm_stops_startup,
 )
+from folio.server.served_models import keep_alive_seconds
 from folio.structured.params import StructuredOutputParams
 from folio.worker.executor import run_worker_host
 
@@ -230,11 +234,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
     options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args))
-    if args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None or args.disaggregate:
+    many = len(args.models) != 1 or args.models_dir is not None
+    replicated = args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None
+    if many and (replicated or args.disaggregate):
+        raise ValueError("Ray replicas serve one model: name exactly one MODEL (and no --models-dir)")
+    args.model = args.models[0] if not many else DEFAULT_MODEL  # each model's own replaces it when it loads
+    if replicated or args.disaggregate:
         return _serve_replicas(args, options)
     try:
         with sigterm_stops_startup():
-            serve(EngineArgs.from_cli_args(args), args.host, args.port, options, args.engine_process)
+            if many:
+                sources = ModelSources(args.models, args.models_dir)
+                manager = ManagerOptions(args.max_loaded_models, keep_alive_seconds(args.keep_alive))
+                serve_models(sources, EngineArgs.from_cli_args(args), args.host, args.port, options, manager)
+            else:
+                serve(EngineArgs.from_cli_args(args), args.host, args.port, options, args.engine_process)
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0

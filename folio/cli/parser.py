@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import os
 from importlib.metadata import entry_points
+from pathlib import Path
 
 from folio import __version__
 from folio.engine_args import DEFAULT_MODEL, EngineArgs, add_parallel_args
@@ -146,7 +147,9 @@ def build_parser() -> argparse.ArgumentParser:
     EngineArgs.add_cli_args(chat)
 
     serve = sub.add_parser("serve", help="OpenAI-compatible HTTP server")
-    serve.add_argument("model", nargs="?", default=DEFAULT_MODEL)
+    serve.add_argument("models", nargs="*", metavar="MODEL", help="one model (held for the server's life), or "
+                       "several (NAME=PATH names one), loaded when a request names them; none: every pulled "
+                       "model")  # fmt: skip
     serve.add_argument("--host", default="127.0.0.1")
     serve.add_argument("--port", type=int, default=8000)
     serve.add_argument(
@@ -160,6 +163,14 @@ def build_parser() -> argparse.ArgumentParser:
     serve.add_argument("--engine-process", action=argparse.BooleanOptionalAction, default=False,
                        help="run the engine in a process of its own, apart from the HTTP server's Python "
                        "(default: a thread of the server's process)")  # fmt: skip
+    many = serve.add_argument_group("many models (several MODELs, --models-dir, or none)")
+    many.add_argument("--models-dir", type=Path, default=None, help="serve every .gguf file and model folder in "
+                      "this folder (looked at again for each unknown name)")  # fmt: skip
+    many.add_argument("--max-loaded-models", type=int, default=3, help="models loaded at once; the least "
+                      "recently used idle one is unloaded to load another (default 3)")  # fmt: skip
+    many.add_argument("--keep-alive", default=os.environ.get("FOLIO_KEEP_ALIVE", "5m"), help="how long an idle "
+                      "model stays loaded: a duration (5m, 1h30m) or seconds; 0 unloads at once, negative never "
+                      "(default 5m or $FOLIO_KEEP_ALIVE; a request's keep_alive overrides it)")  # fmt: skip
     _add_chat_parser_args(serve)
     _add_limit_args(serve)
     _add_replica_args(serve)

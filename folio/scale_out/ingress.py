@@ -31,6 +31,7 @@ from folio.server.auth import APIKeyDigest
 from folio.server.context import ServerContext
 from folio.server.model_card import ModelCard
 from folio.server.serve import ServerOptions
+from folio.server.served_models import OneModel
 
 logger = logging.getLogger("folio")
 
@@ -81,7 +82,7 @@ class FolioIngress:
                "max_num_seqs x replicas + --max-queue.")  # fmt: skip
         admitted = Gauge("folio:num_requests_admitted", doc, ["model_name"], registry=registry)
         admitted.labels(self.context.model_name).set_function(lambda: self.context.admission.in_flight)
-        return create_app(self.context, registry, self.api_key)
+        return create_app(OneModel(self.context), self.context.limits, registry, self.api_key)
 
     async def _refresh(self) -> None:
         try:

@@ -10,6 +10,8 @@ Every failure a client can cause is answered in the API's own error format and t
 from __future__ import annotations
 
 import logging
+from collections.abc import Awaitable, Callable
+from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -27,6 +29,8 @@ from folio.server.body_route import OffLoopBodyRoute, warm_json_scanner
 from folio.server.context import ServerContext
 from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
+from folio.server.limits import RequestLimits
+from folio.server.model_routes import model_router
 from folio.server.ollama.routes import ollama_router
 from folio.server.openai.chat.prompt import encode_messages
 from folio.server.openai.chat.protocol import ChatCompletionRequest
@@ -37,6 +41,7 @@ from folio.server.openai.protocol import CompletionRequest, DetokenizeRequest, T
 from folio.server.openai.responses.protocol import ResponsesRequest
 from folio.server.openai.responses.routes import create_response
 from folio.server.request_body import BODY_ERROR_TYPES
+from folio.server.served_models import ServedModels
 
 logger = logging.getLogger("folio")
 
@@ -56,14 +61,15 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 
 def create_app(
-    ctx: ServerContext, metrics_registry: CollectorRegistry | None = None, api_key: str | APIKeyDigest | None = None
-) -> FastAPI:
+    models: ServedModels, limits: RequestLimits, metrics_registry: CollectorRegistry | None = None,
+    api_key: str | APIKeyDigest | None = None,
+) -> FastAPI:  # fmt: skip
     app = FastAPI(title="folio", docs_url=None, redoc_url=None)
     app.router.route_class = OffLoopBodyRoute  # the routes below, and the Ollama router's
     warm_json_scanner()
     if api_key is not None:
         app.add_middleware(APIKeyMiddleware, api_key=api_key)
-    app.add_middleware(BodySizeLimit, max_body_bytes=ctx.limits.max_body_bytes)  # outermost: added last
+    app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)  # outermost: added last
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError) -> JSONResponse:
@@ -79,7 +85,7 @@ def create_app(
         # Routing and body errors (404, 405, 413, ...) in the same error format as everything else.
         message = str(exc.detail)
         if exc.status_code == 413:
-            message = too_large_message(ctx.limits.max_body_bytes)
+            message = too_large_message(limits.max_body_bytes)
         return error_response(APIError(exc.status_code, message, headers=exc.headers), request.url.path)
 
     @app.exception_handler(Exception)
@@ -87,74 +93,76 @@ def create_app(
         logger.error("request failed", exc_info=exc)
         return error_response(APIError(500, INTERNAL_ERROR), request.url.path)
 
+    async def answer(name: str | None, handler: Callable[[ServerContext, Any], Awaitable[Any]], body: Any) -> Any:
+        """The handler's answer on the named model (loaded first if need be, and held meanwhile)."""
+        async with models.use(name) as ctx:
+            return await handler(ctx, body)
+
     @app.get("/health")
     async def health() -> JSONResponse:
-        if not ctx.engine.is_alive:
+        if not models.is_alive:
             return error_response(APIError(503, "the engine has stopped", code="engine_dead"))
         return JSONResponse({"status": "ok"})
 
-    @app.get("/v1/models")
-    async def models() -> dict:
-        card = {"id": ctx.model_name, "object": "model", "created": 0, "owned_by": "folio",
-                "max_model_len": ctx.max_model_len}  # fmt: skip
-        return {"object": "list", "data": [card]}
+    app.include_router(model_router(models))
 
     @app.post("/v1/completions")
     async def completions(request: Request, body: CompletionRequest):
-        return await cancel_on_disconnect(request, create_completion(ctx, body))
+        return await cancel_on_disconnect(request, answer(body.model, create_completion, body))
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request, body: ChatCompletionRequest):
-        return await cancel_on_disconnect(request, create_chat_completion(ctx, body))
+        return await cancel_on_disconnect(request, answer(body.model, create_chat_completion, body))
 
     @app.post("/v1/embeddings")
     async def embeddings(request: Request, body: EmbeddingRequest):
-        return await cancel_on_disconnect(request, create_embedding(ctx, body))
+        return await cancel_on_disconnect(request, answer(body.model, create_embedding, body))
 
-    app.include_router(ollama_router(ctx))
+    app.include_router(ollama_router(models))
 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest):
-        return await cancel_on_disconnect(request, create_response(ctx, body))
+        return await cancel_on_disconnect(request, answer(body.model, create_response, body))
 
     @app.post("/v1/messages")
     async def messages(request: Request, body: MessagesRequest):
-        return await cancel_on_disconnect(request, create_message(ctx, body))
+        return await cancel_on_disconnect(request, answer(body.model, create_message, body))
 
     @app.post("/v1/messages/count_tokens")
     async def messages_count_tokens(body: CountTokensRequest) -> dict:
-        return await count_tokens(ctx, body)
+        return await answer(body.model, count_tokens, body)
 
-    def tokenize_body(body: TokenizeRequest) -> list[int]:
+    def tokenize_body(ctx: ServerContext, body: TokenizeRequest) -> list[int]:
         if body.messages is not None:
             return encode_messages(ctx, body.messages, body.add_generation_prompt)
         return ctx.tokenizer.encode(body.prompt or "", add_special_tokens=body.add_special_tokens)
 
     @app.post("/tokenize")
     async def tokenize(body: TokenizeRequest) -> Response:
-        ctx.check_model(body.model)
-        with ctx.admission.reserve(1):  # tokenizing costs what a generation's prompt does: it waits its turn
-            tokens = await run_in_threadpool(tokenize_body, body)
-        return await json_answer({"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens})
+        async with models.use(body.model) as ctx:
+            with ctx.admission.reserve(1):  # tokenizing costs what a generation's prompt does: it waits its turn
+                tokens = await run_in_threadpool(tokenize_body, ctx, body)
+            return await json_answer({"count": len(tokens), "max_model_len": ctx.max_model_len, "tokens": tokens})
 
     @app.get("/tokenizer_info")
-    async def tokenizer_info() -> dict:
+    async def tokenizer_info(model: str | None = None) -> dict:
         # vLLM's route: what a client needs to tokenize as the server does (lm-eval's "remote" tokenizer).
-        tokenizer = ctx.tokenizer
-        return {"tokenizer_class": "folio", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
-                "pad_token": None, "chat_template": tokenizer.chat_template, "model_max_length": ctx.max_model_len,
-                "vocab_size": ctx.vocab_size}  # fmt: skip
+        async with models.use(model) as ctx:
+            tokenizer = ctx.tokenizer
+            return {"tokenizer_class": "folio", "bos_token": tokenizer.bos_token, "eos_token": tokenizer.eos_token,
+                    "pad_token": None, "chat_template": tokenizer.chat_template,
+                    "model_max_length": ctx.max_model_len, "vocab_size": ctx.vocab_size}  # fmt: skip
 
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> dict:
-        ctx.check_model(body.model)
-        if len(body.tokens) > ctx.limits.max_prompt_tokens:
-            raise APIError(400, f"at most {ctx.limits.max_prompt_tokens} tokens can be detokenized at once "
+        if len(body.tokens) > limits.max_prompt_tokens:
+            raise APIError(400, f"at most {limits.max_prompt_tokens} tokens can be detokenized at once "
                            "(--max-request-tokens)", param="tokens")  # fmt: skip
-        if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
-            raise APIError(400, f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
-        with ctx.admission.reserve(1):
-            return {"prompt": await run_in_threadpool(ctx.tokenizer.decode, body.tokens)}
+        async with models.use(body.model) as ctx:
+            if any(not 0 <= t < ctx.vocab_size for t in body.tokens):
+                raise APIError(400, f"token ids must be in [0, {ctx.vocab_size})", param="tokens")
+            with ctx.admission.reserve(1):
+                return {"prompt": await run_in_threadpool(ctx.tokenizer.decode, body.tokens)}
 
     @app.get("/metrics")
     async def prometheus_metrics() -> Response:

@@ -90,11 +90,6 @@ class ServerContext:
     def max_model_len(self) -> int:
         return self.engine.max_model_len
 
-    def check_model(self, name: str | None) -> None:
-        if name is not None and name != self.model_name:
-            raise APIError(404, f"The model '{name}' does not exist; this server serves '{self.model_name}'",
-                           param="model", code="model_not_found")  # fmt: skip
-
     def check_prompt(self, ids: list[int], param: str = "prompt", generates: bool = True) -> None:
         """Refuse prompts the engine could not run, before anything is streamed. An input that generates
         nothing (an embedding's) may fill the whole context."""

@@ -15,6 +15,8 @@ from safetensors import safe_open
 
 from folio.config import ModelConfig
 from folio.loaders.gguf_file import GGUFFile
+from folio.loaders.gguf_model import gguf_model_config
+from folio.loaders.hf_folder import read_hf_config, read_quantization_config
 from folio.models.registry import architecture_of
 
 
@@ -77,6 +79,21 @@ class ModelCard:
             modified_at=iso_time(path.stat().st_mtime),
             resident_bytes=resident_bytes,
         )
+
+    @classmethod
+    def read(cls, name: str, path: Path) -> ModelCard:
+        """A model not loaded, from its file's headers and config (no weight is read; a GGUF file's header
+        takes a moment to parse: call it off the event loop)."""
+        if path.is_file():
+            gguf = GGUFFile(path)
+            config, quantization = gguf_model_config(gguf), gguf.quantization_summary()
+        else:
+            config = read_hf_config(path)
+            checkpoint_quant = read_quantization_config(path)
+            quantization = "none" if checkpoint_quant is None else checkpoint_quant.label
+        card = cls.describe(name, path, config, quantization, config.max_position_embeddings)
+        card.loaded_at = 0.0  # not loaded
+        return card
 
     @property
     def format(self) -> str:

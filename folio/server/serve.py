@@ -33,6 +33,9 @@ from folio.server.engine_client.thread import AsyncEngine
 from folio.server.engine_client.wire import EngineInfo
 from folio.server.limits import RequestLimits
 from folio.server.metrics import ServerMetrics, track_admission
+from folio.server.model_manager import ManagerOptions, ModelManager, ModelsMetricsCollector
+from folio.server.model_sources import ModelSources
+from folio.server.served_models import OneModel
 
 logger = logging.getLogger("folio")
 
@@ -110,11 +113,9 @@ def build_process_server(engine: ProcessEngine, model_name: str, options: Server
     return _assemble(engine, engine.info, model_name, options, registry)
 
 
-def _assemble(
-    engine: EngineClient, info: EngineInfo, model_name: str, options: ServerOptions | None, registry: CollectorRegistry
-) -> Server:
-    options = options or ServerOptions()
-    ctx = ServerContext(
+def make_context(engine: EngineClient, info: EngineInfo, model_name: str, options: ServerOptions) -> ServerContext:
+    """One model's context for the routes: its engine, tokenizer and admission, and the server's limits."""
+    return ServerContext(
         engine=engine,
         tokenizer=info.tokenizer,
         model_name=model_name,
@@ -125,8 +126,15 @@ def _assemble(
         chat=options.chat,
         model_card=info.model_card,
     )
+
+
+def _assemble(
+    engine: EngineClient, info: EngineInfo, model_name: str, options: ServerOptions | None, registry: CollectorRegistry
+) -> Server:
+    options = options or ServerOptions()
+    ctx = make_context(engine, info, model_name, options)
     track_admission(registry, model_name, ctx.admission)
-    return Server(create_app(ctx, registry, options.api_key), ctx, registry, info)
+    return Server(create_app(OneModel(ctx), options.limits, registry, options.api_key), ctx, registry, info)
 
 
 def is_loopback(host: str) -> bool:
@@ -216,6 +224,35 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
         raise EngineDiedError(f"the engine process died: {dead}")
     if dead is not None:
         raise EngineDiedError(f"the engine thread died ({type(dead).__name__}); see the log above")
+    logger.info("server stopped")
+
+
+def serve_models(
+    sources: ModelSources, base_args: EngineArgs, host: str, port: int, options: ServerOptions | None = None,
+    manager_options: ManagerOptions | None = None,
+) -> None:  # fmt: skip
+    """Serve the models `sources` names, each loaded (with `base_args`' flags) when a request first names
+    it, in an engine process of its own, until SIGINT/SIGTERM."""
+    options = options or ServerOptions()
+    warn_if_open(host, port, options.api_key)
+    with contextlib.closing(bind_address(host, port)) as sock:
+        manager = ModelManager(sources, base_args, lambda e, i, n: make_context(e, i, n, options), manager_options)
+        registry = CollectorRegistry()
+        registry.register(ModelsMetricsCollector(manager))
+        app = create_app(manager, options.limits, registry, options.api_key)
+        config = uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                timeout_graceful_shutdown=options.grace_period)  # type: ignore[arg-type]  # fmt: skip
+        sock.listen(config.backlog)
+        names = list(sources.available())
+        logger.info("serving %d models (%s%s), loaded on first use, at most %d at once, at http://%s:%d/v1%s",
+                    len(names), ", ".join(names[:8]), ", ..." if len(names) > 8 else "", manager.options.max_loaded,
+                    host, port, " (API key required)" if options.api_key else "")  # fmt: skip
+        if not names:
+            logger.warning("no model to serve yet: pull one (folio pull NAME) or name models on the command line")
+        try:
+            _GracefulServer(config).run(sockets=[sock])
+        finally:
+            manager.shutdown()
     logger.info("server stopped")
 
 

@@ -44,12 +44,17 @@ class EngineProcessDied(RuntimeError):
     """The engine process ended, or reported its loop dead, while serving."""
 
 
+class StartCancelled(RuntimeError):
+    """The engine's start was called off (its server is stopping) before the model had loaded."""
+
+
 class ProcessEngine:
     def __init__(
-        self, args: EngineArgs, model_name: str, on_death: Callable[[BaseException], None] | None = None
-    ) -> None:
+        self, args: EngineArgs, model_name: str, on_death: Callable[[BaseException], None] | None = None,
+        cancel: threading.Event | None = None,
+    ) -> None:  # fmt: skip
         """Start the engine process and wait until its model is loaded. A model or flag it cannot load
-        raises ValueError with its reason."""
+        raises ValueError with its reason; `cancel`, set meanwhile, stops the start (StartCancelled)."""
         self.on_death = on_death
         self.dead: EngineProcessDied | None = None
         self._lock = threading.Lock()  # the outbound socket, and the engine's death against submissions
@@ -73,7 +78,7 @@ class ProcessEngine:
         )  # fmt: skip
         self.process.start()
         try:
-            self.info = self._wait_until_ready()
+            self.info = self._wait_until_ready(cancel)
         except BaseException:  # a failed start, or SIGTERM during it: leave nothing running
             self._stop_process()
             self._close()
@@ -146,8 +151,10 @@ class ProcessEngine:
         self._reader.join(timeout=5)
         self._close()
 
-    def _wait_until_ready(self) -> wire.EngineInfo:
+    def _wait_until_ready(self, cancel: threading.Event | None) -> wire.EngineInfo:
         while True:
+            if cancel is not None and cancel.is_set():
+                raise StartCancelled("the server is stopping")
             if self._inbound.poll(READY_POLL_MS):
                 message = wire.decode(self._inbound.recv())
                 if isinstance(message, wire.Ready):

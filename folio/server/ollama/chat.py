@@ -26,14 +26,7 @@ from folio.tool_calls.types import ToolCall
 NDJSON = "application/x-ndjson"
 
 
-def check_ollama_model(ctx: ServerContext, name: str) -> None:
-    """Ollama names carry a tag; this server's model answers to its name with or without `:latest`."""
-    if name.removesuffix(":latest") != ctx.model_name:
-        raise APIError(404, f"model '{name}' not found; this server serves '{ctx.model_name}'")
-
-
 def _common_fields(ctx: ServerContext, body: GeneratingBody) -> dict[str, Any]:
-    check_ollama_model(ctx, body.model)
     body.options.check_extras()
     if body.images:
         raise APIError(400, "images are not supported: this server runs text models", param="images")

@@ -1,16 +1,18 @@
-"""Ollama's native API on the same engine: apps written for Ollama work by changing only the port.
+"""Ollama's native API on the same engines: apps written for Ollama work by changing only the port.
 
 /api/chat and /api/generate (ollama_chat.py), /api/embed and /api/embeddings (the vectors of
-/v1/embeddings), and the model routes:
-/api/tags and /api/ps list the one served model, /api/show describes it, /api/pull of it succeeds at
-once (it is already here; any other name is a 404), /api/version gives folio's version. Errors come
-as Ollama's `{"error": "..."}` (errors.py picks the format by path)."""
+/v1/embeddings), and the model routes: /api/tags lists every model the server can serve, /api/ps the
+loaded ones (with when each is unloaded), /api/show describes one, /api/pull of one already here
+succeeds at once, /api/version gives folio's version. A request's `keep_alive` sets how long its model
+stays loaded once idle; a load-only request (no prompt, no messages) with keep_alive 0 unloads it, as
+`ollama stop` does. Errors come as Ollama's `{"error": "..."}` (errors.py picks the format by path)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
 import time
+from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
@@ -24,8 +26,9 @@ from folio.server.context import ServerContext
 from folio.server.errors import APIError
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.model_card import ModelCard, iso_time
-from folio.server.ollama.chat import NDJSON, check_ollama_model, ollama_chat, ollama_generate
+from folio.server.ollama.chat import NDJSON, ollama_chat, ollama_generate
 from folio.server.ollama.protocol import (
+    GeneratingBody,
     OllamaChatRequest,
     OllamaEmbeddingsRequest,
     OllamaEmbedRequest,
@@ -33,40 +36,35 @@ from folio.server.ollama.protocol import (
     OllamaModelRequest,
 )
 from folio.server.openai.embeddings import embed_inputs
+from folio.server.served_models import ServedModels, requested_keep_alive
 
-KEEP_LOADED = 10 * 365 * 24 * 3600  # /api/ps's expires_at: the model stays loaded while the server runs
-
-
-def _card(ctx: ServerContext) -> ModelCard:
-    if ctx.model_card is None:
-        raise APIError(404, "this server does not describe its model")
-    return ctx.model_card
+KEEP_LOADED = 10 * 365 * 24 * 3600  # /api/ps's expires_at for a model that stays loaded while the server runs
 
 
-class ModelDigest:
-    """The served model file's sha256, hashed once on a worker thread; calls that come while it is being
-    hashed wait for that one hashing. A file that cannot be read (deleted while serving) is a 503, and the
-    next call tries again."""
+class ModelDigests:
+    """Each model file's sha256, hashed once on a worker thread per file version; calls that come while
+    it is being hashed wait for that one hashing. A file that cannot be read (deleted while serving) is a
+    503, and the next call tries again."""
 
-    def __init__(self, ctx: ServerContext) -> None:
-        self._ctx = ctx
-        self._hashing: asyncio.Future[str] | None = None
+    def __init__(self) -> None:
+        self._hashing: dict[tuple[str, str], asyncio.Future[str]] = {}
 
-    async def get(self) -> str:
-        if self._hashing is None:
-            self._hashing = asyncio.ensure_future(run_in_threadpool(_card(self._ctx).compute_digest))
+    async def get(self, card: ModelCard) -> str:
+        key = (str(card.path), card.modified_at)
+        hashing = self._hashing.get(key)
+        if hashing is None:
+            hashing = self._hashing[key] = asyncio.ensure_future(run_in_threadpool(card.compute_digest))
         try:
-            return await asyncio.shield(self._hashing)  # a caller that leaves does not cancel the others' hashing
+            return await asyncio.shield(hashing)  # a caller that leaves does not cancel the others' hashing
         except OSError as exc:
-            self._hashing = None
+            self._hashing.pop(key, None)
             raise APIError(503, f"the model file can no longer be read ({exc.strerror or type(exc).__name__}); "
-                           "the model stays loaded, but its digest is unknown") from None  # fmt: skip
+                           "its digest is unknown") from None  # fmt: skip
 
 
-async def _listing(ctx: ServerContext, digest: ModelDigest) -> dict[str, Any]:
-    card = _card(ctx)
+async def _listing(card: ModelCard, digests: ModelDigests) -> dict[str, Any]:
     return {"name": card.name, "model": card.name, "modified_at": card.modified_at, "size": card.size_bytes,
-            "digest": await digest.get(), "details": card.details()}  # fmt: skip
+            "digest": await digests.get(card), "details": card.details()}  # fmt: skip
 
 
 def _capabilities(ctx: ServerContext) -> list[str]:
@@ -78,7 +76,6 @@ def _capabilities(ctx: ServerContext) -> list[str]:
 
 async def _embed(ctx: ServerContext, body: OllamaEmbedRequest) -> dict:
     start = time.perf_counter_ns()
-    check_ollama_model(ctx, body.model)
     body.options.check_extras()
     texts = [body.input] if isinstance(body.input, str) else body.input
     if not texts:
@@ -100,66 +97,108 @@ def _tokenize_inputs(ctx: ServerContext, texts: list[str], truncate: bool) -> li
 
 
 async def _embeddings(ctx: ServerContext, body: OllamaEmbeddingsRequest) -> dict:
-    check_ollama_model(ctx, body.model)
     body.options.check_extras()
     [vector] = await embed_inputs(ctx, await run_in_threadpool(_tokenize_inputs, ctx, [body.prompt], False), None)
     return {"embedding": vector.float().tolist()}
 
 
-def ollama_router(ctx: ServerContext) -> APIRouter:
+def _load_only(body: GeneratingBody) -> bool:
+    if isinstance(body, OllamaChatRequest):
+        return not body.messages
+    assert isinstance(body, OllamaGenerateRequest)
+    return not body.prompt and not body.context
+
+
+def ollama_router(models: ServedModels) -> APIRouter:
     router = APIRouter(prefix="/api", route_class=OffLoopBodyRoute)
-    digest = ModelDigest(ctx)
+    digests = ModelDigests()
+
+    async def generating(body: OllamaChatRequest | OllamaGenerateRequest) -> Any:
+        stop = _load_only(body) and body.keep_alive is not None and models.can_unload
+        if stop and requested_keep_alive(body.keep_alive) == 0:  # `ollama stop`: unloaded, not loaded first
+            await models.unload(body.model)
+            chat = isinstance(body, OllamaChatRequest)
+            part = {"message": {"role": "assistant", "content": ""}} if chat else {"response": ""}
+            created = datetime.now(UTC).isoformat().replace("+00:00", "Z")
+            return {"model": body.model, "created_at": created, **part, "done": True, "done_reason": "unload"}
+        async with models.use(body.model, body.keep_alive) as ctx:
+            if isinstance(body, OllamaChatRequest):
+                return await ollama_chat(ctx, body)
+            return await ollama_generate(ctx, body)
 
     @router.post("/chat")
     async def chat(request: Request, body: OllamaChatRequest):
-        return await cancel_on_disconnect(request, ollama_chat(ctx, body))
+        return await cancel_on_disconnect(request, generating(body))
 
     @router.post("/generate")
     async def generate(request: Request, body: OllamaGenerateRequest):
-        return await cancel_on_disconnect(request, ollama_generate(ctx, body))
+        return await cancel_on_disconnect(request, generating(body))
+
+    async def embedding(body: OllamaEmbedRequest | OllamaEmbeddingsRequest) -> dict:
+        async with models.use(body.model, body.keep_alive) as ctx:
+            return await (_embed(ctx, body) if isinstance(body, OllamaEmbedRequest) else _embeddings(ctx, body))
 
     @router.post("/embed")
     async def embed(request: Request, body: OllamaEmbedRequest):
-        return await cancel_on_disconnect(request, _embed(ctx, body))
+        return await cancel_on_disconnect(request, embedding(body))
 
     @router.post("/embeddings")
     async def embeddings(request: Request, body: OllamaEmbeddingsRequest):
-        return await cancel_on_disconnect(request, _embeddings(ctx, body))
+        return await cancel_on_disconnect(request, embedding(body))
 
     @router.get("/version")
     async def version() -> dict:
         return {"version": __version__}
 
+    async def card(name: str) -> ModelCard:
+        found = await models.card(name)
+        if found is None:
+            raise APIError(404, f"model '{name}' is not on this machine yet; pull it first")
+        return found
+
     @router.get("/tags")
     async def tags() -> dict:
-        return {"models": [await _listing(ctx, digest)]}
+        listed = []
+        for status in models.statuses():
+            found = await models.card(status.name)
+            if found is not None:  # a catalog name not pulled yet is not listed, as in Ollama
+                listed.append(await _listing(found, digests))
+        return {"models": listed}
 
     @router.get("/ps")
     async def ps() -> dict:
-        card = _card(ctx)
-        entry = {**await _listing(ctx, digest), "expires_at": iso_time(card.loaded_at + KEEP_LOADED), "size_vram": 0,
-                 "size": card.resident_bytes or card.size_bytes, "context_length": card.context_length}  # fmt: skip
-        return {"models": [entry]}
+        running = []
+        for status in models.statuses():
+            if not status.loaded or status.card is None:
+                continue
+            found = status.card
+            expires = time.time() + KEEP_LOADED if status.expires_at is None else status.expires_at
+            running.append({**await _listing(found, digests), "expires_at": iso_time(expires), "size_vram": 0,
+                            "size": found.resident_bytes or found.size_bytes,
+                            "context_length": found.context_length})  # fmt: skip
+        return {"models": running}
 
     @router.post("/show")
     async def show(body: OllamaModelRequest) -> dict:
-        check_ollama_model(ctx, body.model_name)
-        card = _card(ctx)
-        family = card.family
-        info = {"general.architecture": family, "general.parameter_count": card.parameter_count,
-                f"{family}.context_length": card.context_length,
-                f"{family}.embedding_length": card.embedding_length}  # fmt: skip
-        return {"modelfile": "", "parameters": "", "template": ctx.tokenizer.chat_template or "",
-                "details": card.details(), "model_info": info, "capabilities": _capabilities(ctx),
-                "modified_at": card.modified_at}  # fmt: skip
+        found = await card(body.model_name)
+        family = found.family
+        info = {"general.architecture": family, "general.parameter_count": found.parameter_count,
+                f"{family}.context_length": found.context_length,
+                f"{family}.embedding_length": found.embedding_length}  # fmt: skip
+        loaded = next((s for s in models.statuses() if s.name == found.name and s.loaded), None)
+        template, capabilities = "", ["completion", "tools", "embedding"]
+        if loaded is not None:
+            async with models.use(found.name) as ctx:
+                template, capabilities = ctx.tokenizer.chat_template or "", _capabilities(ctx)
+        return {"modelfile": "", "parameters": "", "template": template, "details": found.details(),
+                "model_info": info, "capabilities": capabilities, "modified_at": found.modified_at}  # fmt: skip
 
     @router.post("/pull")
     async def pull(body: OllamaModelRequest):
-        # The served model is already here; pulling another would not change what this server runs.
-        check_ollama_model(ctx, body.model_name)
-        card = _card(ctx)
-        steps = [{"status": f"{card.name} is already here", "digest": f"sha256:{await digest.get()}",
-                  "total": card.size_bytes, "completed": card.size_bytes}, {"status": "success"}]  # fmt: skip
+        # A model already here; pulling a catalog model into a running server comes with the model routes.
+        found = await card(body.model_name)
+        steps = [{"status": f"{found.name} is already here", "digest": f"sha256:{await digests.get(found)}",
+                  "total": found.size_bytes, "completed": found.size_bytes}, {"status": "success"}]  # fmt: skip
         if not body.stream:
             return steps[-1]
 

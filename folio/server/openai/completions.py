@@ -50,7 +50,6 @@ class PreparedCompletion:
 
 def _prepare(ctx: ServerContext, body: CompletionRequest) -> PreparedCompletion:
     """Everything checked and tokenized (on a worker thread: a request may hold thousands of prompts)."""
-    ctx.check_model(body.model)
     body.reject_unsupported()
     prompts = _prompts(ctx, body)
     for _, ids in prompts:

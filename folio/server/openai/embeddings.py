@@ -64,7 +64,6 @@ class EmbeddingRequest(RequestBody):
 
 
 async def create_embedding(ctx: ServerContext, body: EmbeddingRequest) -> dict:
-    ctx.check_model(body.model)
     inputs = await run_in_threadpool(body.token_inputs, ctx.tokenizer, ctx.limits)  # off the event loop
     vectors = await embed_inputs(ctx, inputs, body.dimensions)
     data = [

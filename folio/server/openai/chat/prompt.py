@@ -99,7 +99,6 @@ def prepare_chat(
 ) -> PreparedChat:
     """The prompt and every choice's parameters. `context_limit` caps prompt + answer below the
     server's context (Ollama's num_ctx); `prefix_ids` go before the rendered prompt (Ollama's context)."""
-    ctx.check_model(body.model)
     body.reject_unsupported()
     prompt = build_chat_prompt(ctx, body)
     if prefix_ids:

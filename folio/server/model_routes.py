@@ -1,0 +1,53 @@
+"""The routes that list, load and unload models: OpenAI's /v1/models (with llama-server's fields, so its
+router-mode clients read it too) and llama-server's /models, /models/load and /models/unload."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi import APIRouter
+
+from folio.server.body_route import OffLoopBodyRoute
+from folio.server.request_body import RequestBody
+from folio.server.served_models import ModelStatus, ServedModels
+
+
+class ModelNameRequest(RequestBody):
+    model: str
+
+
+def model_entry(status: ModelStatus) -> dict[str, Any]:
+    entry: dict[str, Any] = {"id": status.name, "object": "model", "created": 0, "owned_by": "folio",
+                             "status": {"value": status.state}, "source": status.origin}  # fmt: skip
+    if status.error is not None:
+        entry["status"]["error"] = status.error
+    card = status.card
+    if card is not None:
+        entry["created"] = int(card.loaded_at)
+        entry["max_model_len"] = card.context_length
+        if card.resident_bytes is not None:
+            entry["memory_bytes"] = card.resident_bytes
+    return entry
+
+
+def model_router(models: ServedModels) -> APIRouter:
+    router = APIRouter(route_class=OffLoopBodyRoute)
+
+    @router.get("/v1/models")
+    @router.get("/models")
+    async def listing() -> dict:
+        return {"object": "list", "data": [model_entry(status) for status in models.statuses()]}
+
+    @router.post("/models/load")
+    async def load(body: ModelNameRequest) -> dict:
+        """Loaded when this answers (llama-server answers at once and loads behind it)."""
+        await models.load(body.model)
+        return {"success": True}
+
+    @router.post("/models/unload")
+    async def unload(body: ModelNameRequest) -> dict:
+        """Unloaded once its requests in flight are done; a model not loaded has nothing to do."""
+        await models.unload(body.model)
+        return {"success": True}
+
+    return router

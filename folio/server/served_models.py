@@ -1,0 +1,154 @@
+"""What the routes ask of the server's models, whether it serves one (`OneModel`: loaded at start-up,
+held for the server's life, today's `folio serve MODEL`) or many (model_manager.ModelManager: loaded
+when a request names them, unloaded when idle).
+
+A route opens `models.use(name)` around its handler: the model's `ServerContext`, loaded first if need
+be, and held (never unloaded) until the handler returns; a streamed answer then holds it through its
+admission slots until the stream ends.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Protocol
+
+from folio.server.context import ServerContext
+from folio.server.errors import APIError
+from folio.server.model_card import ModelCard
+from folio.server.model_sources import LATEST
+
+_DURATION = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|ms|s|m|h)")
+_UNIT_SECONDS = {"ns": 1e-9, "us": 1e-6, "µs": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+
+
+def keep_alive_seconds(value: float | str) -> float | None:
+    """Ollama's keep_alive: seconds as a number, or a Go duration ("5m", "1h30m", "300ms"; a bare number
+    is seconds). 0 unloads the model once the request is done; a negative value keeps it loaded for good
+    (None)."""
+    if isinstance(value, bool):
+        raise ValueError(f"keep_alive must be a duration such as '5m' or a number of seconds, got {value!r}")
+    if isinstance(value, int | float):
+        seconds = float(value)
+    else:
+        text = value.strip()
+        sign = -1.0 if text.startswith("-") else 1.0
+        body = text.lstrip("+-")
+        try:
+            seconds = sign * float(body)
+        except ValueError:
+            parts = _DURATION.findall(body)
+            if not body or "".join(number + unit for number, unit in parts) != body:
+                raise ValueError(f"keep_alive must be a duration such as '5m' or '1h30m', or a number of seconds, "
+                                 f"got {value!r}") from None  # fmt: skip
+            seconds = sign * sum(float(number) * _UNIT_SECONDS[unit] for number, unit in parts)
+    if not math.isfinite(seconds):
+        raise ValueError(f"keep_alive must be finite, got {value!r}")
+    return None if seconds < 0 else seconds
+
+
+def requested_keep_alive(value: float | str) -> float | None:
+    """A request's keep_alive, or a 400 that names the field."""
+    try:
+        return keep_alive_seconds(value)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="keep_alive") from None
+
+
+@dataclass(frozen=True)
+class ModelStatus:
+    """One servable model, as the listing routes (/v1/models, /models, /api/tags, /api/ps) show it."""
+
+    name: str
+    state: str  # "loaded", "loading", "unloaded" or "failed" (llama-server's values)
+    origin: str  # "argument", "models_dir" or "pulled"
+    card: ModelCard | None = None  # known once the model has loaded
+    expires_at: float | None = None  # when an idle loaded model is unloaded; None: never
+    error: str | None = None  # why its last load failed
+
+    @property
+    def loaded(self) -> bool:
+        return self.state == "loaded"
+
+
+class ServedModels(Protocol):
+    @property
+    def is_alive(self) -> bool:
+        """False once the server cannot serve at all (/health then answers 503)."""
+        ...
+
+    def use(
+        self, name: str | None, keep_alive: float | str | None = None
+    ) -> AbstractAsyncContextManager[ServerContext]:
+        """The named model's context, loaded first if need be (None: the only model, or the only loaded
+        one). Unknown names are a 404; `keep_alive`, as Ollama's field, sets how long the model stays
+        loaded once idle."""
+        ...
+
+    @property
+    def can_unload(self) -> bool:
+        """Whether models load and unload while serving (not so for one model held for the server's life)."""
+        ...
+
+    def statuses(self) -> list[ModelStatus]: ...
+
+    async def card(self, name: str) -> ModelCard | None:
+        """What the named model's files say (read once, off the event loop); None where it is not on this
+        machine yet (a catalog name not pulled)."""
+        ...
+
+    async def load(self, name: str) -> None: ...
+
+    async def unload(self, name: str) -> bool:
+        """Unload the named model once its requests are done; False if it was not loaded."""
+        ...
+
+
+def model_not_found(name: str, served: list[str]) -> APIError:
+    listed = ", ".join(f"'{n}'" for n in served[:20]) + (", ..." if len(served) > 20 else "") or "none yet"
+    return APIError(404, f"The model '{name}' does not exist: not found among this server's models ({listed})",
+                    param="model", code="model_not_found")  # fmt: skip
+
+
+class OneModel:
+    """One model loaded for the server's whole life."""
+
+    def __init__(self, ctx: ServerContext) -> None:
+        self.context = ctx
+
+    @property
+    def is_alive(self) -> bool:
+        return self.context.engine.is_alive
+
+    def _check(self, name: str | None) -> None:
+        if name is not None and self.context.model_name not in (name, name.removesuffix(LATEST)):
+            raise model_not_found(name, [self.context.model_name])
+
+    @asynccontextmanager
+    async def use(self, name: str | None, keep_alive: float | str | None = None) -> AsyncIterator[ServerContext]:
+        self._check(name)
+        if keep_alive is not None:
+            requested_keep_alive(keep_alive)  # checked, though this model stays loaded whatever it says
+        yield self.context
+
+    @property
+    def can_unload(self) -> bool:
+        return False
+
+    def statuses(self) -> list[ModelStatus]:
+        return [ModelStatus(self.context.model_name, "loaded", "argument", self.context.model_card)]
+
+    async def card(self, name: str) -> ModelCard | None:
+        self._check(name)
+        return self.context.model_card
+
+    async def load(self, name: str) -> None:
+        self._check(name)
+
+    async def unload(self, name: str) -> bool:
+        self._check(name)
+        raise APIError(400, "this server holds its one model for its whole life; serve several models (or "
+                       "--models-dir) to load and unload them", param="model")  # fmt: skip

@@ -1,0 +1,218 @@
+"""`folio serve A B C`: several models behind one URL, each loaded in an engine process of its own when a
+request first names it, met through the official openai and ollama clients.
+
+One server for the file: the two catalog models and a tiny chat model, at most two loaded at once. The
+tests run in order and each says what it leaves loaded.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Iterator
+
+import httpx
+import ollama
+import openai
+import psutil
+import pytest
+
+from folio import LLM, SamplingParams
+from tests.api.server_runner import MODEL, free_port
+from tests.tiny_models import make_tiny_chat_model
+
+GEMMA = "gemma3-270m"
+TINY = "tiny"
+
+
+class ManyModelServer:
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-many-", suffix=".log")  # noqa: SIM115
+        command = [sys.executable, "-m", "folio.cli", "serve", *args, "--port", str(self.port)]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return open(self.log.name).read()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not serving:\n{self.output()[-3000:]}")
+
+    def engine_pid(self, name: str) -> int:
+        """The engine process of `name`'s latest load, from the server's log."""
+        pids = re.findall(rf"loaded {re.escape(name)} in [\d.]+ s \(engine in process (\d+)\)", self.output())
+        assert pids, self.output()[-3000:]
+        return int(pids[-1])
+
+    def states(self) -> dict[str, str]:
+        listing = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+        return {entry["id"]: entry["status"]["value"] for entry in listing}
+
+    def loaded(self) -> set[str]:
+        return {name for name, state in self.states().items() if state == "loaded"}
+
+    def wait_for_loaded(self, expected: set[str], timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while (now := self.loaded()) != expected:
+            assert time.monotonic() < deadline, f"loaded: {now}, expected {expected}"
+            time.sleep(0.1)
+
+
+@pytest.fixture(scope="module")
+def tiny_chat(tmp_path_factory) -> str:
+    return str(make_tiny_chat_model(tmp_path_factory.mktemp("many") / "tiny-chat"))
+
+
+@pytest.fixture(scope="module")
+def many(smollm2_gguf, gemma3_gguf, tiny_chat) -> Iterator[ManyModelServer]:
+    server = ManyModelServer(MODEL, GEMMA, f"{TINY}={tiny_chat}", "--max-loaded-models", "2", "--keep-alive", "10m",
+                             "--num-kv-blocks", "64")  # fmt: skip
+    try:
+        server.wait_ready(timeout=120)
+        yield server
+    finally:
+        server.process.send_signal(signal.SIGTERM)
+        try:
+            assert server.process.wait(60) == 0, server.output()[-3000:]
+        finally:
+            if server.process.poll() is None:
+                server.process.kill()
+
+
+@pytest.fixture(scope="module")
+def many_client(many) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{many.url}/v1", api_key="unused", max_retries=0, timeout=180)
+
+
+def _text(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 12) -> str:
+    return client.completions.create(model=model, prompt=prompt, max_tokens=max_tokens, temperature=0).choices[0].text
+
+
+def test_every_model_is_listed_and_none_is_loaded_before_a_request(many):
+    assert many.states() == {MODEL: "unloaded", GEMMA: "unloaded", TINY: "unloaded"}
+    tags = ollama.Client(host=many.url).list()
+    assert sorted(m.model for m in tags.models) == sorted([MODEL, GEMMA, TINY])
+    by_name = {m.model: m for m in tags.models}
+    assert by_name[MODEL].details.family == "llama" and by_name[GEMMA].details.family == "gemma3"
+    assert ollama.Client(host=many.url).ps().models == []
+
+
+def test_each_catalog_model_answers_as_it_does_alone(many, many_client, client, gemma3_gguf):
+    """smollm2 as the single-model server answers; gemma3 as the engine alone does. Both stay loaded."""
+    for prompt in ("The capital of France is", "def fibonacci(n):"):
+        assert _text(many_client, MODEL, prompt) == _text(client, MODEL, prompt)
+    messages = [{"role": "user", "content": "Name three colours."}]
+    ours = many_client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    theirs = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=12, temperature=0)
+    assert ours.choices[0].message.content == theirs.choices[0].message.content
+    alone = LLM(gemma3_gguf, num_kv_blocks=64).generate(
+        ["The capital of France is"], SamplingParams(max_tokens=12, temperature=0), use_tqdm=False
+    )
+    assert _text(many_client, GEMMA, "The capital of France is") == alone[0].outputs[0].text
+    assert many.loaded() == {MODEL, GEMMA}
+    running = {m.model: m for m in ollama.Client(host=many.url).ps().models}
+    assert set(running) == {MODEL, GEMMA} and all(m.size > 0 for m in running.values())
+
+
+def test_loading_a_model_does_not_stall_anothers_stream(many, many_client):
+    """While tiny loads (unloading gemma3, the least recently used), smollm2's stream keeps its pace: no gap
+    between its tokens comes near the load's length."""
+    gaps: list[float] = []
+    started = threading.Event()
+
+    def stream() -> None:
+        last = None
+        chunks = many_client.completions.create(model=MODEL, prompt="Count slowly:", max_tokens=150, temperature=0,
+                                                stream=True, extra_body={"ignore_eos": True})  # fmt: skip
+        for _ in chunks:
+            now = time.monotonic()
+            if last is not None:
+                gaps.append(now - last)
+            last = now
+            started.set()
+
+    streaming = threading.Thread(target=stream)
+    streaming.start()
+    assert started.wait(60)
+    load_start = time.monotonic()
+    ollama.Client(host=many.url).generate(model=TINY)  # Ollama's load-only request
+    load_seconds = time.monotonic() - load_start
+    streaming.join(120)
+    assert len(gaps) == 149
+    # A load starts a process that imports torch (seconds): a stalled event loop would show a gap that long.
+    assert max(gaps) < max(1.5, load_seconds / 2), (max(gaps), load_seconds)
+    assert many.loaded() == {MODEL, TINY}
+
+
+def test_keep_alive_unloads_idle_models_and_ollama_stop_unloads_at_once(many):
+    olla = ollama.Client(host=many.url)
+    olla.generate(model=TINY, prompt="t1 t2", options={"num_predict": 2}, keep_alive="1s")
+    many.wait_for_loaded({MODEL}, timeout=10)  # about a second after its request ended
+    stopped = olla.generate(model=MODEL, keep_alive=0)  # what `ollama stop` sends
+    assert stopped.done_reason == "unload"
+    assert many.loaded() == set()
+
+
+def test_a_killed_engine_fails_only_its_own_requests_and_loads_again(many, many_client):
+    assert _text(many_client, TINY, "t1 t2 t3", max_tokens=4)
+    assert _text(many_client, MODEL, "Hello", max_tokens=2)
+    victim = many.engine_pid(TINY)
+    failures: list[BaseException] = []
+    started = threading.Event()
+
+    def doomed() -> None:
+        try:
+            for _ in many_client.completions.create(model=TINY, prompt="t1", max_tokens=3000, stream=True,
+                                                    extra_body={"ignore_eos": True}):  # fmt: skip
+                started.set()
+        except openai.APIError as exc:
+            failures.append(exc)
+
+    thread = threading.Thread(target=doomed)
+    thread.start()
+    assert started.wait(60)
+    os.kill(victim, signal.SIGKILL)
+    thread.join(60)
+    assert not thread.is_alive() and failures  # its stream ended with an error
+    assert _text(many_client, MODEL, "Hello", max_tokens=2)  # the other model never noticed
+    assert _text(many_client, TINY, "t1 t2 t3", max_tokens=4)  # loaded anew
+    assert many.engine_pid(TINY) != victim and not psutil.pid_exists(victim)
+
+
+def test_load_unload_routes_and_metrics_by_model(many, many_client):
+    assert httpx.post(f"{many.url}/models/unload", json={"model": TINY}, timeout=30).json() == {"success": True}
+    many.wait_for_loaded({MODEL}, timeout=10)
+    assert httpx.post(f"{many.url}/models/load", json={"model": TINY}, timeout=180).json() == {"success": True}
+    assert many.loaded() == {MODEL, TINY}
+    text = httpx.get(f"{many.url}/metrics", timeout=30).text
+    assert text.count("# TYPE folio:generation_tokens_total counter") == 1
+    assert f'folio:generation_tokens_total{{model_name="{MODEL}"}}' in text
+    assert f'folio:num_requests_admitted{{model_name="{TINY}"}} 0.0' in text
+
+
+def test_unknown_models_get_each_apis_404_and_the_server_keeps_serving(many, many_client):
+    with pytest.raises(openai.NotFoundError) as missing:
+        many_client.completions.create(model="gpt-4o", prompt="x", max_tokens=2)
+    assert missing.value.body["code"] == "model_not_found" and MODEL in missing.value.body["message"]
+    with pytest.raises(ollama.ResponseError) as olla_missing:
+        ollama.Client(host=many.url).chat(model="llama3.2", messages=[{"role": "user", "content": "hi"}])
+    assert olla_missing.value.status_code == 404
+    loading = httpx.post(f"{many.url}/models/load", json={"model": "nope"}, timeout=10)
+    assert loading.status_code == 404 and loading.json()["error"]["code"] == "model_not_found"
+    assert _text(many_client, f"{MODEL}:latest", "Hello", max_tokens=2)  # Ollama's tag, in any API
