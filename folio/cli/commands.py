@@ -10,16 +10,17 @@ from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
+import torch
 from tqdm import tqdm
 
 from folio import LLM
 from folio.cli.parser import LIMIT_FLAGS
-from folio.config import ParallelConfig
+from folio.config import ParallelConfig, parse_memory
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import DEFAULT_MODEL, EngineArgs
 from folio.loaders.catalog import CATALOG, list_pulled, pull
 from folio.paths import atomic_open
-from folio.platform import default_device
+from folio.platform import available_memory, default_device
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from folio.scale_out.options import ReplicaOptions
 from folio.scale_out.routing import RoutingConfig
@@ -245,13 +246,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
         with sigterm_stops_startup():
             if many:
                 sources = ModelSources(args.models, args.models_dir)
-                manager = ManagerOptions(args.max_loaded_models, keep_alive_seconds(args.keep_alive))
+                manager = ManagerOptions(args.max_loaded_models, keep_alive_seconds(args.keep_alive),
+                                         models_memory(args))  # fmt: skip
                 serve_models(sources, EngineArgs.from_cli_args(args), args.host, args.port, options, manager)
             else:
                 serve(EngineArgs.from_cli_args(args), args.host, args.port, options, args.engine_process)
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0
+
+
+def models_memory(args: argparse.Namespace) -> int:
+    """--models-memory, or 80% of the memory free now on the device the models run on."""
+    if args.models_memory is not None:
+        return parse_memory(args.models_memory)
+    device = torch.device(args.device) if args.device else default_device()
+    return int(available_memory(device) * 0.8)
 
 
 def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:

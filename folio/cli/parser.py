@@ -168,6 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
                       "this folder (looked at again for each unknown name)")  # fmt: skip
     many.add_argument("--max-loaded-models", type=int, default=3, help="models loaded at once; the least "
                       "recently used idle one is unloaded to load another (default 3)")  # fmt: skip
+    many.add_argument("--models-memory", default=None, help="memory the loaded models' weights and KV caches "
+                      "may hold together, e.g. 12GiB; to load another, idle ones are unloaded (default: 80%% of "
+                      "the memory free at start)")  # fmt: skip
     many.add_argument("--keep-alive", default=os.environ.get("FOLIO_KEEP_ALIVE", "5m"), help="how long an idle "
                       "model stays loaded: a duration (5m, 1h30m) or seconds; 0 unloads at once, negative never "
                       "(default 5m or $FOLIO_KEEP_ALIVE; a request's keep_alive overrides it)")  # fmt: skip

@@ -158,6 +158,7 @@ class EngineCore:
             reuse_large_allocations()
         self.in_flight: deque[SchedulerOutput] = deque()
         self.kv_bytes_per_token = bytes_per_token
+        self.kv_cache_bytes = num_blocks * cache_config.block_size * bytes_per_block_token * tp  # every rank's
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
         self.num_steps = 0  # steps that ran the model, for per-step figures
@@ -165,7 +166,7 @@ class EngineCore:
         ranks = f" over {tp} tensor-parallel ranks" if tp > 1 else f", {cp} context-parallel ranks" if cp > 1 else ""
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
                     "prefix caching %s%s", num_blocks, cache_config.block_size, self.kv.capacity_tokens,
-                    num_blocks * cache_config.block_size * bytes_per_block_token * tp / 2**20, bytes_per_token, ranks,
+                    self.kv_cache_bytes / 2**20, bytes_per_token, ranks,
                     cache_config.kv_cache_dtype, max_len, "on" if cache_config.enable_prefix_caching else "off",
                     _groups_note(kv_groups))  # fmt: skip
 

@@ -26,10 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
+import torch
 from prometheus_client.metrics_core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
+from folio.config import parse_memory
 from folio.engine_args import EngineArgs
+from folio.platform import default_device, default_kv_cache_memory
 from folio.server.context import ServerContext
 from folio.server.engine_client.process import ProcessEngine, StartCancelled
 from folio.server.engine_client.wire import EngineInfo
@@ -48,12 +51,15 @@ ROOM_POLL_S = 0.1  # how often a load waiting for room looks again
 class ManagerOptions:
     max_loaded: int = 3  # Ollama's default on a machine without a GPU
     keep_alive: float | None = 300.0  # seconds an idle model stays loaded; None: for good (Ollama's 5 minutes)
+    memory_budget: int | None = None  # bytes the loaded models' weights and KV caches may hold; None: no bound
     room_timeout: float = 300.0  # seconds a request waits for a busy model to free its place
     max_waiting: int = 64  # requests waiting for room at once; more get 429
 
     def __post_init__(self) -> None:
         if self.max_loaded < 1:
             raise ValueError(f"--max-loaded-models must be >= 1, got {self.max_loaded}")
+        if self.memory_budget is not None and self.memory_budget <= 0:
+            raise ValueError(f"the models' memory budget must be > 0 bytes, got {self.memory_budget}")
         if self.room_timeout < 0 or self.max_waiting < 0:
             raise ValueError("the wait for a loaded model's place must be >= 0 seconds and >= 0 requests")
 
@@ -67,6 +73,7 @@ class LoadedModel:
     engine: ProcessEngine
     context: ServerContext
     keep_alive: float | None
+    estimate: int  # bytes it was expected to hold before it loaded
     last_used: float = field(default_factory=time.monotonic)
     leases: int = 0  # routes holding it now
 
@@ -77,6 +84,12 @@ class LoadedModel:
     @property
     def idle(self) -> bool:
         return self.leases == 0 and self.context.admission.in_flight == 0
+
+    @property
+    def resident_bytes(self) -> int:
+        """Its weights and KV cache, as the engine reported them once loaded."""
+        card = self.context.model_card
+        return card.resident_bytes if card is not None and card.resident_bytes is not None else self.estimate
 
     def expires_at(self) -> float | None:
         """Monotonic time at which it is unloaded if it stays idle; None: never."""
@@ -97,7 +110,7 @@ class ModelManager:
         self._failed: dict[str, str] = {}
         self._cards: dict[tuple[str, str, int, int], ModelCard] = {}  # unloaded models', by file and version
         self._claims: dict[str, int] = {}  # requests awaiting each load
-        self._starting = 0  # loads past _make_room, not yet loaded
+        self._starting: dict[str, int] = {}  # loads past _make_room, not yet loaded: their estimated bytes
         self._waiting = 0
         self._cancel = threading.Event()  # set at shutdown: loads in progress stop
         self._threads = ThreadPoolExecutor(max_workers=self.options.max_loaded + 2, thread_name_prefix="folio-models")
@@ -208,13 +221,27 @@ class ModelManager:
     def _evictable(self, model: LoadedModel) -> bool:
         return not model.engine.is_alive or (model.idle and not self._claims.get(model.name))
 
+    def engine_args(self, source: ModelSource) -> EngineArgs:
+        """The server's flags for this model. A KV pool left to its default gets at most a share of the
+        budget (half of it over --max-loaded-models), not the default share of free memory each: models
+        loaded later would find that memory taken."""
+        args = replace(self.base_args, model=source.spec)
+        budget = self.options.memory_budget
+        if budget is None or args.kv_cache_memory is not None or args.num_kv_blocks is not None:
+            return args
+        device = torch.device(args.device) if args.device else default_device()
+        return replace(
+            args, kv_cache_memory=min(default_kv_cache_memory(device), budget // (2 * self.options.max_loaded))
+        )
+
     async def _load(self, source: ModelSource) -> LoadedModel:
+        args = self.engine_args(source)
+        estimate = await asyncio.to_thread(self.estimate_bytes, source, args)
         started = False
         try:
-            await self._make_room(source.name)
+            await self._make_room(source.name, estimate)
             started = True  # counted in _starting by _make_room
             self._failed.pop(source.name, None)
-            args = replace(self.base_args, model=source.spec)
             logger.info("loading %s (%s)", source.name, source.spec)
             start = time.perf_counter()
             loop = asyncio.get_running_loop()
@@ -227,25 +254,53 @@ class ModelManager:
                 raise APIError(500, f"model '{source.name}' failed to load: {exc}", param="model",
                                code="model_load_failed") from None  # fmt: skip
             context = self.make_context(engine, engine.info, source.name)
-            model = LoadedModel(source, engine, context, self.options.keep_alive)
+            model = LoadedModel(source, engine, context, self.options.keep_alive, estimate)
             self._loaded[source.name] = model
             logger.info("loaded %s in %.1f s (engine in process %d)", source.name, time.perf_counter() - start,
                         engine.process.pid)  # fmt: skip
             return model
         finally:
             del self._loading[source.name]
-            self._starting -= started
+            if started:
+                self._starting.pop(source.name)
+
+    def estimate_bytes(self, source: ModelSource, args: EngineArgs) -> int:
+        """What a model will hold before it loads: its weights as stored (a pulled or local file; 0 for one
+        still to download) and the KV cache its flags ask for (the engine's default share of free memory
+        where none is given; a pool given in blocks counts once loaded)."""
+        path = source.local_path()
+        weights = 0
+        if path is not None:
+            files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else [path]
+            weights = sum(f.stat().st_size for f in files)
+        if args.num_kv_blocks is not None:
+            return weights
+        kv = parse_memory(args.kv_cache_memory)
+        device = torch.device(args.device) if args.device else default_device()
+        return weights + (kv if kv is not None else default_kv_cache_memory(device))
 
     def _start_engine(self, args: EngineArgs, name: str) -> ProcessEngine:
         return ProcessEngine(args, name, cancel=self._cancel)
 
-    async def _make_room(self, name: str) -> None:
-        """Unload least recently used idle models until one more fits, and count it as starting; wait while
-        every loaded model is busy."""
+    def _fits(self, estimate: int) -> bool:
+        if len(self._loaded) + len(self._starting) >= self.options.max_loaded:
+            return False
+        budget = self.options.memory_budget
+        used = sum(m.resident_bytes for m in self._loaded.values()) + sum(self._starting.values())
+        return budget is None or used + estimate <= budget
+
+    async def _make_room(self, name: str, estimate: int) -> None:
+        """Unload least recently used idle models until one more fits (in number and in memory), and count
+        it as starting; wait while the models in its way are busy."""
+        budget = self.options.memory_budget
+        if budget is not None and estimate > budget:
+            raise APIError(500, f"model '{name}' needs about {estimate / 2**30:.1f} GiB (weights and KV cache), more "
+                           f"than the models' memory budget of {budget / 2**30:.1f} GiB (--models-memory)",
+                           param="model", code="insufficient_memory")  # fmt: skip
         deadline = time.monotonic() + self.options.room_timeout
         waiting = False
         try:
-            while len(self._loaded) + self._starting >= self.options.max_loaded:
+            while not self._fits(estimate):
                 idle = [m for m in self._loaded.values() if self._evictable(m)]
                 if idle:
                     await self._drop(min(idle, key=lambda m: m.last_used))
@@ -258,11 +313,10 @@ class ModelManager:
                     self._waiting += 1
                 if time.monotonic() >= deadline:
                     busy = ", ".join(sorted(self._loaded))
-                    raise APIError(503, f"cannot load '{name}': {self.options.max_loaded} models are loaded or "
-                                   f"loading, and busy ({busy})", code="models_busy",
-                                   headers={"Retry-After": "5"})  # fmt: skip
+                    raise APIError(503, f"cannot load '{name}': the models loaded or loading ({busy}) are busy and "
+                                   "leave it no room", code="models_busy", headers={"Retry-After": "5"})  # fmt: skip
                 await asyncio.sleep(ROOM_POLL_S)
-            self._starting += 1
+            self._starting[name] = estimate
         finally:
             if waiting:
                 self._waiting -= 1

@@ -10,9 +10,11 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from prometheus_client import CollectorRegistry, generate_latest
 
 from folio.engine_args import EngineArgs
+from folio.platform import default_kv_cache_memory
 from folio.server.admission import Admission
 from folio.server.errors import APIError
 from folio.server.model_manager import ManagerOptions, ModelManager, ModelsMetricsCollector
@@ -110,7 +112,11 @@ class Manager(ModelManager):
         super().__init__(ModelSources([], folder), EngineArgs(), lambda e, i, n: FakeContext(n), options)
         self.load_seconds = load_seconds
         self.gates: dict[str, threading.Event] = {}
+        self.sizes: dict[str, int] = {}
         self.engines: list[FakeEngine] = []
+
+    def estimate_bytes(self, source, args) -> int:
+        return self.sizes.get(source.name, 1)
 
     def _start_engine(self, args: EngineArgs, name: str) -> FakeEngine:
         engine = FakeEngine(name, self.load_seconds, self.gates.get(name))
@@ -271,3 +277,35 @@ def test_metrics_hold_each_family_once_with_every_loaded_models_samples(tmp_path
     for name in ("a", "b"):
         assert f'folio:generation_tokens_total{{model_name="{name}"}} 1.0' in text
         assert f'folio:num_requests_admitted{{model_name="{name}"}} 0.0' in text
+
+
+def test_the_memory_budget_unloads_to_fit_and_refuses_a_model_larger_than_it(tmp_path):
+    async def scenario():
+        manager = Manager(tmp_path, ["a", "b", "c", "huge"], ManagerOptions(max_loaded=3, memory_budget=10))
+        manager.sizes.update(a=4, b=4, c=5, huge=11)
+        for name in ("a", "b"):
+            async with manager.use(name):
+                pass
+        assert manager.loaded() == ["a", "b"]  # 8 of 10
+        async with manager.use("c"):  # 5 more: a (least recently used) makes way
+            pass
+        assert manager.loaded() == ["b", "c"]
+        with pytest.raises(APIError) as refused:
+            async with manager.use("huge"):
+                pass
+        assert refused.value.status == 500 and refused.value.code == "insufficient_memory"
+        assert manager.loaded() == ["b", "c"]  # nothing unloaded for a model that can never fit
+        manager.shutdown()
+
+    run(scenario())
+
+
+def test_a_models_default_kv_pool_is_its_share_of_the_budget(tmp_path):
+    manager = Manager(tmp_path, ["a"], ManagerOptions(max_loaded=2, memory_budget=4 << 30))
+    source = manager.sources.find("a")
+    share = manager.engine_args(source).kv_cache_memory
+    assert share == min(default_kv_cache_memory(torch.device("cpu")), 1 << 30)  # half the budget over 2 models
+    assert manager.engine_args(source).model == source.spec
+    manager.base_args = EngineArgs(kv_cache_memory="64MiB")
+    assert manager.engine_args(source).kv_cache_memory == "64MiB"  # a pool the user sized stays as it is
+    manager.shutdown()

@@ -45,7 +45,12 @@ class EngineInfo:
             kv_capacity_tokens=engine.make_stats().kv_capacity_tokens,
             dtype=str(engine.dtype).removeprefix("torch."),
             model_card=ModelCard.describe(
-                model_name, loaded.path, config, loaded.quantization, engine.max_model_len, loaded.weight_bytes
+                model_name,
+                loaded.path,
+                config,
+                loaded.quantization,
+                engine.max_model_len,
+                loaded.weight_bytes + engine.kv_cache_bytes,
             ),
         )
 
