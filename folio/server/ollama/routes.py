@@ -2,30 +2,36 @@
 
 /api/chat and /api/generate (ollama_chat.py), /api/embed and /api/embeddings (the vectors of
 /v1/embeddings), and the model routes: /api/tags lists every model the server can serve, /api/ps the
-loaded ones (with when each is unloaded), /api/show describes one, /api/pull of one already here
-succeeds at once, /api/version gives folio's version. A request's `keep_alive` sets how long its model
-stays loaded once idle; a load-only request (no prompt, no messages) with keep_alive 0 unloads it, as
-`ollama stop` does. Errors come as Ollama's `{"error": "..."}` (errors.py picks the format by path)."""
+loaded ones (with when each is unloaded), /api/show describes one, /api/pull fetches a catalog model
+into folio's home (its progress streamed as Ollama's lines; one already here succeeds at once),
+/api/delete removes one folio pulled, /api/version gives folio's version. A request's `keep_alive` sets
+how long its model stays loaded once idle; a load-only request (no prompt, no messages) with keep_alive
+0 unloads it, as `ollama stop` does. Errors come as Ollama's `{"error": "..."}` (errors.py picks the format by path)."""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import threading
 import time
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 from typing import Any
 
 from fastapi import APIRouter, Request
-from fastapi.responses import StreamingResponse
+from fastapi.responses import Response, StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from folio import __version__
+from folio.loaders import catalog
+from folio.loaders.catalog import CATALOG, ModelSourceError
 from folio.reasoning import reasoning_enabled
 from folio.server.body_route import OffLoopBodyRoute
 from folio.server.context import ServerContext
 from folio.server.errors import APIError
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.model_card import ModelCard, iso_time
+from folio.server.model_sources import LATEST
 from folio.server.ollama.chat import NDJSON, ollama_chat, ollama_generate
 from folio.server.ollama.protocol import (
     GeneratingBody,
@@ -102,6 +108,44 @@ async def _embeddings(ctx: ServerContext, body: OllamaEmbeddingsRequest) -> dict
     return {"embedding": vector.float().tolist()}
 
 
+async def _already_here(card: ModelCard, digest: str) -> AsyncIterator[dict[str, Any]]:
+    yield {"status": f"{card.name} is already here", "digest": f"sha256:{digest}", "total": card.size_bytes,
+           "completed": card.size_bytes}  # fmt: skip
+    yield {"status": "success"}
+
+
+async def pull_steps(name: str) -> AsyncIterator[dict[str, Any]]:
+    """A catalog model pulled into folio's home on a thread of its own, its steps as Ollama's /api/pull
+    lines (each step's bytes at most ten times a second), then "success" or {"error": ...}. A client that
+    leaves does not stop the pull: the next one finds it done."""
+    loop = asyncio.get_running_loop()
+    queue: asyncio.Queue[dict[str, Any] | None] = asyncio.Queue()
+    last = {"status": "", "at": 0.0}
+
+    def report(status: str, total: int, completed: int) -> None:
+        now = time.monotonic()
+        if status == last["status"] and now - float(last["at"]) < 0.1 and completed < total:  # a step's end goes
+            return
+        last.update(status=status, at=now)
+        step: dict[str, Any] = {"status": status}
+        if total:
+            step.update(total=total, completed=completed)
+        loop.call_soon_threadsafe(queue.put_nowait, step)
+
+    def work() -> None:
+        try:
+            catalog.pull(name, report)
+            end: dict[str, Any] = {"status": "success"}
+        except (ModelSourceError, OSError) as exc:
+            end = {"error": f"pulling {name}: {exc}"}
+        loop.call_soon_threadsafe(queue.put_nowait, end)
+        loop.call_soon_threadsafe(queue.put_nowait, None)
+
+    threading.Thread(target=work, name=f"folio-pull-{name}", daemon=True).start()
+    while (step := await queue.get()) is not None:
+        yield step
+
+
 def _load_only(body: GeneratingBody) -> bool:
     if isinstance(body, OllamaChatRequest):
         return not body.messages
@@ -114,7 +158,7 @@ def ollama_router(models: ServedModels) -> APIRouter:
     digests = ModelDigests()
 
     async def generating(body: OllamaChatRequest | OllamaGenerateRequest) -> Any:
-        stop = _load_only(body) and body.keep_alive is not None and models.can_unload
+        stop = _load_only(body) and body.keep_alive is not None and models.loads_on_demand
         if stop and requested_keep_alive(body.keep_alive) == 0:  # `ollama stop`: unloaded, not loaded first
             await models.unload(body.model)
             chat = isinstance(body, OllamaChatRequest)
@@ -195,17 +239,22 @@ def ollama_router(models: ServedModels) -> APIRouter:
 
     @router.post("/pull")
     async def pull(body: OllamaModelRequest):
-        # A model already here; pulling a catalog model into a running server comes with the model routes.
-        found = await card(body.model_name)
-        steps = [{"status": f"{found.name} is already here", "digest": f"sha256:{await digests.get(found)}",
-                  "total": found.size_bytes, "completed": found.size_bytes}, {"status": "success"}]  # fmt: skip
-        if not body.stream:
-            return steps[-1]
+        name = body.model_name.removesuffix(LATEST)
+        if models.loads_on_demand and name in CATALOG:
+            steps = pull_steps(name)
+        else:  # a model already here (one this server serves); nothing to fetch
+            found = await card(body.model_name)
+            steps = _already_here(found, await digests.get(found))
+        if body.stream:
+            return StreamingResponse((json.dumps(step) + "\n" async for step in steps), media_type=NDJSON)
+        seen = [step async for step in steps]
+        if "error" in seen[-1]:
+            raise APIError(500, seen[-1]["error"])
+        return seen[-1]
 
-        async def lines():
-            for step in steps:
-                yield json.dumps(step) + "\n"
-
-        return StreamingResponse(lines(), media_type=NDJSON)
+    @router.delete("/delete")
+    async def delete(body: OllamaModelRequest) -> Response:
+        await models.delete(body.model_name)
+        return Response(status_code=200)
 
     return router
