@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import threading
-from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -25,7 +24,7 @@ from folio.server.answer_body import json_pieces
 from folio.server.body_route import OFF_LOOP_BYTES, OffLoopBodyRoute
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
-from folio.server.ollama.routes import ModelDigest
+from folio.server.ollama.routes import ModelDigests
 from folio.server.openai.protocol import CompletionRequest
 from folio.server.request_body import BODY_FAULTS, MAX_JSON_DEPTH, MAX_JSON_ITEMS, check_json_value, load_json_text
 
@@ -132,11 +131,6 @@ def test_a_vector_is_one_piece():
     assert list(json_pieces({"embedding": [0.5] * 4})) == ["{", '"embedding":', "[0.5,0.5,0.5,0.5]", "}"]
 
 
-class _Context:
-    def __init__(self, card: ModelCard) -> None:
-        self.model_card = card
-
-
 def _card(path: Path) -> ModelCard:
     path.write_bytes(b"weights")
     return ModelCard("m", path, "llama", "Q4_1", 10, 64, 8, path.stat().st_size, "2026-01-01T00:00:00Z")
@@ -152,10 +146,10 @@ def test_the_digest_is_hashed_once_off_the_event_loop(tmp_path, monkeypatch):
         return real(self)
 
     monkeypatch.setattr(ModelCard, "compute_digest", counting)
-    digest = ModelDigest(_Context(card))  # type: ignore[arg-type]
+    digests = ModelDigests()
 
     async def main() -> list[str]:
-        return list(await asyncio.gather(*(digest.get() for _ in range(4)))) + [await digest.get()]
+        return list(await asyncio.gather(*(digests.get(card) for _ in range(4)))) + [await digests.get(card)]
 
     results = asyncio.run(main())
     assert len(set(results)) == 1 and len(results[0]) == 64
@@ -166,12 +160,12 @@ def test_a_deleted_model_file_is_a_503_not_a_500(tmp_path):
     card = _card(tmp_path / "m.gguf")
     card.path.unlink()
     assert card.modified_at == "2026-01-01T00:00:00Z"  # read once: the listing does not touch the file
-    digest = ModelDigest(_Context(replace(card)))  # type: ignore[arg-type]
+    digests = ModelDigests()
     with pytest.raises(APIError) as caught:
-        asyncio.run(digest.get())
+        asyncio.run(digests.get(card))
     assert caught.value.status == 503
     card.path.write_bytes(b"back")  # the next call tries again
-    assert len(asyncio.run(digest.get())) == 64
+    assert len(asyncio.run(digests.get(card))) == 64
 
 
 @pytest.fixture(scope="module")
