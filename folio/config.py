@@ -112,6 +112,7 @@ class SchedulerConfig:
     # decoder embedding models such as e5-mistral and Qwen3-Embedding pool); mean pooling suits
     # encoders trained for it. Last-token pooling also lets a request take prefix-cache hits.
     pooling: str = "last"
+    max_loras: int | None = None  # with LoRA: adapters the running requests may use at once
 
     def __post_init__(self) -> None:
         if self.max_num_batched_tokens <= 0 or self.max_num_seqs <= 0 or self.max_model_len <= 0:

@@ -109,6 +109,10 @@ class EngineArgs:
     )  # fmt: skip
     enforce_eager: bool = _flag(False, "on a GPU, run every step eagerly instead of replaying captured CUDA graphs "
                                 "for decode steps")  # fmt: skip
+    enable_lora: bool = _flag(False, "serve LoRA adapters (PEFT format) beside the base model, rows of different "
+                              "adapters in one batch (whole models in this process)")  # fmt: skip
+    max_loras: int = _flag(4, "LoRA: adapters the running requests may use at once (default 4)")
+    max_lora_rank: int = _flag(16, "LoRA: the largest adapter rank served (default 16)")
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -176,7 +180,8 @@ class EngineArgs:
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """`model_max_len`: the model's own context length, served when `max_model_len` is not given."""
         return self._config(SchedulerConfig, max_model_len=self.max_model_len or model_max_len,
-                            batch_timeout=self.batch_timeout_ms / 1000)  # fmt: skip
+                            batch_timeout=self.batch_timeout_ms / 1000,
+                            max_loras=self.max_loras if self.enable_lora else None)  # fmt: skip
 
 
 _FIELDS: dict[str, Field] = {f.name: f for f in fields(EngineArgs)}
@@ -184,7 +189,7 @@ _FIELDS: dict[str, Field] = {f.name: f for f in fields(EngineArgs)}
 _ENGINE_FLAGS = ("dtype", "device", "kv_cache_memory", "num_kv_blocks", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "batching", "batch_size", "batch_timeout_ms",
                  "quantization", "activation_bits", "kv_cache_dtype", "enable_prefix_caching", "hybrid_kv_cache",
-                 "pooling", "compile", "enforce_eager")  # fmt: skip
+                 "pooling", "compile", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank")  # fmt: skip
 _PARALLEL_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "nnodes", "master_addr",
                    "master_port", "cpu_collectives", "pipeline_layers", "pipeline_micro_batches")  # fmt: skip
 SWITCHES_OFF_BY_DEFAULT = tuple(f.name for f in _FIELDS.values() if f.default is False)  # --compile, --enforce-eager

@@ -28,6 +28,7 @@ class NewRequestData:
     prompt_token_ids: tuple[int, ...]
     output_token_ids: tuple[int, ...]  # generated before the runner met it (a beam forked mid-search)
     sampling_params: SamplingParams
+    lora_name: str | None = None  # the LoRA adapter its rows run with (registered with the runner's store)
 
 
 @dataclass(frozen=True)

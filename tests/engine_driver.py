@@ -12,12 +12,14 @@ from folio.sampling_params import SamplingParams
 
 
 def run_greedy_capturing_logits(
-    engine: EngineCore, prompts: list[list[int]], max_tokens: int
+    engine: EngineCore, prompts: list[list[int]], max_tokens: int, lora_names: list[str | None] | None = None
 ) -> tuple[list[list[int]], list[torch.Tensor]]:
-    """Greedy-generate for every prompt at once; return output ids and logits [num_tokens-1, V] per request
-    (logits at position p predict token p+1; the last generated token has none)."""
+    """Greedy-generate for every prompt at once (each with its LoRA adapter, if named); return output ids
+    and logits [num_tokens-1, V] per request (logits at position p predict token p+1; the last generated
+    token has none)."""
     params = SamplingParams(max_tokens=max_tokens, temperature=0.0, ignore_eos=True, prompt_logprobs=0)
-    requests = [Request(str(i), list(p), params) for i, p in enumerate(prompts)]
+    names = lora_names or [None] * len(prompts)
+    requests = [Request(str(i), list(p), params, lora_name=names[i]) for i, p in enumerate(prompts)]
     rows: dict[str, dict[int, torch.Tensor]] = {r.request_id: {} for r in requests}
 
     def observe(request_id: str, positions: list[int], logits: torch.Tensor) -> None:

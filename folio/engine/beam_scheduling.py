@@ -51,6 +51,7 @@ class BeamGroup:
             eos_token_ids=parent.eos_token_ids,
             arrival_time=parent.arrival_time,
             cache_salt=parent.cache_salt,
+            lora_name=parent.lora_name,
             priority=parent.priority,
         )
         beam.arrival_order = parent.arrival_order  # siblings queue where the group queued

@@ -30,6 +30,8 @@ from folio.kv_cache.manager import KVCacheManager
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
 from folio.loaders.tokenizer import Tokenizer
+from folio.lora.adapter import LoRARequest
+from folio.lora.store import LoRAStore
 from folio.memory import reuse_large_allocations
 from folio.models.base import CausalLM
 from folio.platform import configure_threads, default_device, default_kv_cache_memory, resolve_dtype
@@ -227,7 +229,37 @@ class EngineCore:
                     ", layers torch.compile'd" if args.compile else "",
                     ", 8-bit activations into the int8 dot products" if args.activation_bits == 8 else "")  # fmt: skip
         engine.grammars = GrammarCompiler(loaded.tokenizer, config.vocab_size)
+        if args.enable_lora:
+            if whole is None or not isinstance(engine.runner, ModelRunner) or engine.runner.context is not None:
+                raise ValueError("LoRA adapters are served by a whole model in this process: not with tensor, "
+                                 "pipeline or context parallelism")  # fmt: skip
+            if args.compile:
+                raise ValueError("--enable-lora and --compile do not combine yet")
+            engine.runner.lora = LoRAStore(whole, args.max_loras, args.max_lora_rank, dtype, device)
+            logger.info("LoRA: up to %d adapters at once, rank up to %d", args.max_loras, args.max_lora_rank)
         return engine
+
+    # -- LoRA adapters -------------------------------------------------------------------------------
+    def add_lora(self, request: LoRARequest) -> None:
+        """Register (or replace) an adapter that requests may then name; ValueError if it cannot serve this
+        model (or the engine has no LoRA)."""
+        self._lora_store().add(request)
+
+    def remove_lora(self, name: str) -> bool:
+        if any(r.lora_name == name for r in self.scheduler.running + self.scheduler.waiting):
+            raise ValueError(f"the adapter {name!r} still has requests running; unload it once they are done")
+        return self._lora_store().remove(name)
+
+    def lora_names(self) -> list[str]:
+        runner = self.runner
+        store = runner.lora if isinstance(runner, ModelRunner) else None
+        return sorted(store.adapters) if store is not None else []
+
+    def _lora_store(self) -> LoRAStore:
+        store = self.runner.lora if isinstance(self.runner, ModelRunner) else None
+        if store is None:
+            raise ValueError("this engine serves no LoRA adapters: start it with enable_lora (--enable-lora)")
+        return store
 
     @property
     def tokenizer(self) -> Tokenizer:
@@ -243,6 +275,8 @@ class EngineCore:
         """Queue a request; `forks` (more samples of the same prompt) share its prompt's KV blocks."""
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty")
+        if request.lora_name is not None and request.lora_name not in self.lora_names():
+            raise ValueError(f"no LoRA adapter named {request.lora_name!r} is loaded")
         pooling = request.sampling_params.pooling
         if pooling is not None:  # an embedding: prefill only, so the whole context may be prompt
             if request.num_prompt_tokens > self.max_model_len:

@@ -20,6 +20,7 @@ from folio.engine.output_processor import OutputProcessor
 from folio.engine.request import Request
 from folio.engine_args import EngineArgs
 from folio.loaders.model_loader import LoadedModel
+from folio.lora.adapter import LoRARequest
 from folio.outputs import CompletionOutput, EmbeddingOutput, RequestMetrics, RequestOutput
 from folio.sampling_params import PoolingParams, SamplingParams
 
@@ -63,6 +64,9 @@ class LLM:
         compile: bool = False,
         activation_bits: int = 16,
         enforce_eager: bool = False,
+        enable_lora: bool = False,
+        max_loras: int = 4,
+        max_lora_rank: int = 16,
     ) -> None:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
@@ -78,7 +82,8 @@ class LLM:
             pipeline_parallel_size=pipeline_parallel_size, context_parallel_size=context_parallel_size,
             pipeline_micro_batches=pipeline_micro_batches, pipeline_layers=pipeline_layers, nnodes=nnodes,
             master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives, pooling=pooling,
-            compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager,
+            compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager, enable_lora=enable_lora,
+            max_loras=max_loras, max_lora_rank=max_lora_rank,
         )  # fmt: skip
         self.engine = EngineCore.from_engine_args(args)
         assert self.engine.loaded is not None
@@ -177,9 +182,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
         priority: Sequence[int] | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Run every prompt to completion with continuous batching; outputs come back in prompt order.
-        `priority` (one per prompt, lower first) orders admission and preemption."""
+        `priority` (one per prompt, lower first) orders admission and preemption; `lora_request` (one, or
+        one per prompt, None for the base model) runs prompts with LoRA adapters (LLM(enable_lora=True)),
+        each registered the first time it is named."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # type: ignore[list-item]
         prompts = list(prompts)
@@ -190,11 +198,18 @@ class LLM:
         priorities = list(priority) if priority is not None else [0] * len(prompts)
         if len(priorities) != len(prompts):
             raise ValueError(f"got {len(prompts)} prompts but {len(priorities)} priorities")
+        adapters = list(lora_request) if isinstance(lora_request, Sequence) else [lora_request] * len(prompts)
+        if len(adapters) != len(prompts):
+            raise ValueError(f"got {len(prompts)} prompts but {len(adapters)} LoRA requests")
+        known = set(self.engine.lora_names())
+        for adapter in {a for a in adapters if a is not None and a.name not in known}:
+            self.engine.add_lora(adapter)
         groups = [self._make_samples(p, sp) for p, sp in zip(prompts, params_list, strict=True)]
         processor = OutputProcessor(self.engine, self.tokenizer)
-        for group, rank in zip(groups, priorities, strict=True):
+        for group, rank, adapter in zip(groups, priorities, adapters, strict=True):
             for request in group:
                 request.priority = rank
+                request.lora_name = adapter.name if adapter is not None else None
                 processor.add(request, stream_text=False)  # decoded once at the end, unless stop strings need it
         self._run(groups, "generating", use_tqdm, processor)
         return [

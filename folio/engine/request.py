@@ -40,6 +40,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     cache_salt: str | None = None  # keeps a tenant's prefix cache apart from others'
     priority: int = 0  # lower is more urgent: admitted first, preempted last
+    lora_name: str | None = None  # the LoRA adapter it runs with (EngineCore.add_lora registered it)
     arrival_order: int = 0  # set by the scheduler
 
     output_token_ids: list[int] = field(default_factory=list)
@@ -69,6 +70,14 @@ class Request:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def prefix_salt(self) -> str | None:
+        """What keeps its prefix-cache blocks apart besides their tokens: the tenant's salt, and the adapter
+        (its KV is not the base model's). repr() quotes each, so no two pairs give one salt."""
+        if self.lora_name is None:
+            return self.cache_salt
+        return f"{self.cache_salt!r} lora {self.lora_name!r}"
 
     def all_token_ids(self) -> list[int]:
         return self.prompt_token_ids + self.output_token_ids

@@ -24,7 +24,7 @@ class RunnerView:
             return None
         self._known.add(request.request_id)
         return NewRequestData(request.request_id, tuple(request.prompt_token_ids), tuple(request.output_token_ids),
-                              request.sampling_params)  # fmt: skip
+                              request.sampling_params, request.lora_name)  # fmt: skip
 
     def block_changes(self, request_id: str, tables: list[list[int]]) -> tuple[int, tuple[tuple[int, ...], ...]]:
         """The first index where any group's table differs from what the runner holds, and each group's

@@ -219,7 +219,8 @@ class Scheduler(BeamScheduling):
     def _admit(self, budget: int, chosen: list[tuple[Request, int]]) -> int:
         """Move waiting requests to running while budget, sequence slots and blocks last."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
-            request = next((r for r in self.waiting if self.gate.admits(r) and not self._is_parked(r)), None)
+            request = next((r for r in self.waiting if self.gate.admits(r) and not self._is_parked(r)
+                            and self._adapter_fits(r)), None)  # fmt: skip
             if request is None:
                 break
             # A cached block has no logits or hidden states: a request scoring its prompt or mean-pooling it
@@ -241,6 +242,15 @@ class Scheduler(BeamScheduling):
             chosen.append((request, num_new))
             budget -= num_new
         return budget
+
+    def _adapter_fits(self, request: Request) -> bool:
+        """Whether its LoRA adapter fits beside the running requests' (at most max_loras in a batch, as vLLM
+        admits them); one that does not waits, and requests behind it may go first."""
+        limit = self.config.max_loras
+        if request.lora_name is None or limit is None:
+            return True
+        running = {r.lora_name for r in self.running if r.lora_name is not None}
+        return request.lora_name in running or len(running) < limit
 
     def _forks_to_sample(self, request: Request) -> list[Request]:
         """Forks that sample alongside the request's first token; if the running batch has no room for

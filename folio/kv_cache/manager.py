@@ -97,7 +97,7 @@ class KVCacheManager:
         tables: Tables = [[] for _ in self.group_windows]
         if not self.enable_prefix_caching:
             return tables
-        extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
+        extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.prefix_salt)
         keys = request.block_keys[: (request.num_tokens - 1) // self.block_size]
         found = [[self.pool.lookup(key, group) for key in keys] for group in range(self.num_groups)]
         hit = len(keys)
@@ -209,7 +209,7 @@ class KVCacheManager:
         done = self._num_registered.get(request.request_id, 0)
         if full <= done:
             return
-        extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.cache_salt)
+        extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.prefix_salt)
         for group, table in enumerate(self.block_tables[request.request_id]):
             for index in range(done, full):
                 self.pool.register(table[index], request.block_keys[index], group)

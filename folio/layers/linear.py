@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from folio.layers.lora import LoRASlots
 from folio.layers.weight_storage import QuantizedKernel, RowQuantized, RowStaging, can_keep, can_pack
 from folio.weight_formats.int4 import GROUP_SIZE, PackedInt4, rtn_groups
 from folio.weight_formats.int8 import ChannelInt8
@@ -40,6 +41,7 @@ class Linear(nn.Module):
         else:
             self.bias = None
         self.packed: QuantizedKernel | None = None  # set once a quantized weight is complete
+        self.lora: LoRASlots | None = None  # adapters' weights, once one targets this layer (lora/store.py)
         self._staging: RowStaging | None = None
         self._has_dense_rows = False
 
@@ -112,10 +114,11 @@ class Linear(nn.Module):
         return self.project(x, self.bias)
 
     def project(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        """x @ W.T (+ bias), through whichever form the weight is held in."""
-        if self.packed is None:
-            return F.linear(x, self.weight, bias)
-        out = self.packed.linear(x.reshape(-1, self.in_features), bias)
+        """x @ W.T (+ bias), through whichever form the weight is held in, plus the step's LoRA rows."""
+        flat = x.reshape(-1, self.in_features)
+        out = F.linear(flat, self.weight, bias) if self.packed is None else self.packed.linear(flat, bias)
+        if self.lora is not None:
+            out = self.lora.add(flat, out)
         return out.view(*x.shape[:-1], self.out_features)
 
 

@@ -122,6 +122,13 @@ def _route(name: str, stacked: StackedMapping) -> tuple[str, object]:
     return name, None
 
 
+def route_checkpoint_name(model: CausalLM, name: str, tensor: torch.Tensor) -> tuple[str, object]:
+    """A Hugging Face checkpoint name -> (this model's parameter name, shard id), as its weights load (a LoRA
+    adapter's matrices find their layer this way). A name the model drops routes to itself."""
+    pair = model.checkpoint_rename(name, tensor)
+    return _route(pair[0] if pair is not None else name, model.stacked_params)
+
+
 def check_all_loaded(model: nn.Module, loaded: set[str]) -> None:
     # Tied parameters appear under two names; either one being loaded is enough.
     seen_ids = {id(p) for n, p in model.named_parameters(remove_duplicate=False) if n in loaded}

@@ -15,6 +15,7 @@ from folio.distributed.tensor_parallel import current, head_shard
 from folio.layers.attention.layer import PagedAttention
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.embedding import VocabEmbedding
+from folio.layers.lora import LoRABatch
 from folio.layers.norm import RMSNorm
 from folio.layers.parallel_linear import RowParallelLinear, qkv_parallel
 from folio.layers.rotary import RotaryEmbedding, apply_rotary
@@ -108,13 +109,14 @@ class LlamaModel(StagedBody):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.decode_stack: DecodeStack | None = None  # the C++ decode step, once the KV cache is bound (whole models)
+        self.lora_batch: LoRABatch | None = None  # the step's adapter rows (lora/store.py), which the C++ step lacks
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         carried: StageCarry | None = None,
     ) -> torch.Tensor | StageCarry:  # fmt: skip
-        stack = self.decode_stack
-        if stack is None or not stack.takes_step(input_ids.shape[0], meta):
+        stack, lora = self.decode_stack, self.lora_batch
+        if stack is None or (lora is not None and lora.active) or not stack.takes_step(input_ids.shape[0], meta):
             return super().forward(input_ids, positions, meta, carried)
         hidden = self.embed(input_ids, positions)
         hidden, residual = stack.forward(hidden, self.ropes(positions, hidden.dtype), meta)

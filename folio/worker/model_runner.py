@@ -19,6 +19,7 @@ from folio.distributed.context_parallel import ContextParallel
 from folio.kv_cache.groups import KVGroups
 from folio.kv_cache.quant import kv_format, slot_bytes_per_head
 from folio.layers.attention.kv_tensors import LayerKV
+from folio.lora.store import LoRAStore
 from folio.outputs import TokenLogprob
 from folio.sample.logprobs import gather_logprobs, top_candidates
 from folio.spec_decode.proposer import DraftRequest, Proposer, next_draft_length
@@ -84,6 +85,7 @@ class ModelRunner:
         # Set by the engine once this runner's KV cache exists (a draft of the same model reads it).
         self.proposer: Proposer | None = None
         self.logits_observer: LogitsObserver | None = None
+        self.lora: LoRAStore | None = None  # set by the engine with --enable-lora (whole models)
         fmt = kv_format(cache.kv_cache_dtype)
         slots = self.slots_per_block
         self.kv_groups = kv_groups
@@ -160,6 +162,8 @@ class ModelRunner:
         inputs = prepare_batch(out, self.requests, self.config.vocab_size, self.block_size, self.device)
         if out.block_copies:
             self.copy_blocks(list(out.block_copies))
+        if self.lora is not None:
+            self.lora.prepare([(c.num_tokens, self.requests[c.request_id].lora_name) for c in out.scheduled])
         hidden = self.forward(inputs, out)
         if hidden is None:  # the last pipeline stage reports the step
             return ModelRunnerOutput()

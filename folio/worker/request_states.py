@@ -38,13 +38,15 @@ class RequestState:
     block_tables: list[list[int]]  # one per KV cache group
     draft_length: int = 0  # speculative decoding: drafts to propose next (set by the runner)
     pool_sum: RunningSum | None = None  # an embedding request's mean pooling, while its prompt is computed
+    lora_name: str | None = None  # the LoRA adapter its rows run with
 
     @classmethod
     def from_new(cls, data: NewRequestData) -> RequestState:
         seed = data.sampling_params.seed
         generator = None if seed is None else torch.Generator().manual_seed(seed)
         tokens = [*data.prompt_token_ids, *data.output_token_ids]
-        return cls(data.request_id, len(data.prompt_token_ids), tokens, data.sampling_params, generator, [])
+        return cls(data.request_id, len(data.prompt_token_ids), tokens, data.sampling_params, generator, [],
+                   lora_name=data.lora_name)  # fmt: skip
 
     @property
     def block_ids(self) -> list[int]:

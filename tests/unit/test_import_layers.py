@@ -48,6 +48,7 @@ RUNTIME = frozenset(
         "folio.kv_cache",
         "folio.layers",
         "folio.loaders",
+        "folio.lora",  # LoRA adapters: read from PEFT folders, placed in the layers' slots each step
         "folio.models",
         "folio.ops",  # the one kernel loader
         "folio.outputs",
@@ -94,6 +95,7 @@ RANKS = {
     "folio.models": 3,
     # what loads a model, and what works beside it
     "folio.loaders": 4,
+    "folio.lora": 4,
     "folio.structured": 4,
     "folio.spec_decode": 4,
     "folio.reasoning": 4,

@@ -1,0 +1,97 @@
+"""LoRA adapters against transformers + peft: on tiny random-init models of each architecture, with
+random adapters on every linear projection (peft's "all-linear"), folio's logits equal the peft model's
+within 1e-4 in fp32 and its greedy tokens are the same; rows of four adapters and the base model in one
+batch get exactly what each gets alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from folio import LLM, LoRARequest
+from folio.lora.adapter import read_adapter
+from tests.engine_driver import run_greedy_capturing_logits
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
+
+transformers = pytest.importorskip("transformers")
+peft = pytest.importorskip("peft")
+
+TOLERANCE = 1e-4  # fp32
+DECODE_STEPS = 8
+# GPT-2's Conv1D layers take PEFT's fan_in_fan_out adapters, which folio refuses (tested below).
+KINDS = [kind for kind in TINY_KINDS + NEW_ARCHITECTURE_KINDS if kind != "gpt2"]
+
+
+def make_adapter(base_folder, folder, seed: int, rank: int = 4) -> str:
+    """A random LoRA adapter on every linear projection (B is not zero: it changes the outputs)."""
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    for name, param in model.named_parameters():
+        if "lora_" in name:  # larger than peft's init, so an adapter's effect is well above the tolerance
+            param.data = torch.randn_like(param) * 0.2
+    model.save_pretrained(folder)
+    return str(folder)
+
+
+def reference_logits(base_folder, adapter: str | None, sequence: list[int]) -> torch.Tensor:
+    model = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    if adapter is not None:
+        model = peft.PeftModel.from_pretrained(model, adapter)
+    with torch.no_grad():
+        return model.eval()(torch.tensor([sequence])).logits[0]
+
+
+@pytest.fixture(scope="module", params=KINDS)
+def tiny(request, tmp_path_factory):
+    root = tmp_path_factory.mktemp(f"lora-{request.param}")
+    folder = make_tiny_model(request.param, root / "base")
+    adapters = [make_adapter(folder, root / f"adapter{i}", seed=10 + i) for i in range(4)]
+    llm = LLM(folder, enable_lora=True, max_loras=4, max_lora_rank=8, num_kv_blocks=256, block_size=4)
+    for i, path in enumerate(adapters):
+        llm.engine.add_lora(LoRARequest(f"a{i}", path))
+    return request.param, folder, adapters, llm
+
+
+def test_logits_and_greedy_tokens_match_peft(tiny):
+    kind, folder, adapters, llm = tiny
+    generator = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, VOCAB, (11,), generator=generator).tolist()
+    for name, adapter in (("a0", adapters[0]), (None, None)):
+        [output], [logits] = run_greedy_capturing_logits(llm.engine, [prompt], DECODE_STEPS, [name])
+        expected = reference_logits(folder, adapter, prompt + output)[: len(prompt) + DECODE_STEPS - 1]
+        assert logits.shape == expected.shape
+        assert torch.allclose(logits, expected, atol=TOLERANCE, rtol=0), (kind, name, (logits - expected).abs().max())
+        assert output == expected[len(prompt) - 1 :].argmax(-1).tolist()
+
+
+def test_a_batch_of_four_adapters_and_the_base_gives_each_row_what_it_gets_alone(tiny):
+    kind, _, _, llm = tiny
+    generator = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(0, VOCAB, (n,), generator=generator).tolist() for n in (9, 14, 5, 17, 12)]
+    names = ["a0", "a1", None, "a2", "a3"]
+    together, together_logits = run_greedy_capturing_logits(llm.engine, prompts, DECODE_STEPS, names)
+    for prompt, name, output, logits in zip(prompts, names, together, together_logits, strict=True):
+        [alone], [alone_logits] = run_greedy_capturing_logits(llm.engine, [prompt], DECODE_STEPS, [name])
+        assert output == alone, (kind, name)
+        # Tokens exactly; logits to fp32's noise (a matmul over more rows may round differently).
+        assert torch.allclose(logits, alone_logits, atol=TOLERANCE, rtol=0), (kind, name)
+    assert len({tuple(o) for o in together[:2]}) == 2 or together[0] != together[2]  # adapters change answers
+
+
+def test_adapters_folio_cannot_apply_are_refused_with_the_reason(tmp_path):
+    folder = make_tiny_model("gpt2", tmp_path / "gpt2")
+    adapter = make_adapter(folder, tmp_path / "conv1d", seed=3)
+    llm = LLM(folder, enable_lora=True, num_kv_blocks=64)
+    with pytest.raises(ValueError, match="fan_in_fan_out"):
+        llm.engine.add_lora(LoRARequest("conv", adapter))
+    with pytest.raises(ValueError, match="max-lora-rank"):
+        llama = make_tiny_model("llama", tmp_path / "llama")
+        big = make_adapter(llama, tmp_path / "rank32", seed=4, rank=32)
+        LLM(llama, enable_lora=True, num_kv_blocks=64).engine.add_lora(LoRARequest("big", big))
+    with pytest.raises(ValueError, match="no adapter_config.json"):
+        read_adapter("none", tmp_path, llm.loaded.model)
+    with pytest.raises(ValueError, match="no LoRA adapter named 'ghost'"):
+        llm.generate([[1, 2, 3]], lora_request=None, use_tqdm=False)  # fine: the base model
+        run_greedy_capturing_logits(llm.engine, [[1, 2, 3]], 2, ["ghost"])
