@@ -70,7 +70,7 @@ def test_each_group_caches_its_own_blocks_and_a_hit_takes_the_window_groups_last
     kv = KVCacheManager(num_blocks=32, block_size=BLOCK, enable_prefix_caching=True, group_windows=(None, 4))
 
     class Prompt:  # what the manager reads from a request
-        request_id, cache_salt, num_computed_tokens, num_tokens = "a", None, 20, 21
+        request_id, prefix_salt, num_computed_tokens, num_tokens = "a", None, 20, 21
         block_keys: list = []
 
         def all_token_ids(self) -> list[int]:
@@ -156,7 +156,7 @@ def test_random_operations_keep_tables_aligned_bounded_and_leak_nothing(ops):
 class _Request:
     """What the manager reads from a request: 21 tokens, all but the last computed."""
 
-    cache_salt, num_computed_tokens, num_tokens = None, 20, 21
+    prefix_salt, num_computed_tokens, num_tokens = None, 20, 21
 
     def __init__(self, request_id: str) -> None:
         self.request_id = request_id

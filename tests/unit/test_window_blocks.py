@@ -56,7 +56,7 @@ def test_forks_share_the_placeholder_and_dropped_blocks_keep_their_prefix_cache_
     kv = KVCacheManager(num_blocks=16, block_size=BLOCK, enable_prefix_caching=True, group_windows=(4,))
 
     class Prompt:  # what cache_full_blocks reads from a request
-        request_id, cache_salt, num_computed_tokens = "a", None, 20
+        request_id, prefix_salt, num_computed_tokens = "a", None, 20
         block_keys: list = []
 
         def all_token_ids(self) -> list[int]:
