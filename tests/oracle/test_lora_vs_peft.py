@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from folio import LLM, LoRARequest
+from folio import LLM, LoRARequest, SamplingParams
 from folio.lora.adapter import read_adapter
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
@@ -95,3 +95,22 @@ def test_adapters_folio_cannot_apply_are_refused_with_the_reason(tmp_path):
     with pytest.raises(ValueError, match="no LoRA adapter named 'ghost'"):
         llm.generate([[1, 2, 3]], lora_request=None, use_tqdm=False)  # fine: the base model
         run_greedy_capturing_logits(llm.engine, [[1, 2, 3]], 2, ["ghost"])
+
+
+def test_the_prefix_cache_keeps_each_adapters_blocks_apart(tiny):
+    """A prompt's KV under an adapter is not the base model's: a repeat hits only its own adapter's blocks,
+    and every answer is what a cold run gives."""
+    kind, folder, adapters, llm = tiny
+    prompt = torch.randint(0, VOCAB, (24,), generator=torch.Generator().manual_seed(3)).tolist()
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+    runs = [("a0", LoRARequest("a0", adapters[0])), ("base", None), ("a0", LoRARequest("a0", adapters[0])),
+            ("a1", LoRARequest("a1", adapters[1]))]  # fmt: skip
+    cached, texts = {}, {}
+    for label, adapter in runs:
+        [out] = llm.generate([prompt], greedy, use_tqdm=False, lora_request=adapter)
+        cached.setdefault(label, []).append(out.metrics.num_cached_tokens)
+        texts.setdefault(label, set()).add(tuple(out.outputs[0].token_ids))
+    assert cached["base"] == [0] and cached["a1"] == [0]  # a0's blocks were not theirs
+    assert cached["a0"][0] == 0 and cached["a0"][1] > 0  # its own repeat hits
+    assert all(len(outputs) == 1 for outputs in texts.values())
+    assert texts["a0"] != texts["base"], kind
