@@ -19,6 +19,7 @@ from folio.config import ParallelConfig, parse_memory
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import DEFAULT_MODEL, EngineArgs
 from folio.loaders.catalog import CATALOG, list_pulled, pull
+from folio.lora.adapter import LoRARequest
 from folio.paths import atomic_open
 from folio.platform import available_memory, default_device
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
@@ -234,8 +235,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
-    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args))
+    adapters = [_lora_module(text) for text in args.lora_modules]
+    options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args),
+                            adapters, args.runtime_lora)  # fmt: skip
+    args.enable_lora = args.enable_lora or bool(adapters) or args.runtime_lora
     many = len(args.models) != 1 or args.models_dir is not None
+    if args.enable_lora and many:
+        raise ValueError("LoRA adapters are served beside one model: name exactly one MODEL")
     replicated = args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None
     if many and (replicated or args.disaggregate):
         raise ValueError("Ray replicas serve one model: name exactly one MODEL (and no --models-dir)")
@@ -254,6 +260,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except StartupInterrupted:
         print("folio: SIGTERM before the server started; stopped", file=sys.stderr)
     return 0
+
+
+def _lora_module(text: str) -> LoRARequest:
+    name, sep, path = text.partition("=")
+    if not sep or not name or not path:
+        raise ValueError(f"--lora-modules takes NAME=PATH (a PEFT adapter folder), got {text!r}")
+    return LoRARequest(name, path)
 
 
 def models_memory(args: argparse.Namespace) -> int:

@@ -174,6 +174,12 @@ def build_parser() -> argparse.ArgumentParser:
     many.add_argument("--keep-alive", default=os.environ.get("FOLIO_KEEP_ALIVE", "5m"), help="how long an idle "
                       "model stays loaded: a duration (5m, 1h30m) or seconds; 0 unloads at once, negative never "
                       "(default 5m or $FOLIO_KEEP_ALIVE; a request's keep_alive overrides it)")  # fmt: skip
+    lora = serve.add_argument_group("LoRA adapters (with one MODEL)")
+    lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="PEFT adapter folders "
+                      "served beside the model; a request names one as its model (implies --enable-lora)")  # fmt: skip
+    lora.add_argument("--runtime-lora", action="store_true", help="allow /v1/load_lora_adapter and "
+                      "/v1/unload_lora_adapter (they read adapter folders that requests name on this "
+                      "machine)")  # fmt: skip
     _add_chat_parser_args(serve)
     _add_limit_args(serve)
     _add_replica_args(serve)

@@ -35,7 +35,8 @@ class RemoteEngine:
         self.max_model_len = max_model_len
         self.is_alive = True  # kept by the ingress from the replicas' reports
 
-    def generation(self) -> RemoteGeneration:
+    def generation(self, lora_name: str | None = None) -> RemoteGeneration:
+        assert lora_name is None, "the replicas serve no LoRA adapters (the ingress lists none)"
         return RemoteGeneration(self)
 
 

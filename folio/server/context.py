@@ -85,6 +85,7 @@ class ServerContext:
     limits: RequestLimits = field(default_factory=RequestLimits)
     chat: ChatOptions = field(default_factory=ChatOptions)
     model_card: ModelCard | None = None  # what Ollama's model routes say about the served model
+    lora_name: str | None = None  # a LoRA adapter's name: the calls of this context run with it
 
     @property
     def max_model_len(self) -> int:
@@ -114,4 +115,4 @@ class ServerContext:
         alone exceeds the server's capacity, 429 if the server is full."""
         if not self.engine.is_alive:
             raise APIError(503, "the engine has stopped after an internal error", code="engine_dead")
-        return AdmittedCall(self.admission.reserve(num_sequences, param), self.engine.generation())
+        return AdmittedCall(self.admission.reserve(num_sequences, param), self.engine.generation(self.lora_name))

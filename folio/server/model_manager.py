@@ -196,6 +196,12 @@ class ModelManager:
         if not await asyncio.to_thread(catalog.remove, source.spec):
             raise APIError(404, f"model '{name}' not found: it is not pulled", param="model")
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        raise APIError(400, "LoRA adapters are served by a server of one model, not yet by a server of several")
+
+    async def unload_adapter(self, name: str) -> None:
+        raise APIError(400, "LoRA adapters are served by a server of one model, not yet by a server of several")
+
     # -- loading ---------------------------------------------------------------------------------------
     def _resolve(self, name: str | None) -> ModelSource:
         available = self.sources.available()

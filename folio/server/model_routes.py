@@ -1,11 +1,14 @@
 """The routes that list, load and unload models: OpenAI's /v1/models (with llama-server's fields, so its
-router-mode clients read it too) and llama-server's /models, /models/load and /models/unload."""
+router-mode clients read it too, and vLLM's `parent` on LoRA adapters), llama-server's /models,
+/models/load and /models/unload, and vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter."""
 
 from __future__ import annotations
 
 from typing import Any
 
 from fastapi import APIRouter
+from fastapi.responses import PlainTextResponse
+from pydantic import Field
 
 from folio.server.body_route import OffLoopBodyRoute
 from folio.server.request_body import RequestBody
@@ -16,11 +19,26 @@ class ModelNameRequest(RequestBody):
     model: str
 
 
+class LoadLoRARequest(RequestBody):
+    """vLLM's body for /v1/load_lora_adapter."""
+
+    lora_name: str = Field(min_length=1)
+    lora_path: str = Field(min_length=1)
+    load_inplace: bool = False  # a known name is replaced either way
+
+
+class UnloadLoRARequest(RequestBody):
+    lora_name: str = Field(min_length=1)
+    lora_int_id: int | None = None  # vLLM's numeric id: folio names adapters only
+
+
 def model_entry(status: ModelStatus) -> dict[str, Any]:
     entry: dict[str, Any] = {"id": status.name, "object": "model", "created": 0, "owned_by": "folio",
                              "status": {"value": status.state}, "source": status.origin}  # fmt: skip
     if status.error is not None:
         entry["status"]["error"] = status.error
+    if status.parent is not None:  # a LoRA adapter, as vLLM lists one
+        entry["parent"] = status.parent
     card = status.card
     if card is not None:
         entry["created"] = int(card.loaded_at)
@@ -49,5 +67,15 @@ def model_router(models: ServedModels) -> APIRouter:
         """Unloaded once its requests in flight are done; a model not loaded has nothing to do."""
         await models.unload(body.model)
         return {"success": True}
+
+    @router.post("/v1/load_lora_adapter")
+    async def load_lora_adapter(body: LoadLoRARequest) -> PlainTextResponse:
+        await models.load_adapter(body.lora_name, body.lora_path)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
+
+    @router.post("/v1/unload_lora_adapter")
+    async def unload_lora_adapter(body: UnloadLoRARequest) -> PlainTextResponse:
+        await models.unload_adapter(body.lora_name)
+        return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' removed successfully.")
 
     return router

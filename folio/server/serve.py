@@ -24,6 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import EngineArgs
+from folio.lora.adapter import LoRARequest
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.context import ChatOptions, ServerContext
@@ -56,6 +57,8 @@ class ServerOptions:
     grace_period: float = 30.0  # seconds in-flight requests get after SIGTERM
     limits: RequestLimits = field(default_factory=RequestLimits)
     chat: ChatOptions = field(default_factory=ChatOptions)  # tool-call and reasoning parsers
+    lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters registered at start-up
+    runtime_lora: bool = False  # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -134,7 +137,8 @@ def _assemble(
     options = options or ServerOptions()
     ctx = make_context(engine, info, model_name, options)
     track_admission(registry, model_name, ctx.admission)
-    return Server(create_app(OneModel(ctx), options.limits, registry, options.api_key), ctx, registry, info)
+    models = OneModel(ctx, {m.name: m.path for m in options.lora_modules}, options.runtime_lora)
+    return Server(create_app(models, options.limits, registry, options.api_key), ctx, registry, info)
 
 
 def is_loopback(host: str) -> bool:
@@ -194,9 +198,15 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
             running.should_exit = True
 
     if engine_process:
+        if options.lora_modules or options.runtime_lora:
+            raise ValueError("LoRA adapters are served by an engine on the server's thread: not with "
+                             "--engine-process yet")  # fmt: skip
         server = build_process_server(ProcessEngine(args, model_name, stop_on_engine_death), model_name, options)
     else:
-        server = build_server(EngineCore.from_engine_args(args), model_name, options, stop_on_engine_death)
+        core = EngineCore.from_engine_args(args)
+        for adapter in options.lora_modules:
+            core.add_lora(adapter)
+        server = build_server(core, model_name, options, stop_on_engine_death)
     config = uvicorn.Config(
         server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
     )  # type: ignore[arg-type]  # uvicorn hints an int; it passes the value to asyncio.wait_for

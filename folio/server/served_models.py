@@ -13,10 +13,12 @@ import math
 import re
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
+from folio.lora.adapter import LoRARequest
 from folio.server.context import ServerContext
+from folio.server.engine_client.thread import AsyncEngine
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
 from folio.server.model_sources import LATEST
@@ -68,6 +70,7 @@ class ModelStatus:
     card: ModelCard | None = None  # known once the model has loaded
     expires_at: float | None = None  # when an idle loaded model is unloaded; None: never
     error: str | None = None  # why its last load failed
+    parent: str | None = None  # a LoRA adapter's base model
 
     @property
     def loaded(self) -> bool:
@@ -111,6 +114,12 @@ class ServedModels(Protocol):
         """Unload the named model and delete its files (only a catalog model folio pulled)."""
         ...
 
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Register a LoRA adapter (a PEFT folder on this machine) that requests then name as their model."""
+        ...
+
+    async def unload_adapter(self, name: str) -> None: ...
+
 
 def model_not_found(name: str, served: list[str]) -> APIError:
     listed = ", ".join(f"'{n}'" for n in served[:20]) + (", ..." if len(served) > 20 else "") or "none yet"
@@ -125,44 +134,84 @@ ONE_MODEL = (
 
 
 class OneModel:
-    """One model loaded for the server's whole life."""
+    """One model loaded for the server's whole life, and the LoRA adapters registered on it: a request that
+    names an adapter gets the model's context with the adapter set (the same engine and admission)."""
 
-    def __init__(self, ctx: ServerContext) -> None:
+    def __init__(self, ctx: ServerContext, adapters: dict[str, str] | None = None, runtime_lora: bool = False) -> None:
         self.context = ctx
+        self.adapters = dict(adapters or {})  # name -> the folder it was read from
+        self.runtime_lora = runtime_lora  # whether requests may load and unload adapters
 
     @property
     def is_alive(self) -> bool:
         return self.context.engine.is_alive
 
-    def _check(self, name: str | None) -> None:
-        if name is not None and self.context.model_name not in (name, name.removesuffix(LATEST)):
-            raise model_not_found(name, [self.context.model_name])
-
-    @asynccontextmanager
-    async def use(self, name: str | None, keep_alive: float | str | None = None) -> AsyncIterator[ServerContext]:
-        self._check(name)
-        if keep_alive is not None:
-            requested_keep_alive(keep_alive)  # checked, though this model stays loaded whatever it says
-        yield self.context
-
     @property
     def loads_on_demand(self) -> bool:
         return False
 
+    def _context(self, name: str | None) -> ServerContext:
+        base = self.context.model_name
+        if name is None or base in (name, name.removesuffix(LATEST)):
+            return self.context
+        adapter = name if name in self.adapters else name.removesuffix(LATEST)
+        if adapter in self.adapters:
+            return replace(self.context, model_name=adapter, lora_name=adapter)
+        raise model_not_found(name, [base, *self.adapters])
+
+    @asynccontextmanager
+    async def use(self, name: str | None, keep_alive: float | str | None = None) -> AsyncIterator[ServerContext]:
+        context = self._context(name)
+        if keep_alive is not None:
+            requested_keep_alive(keep_alive)  # checked, though this model stays loaded whatever it says
+        yield context
+
     def statuses(self) -> list[ModelStatus]:
-        return [ModelStatus(self.context.model_name, "loaded", "argument", self.context.model_card)]
+        base = ModelStatus(self.context.model_name, "loaded", "argument", self.context.model_card)
+        return [base, *(ModelStatus(name, "loaded", "adapter", parent=base.name) for name in self.adapters)]
 
     async def card(self, name: str) -> ModelCard | None:
-        self._check(name)
+        self._context(name)
         return self.context.model_card
 
     async def load(self, name: str) -> None:
-        self._check(name)
+        self._context(name)
 
     async def unload(self, name: str) -> bool:
-        self._check(name)
+        self._context(name)
         raise APIError(400, ONE_MODEL, param="model")
 
     async def delete(self, name: str) -> None:
-        self._check(name)
+        self._context(name)
         raise APIError(400, ONE_MODEL, param="model")
+
+    def _adapter_engine(self) -> AsyncEngine:
+        if not self.runtime_lora:
+            raise APIError(400, "loading and unloading LoRA adapters at run time is off: start the server with "
+                           "--runtime-lora (it reads the adapter folders requests name on this machine)")  # fmt: skip
+        engine = self.context.engine
+        if not isinstance(engine, AsyncEngine):
+            raise APIError(400, "LoRA adapters are served by an engine on the server's thread (not with "
+                           "--engine-process or replicas yet)")  # fmt: skip
+        return engine
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        engine = self._adapter_engine()
+        if name.removesuffix(LATEST) == self.context.model_name:
+            raise APIError(400, f"'{name}' is the base model's name", param="lora_name")
+        try:
+            await engine.call(lambda core: core.add_lora(LoRARequest(name, path)))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_path") from None
+        self.adapters[name] = path
+
+    async def unload_adapter(self, name: str) -> None:
+        engine = self._adapter_engine()
+        if name not in self.adapters:
+            raise APIError(404, f"no LoRA adapter named '{name}' is loaded", param="lora_name",
+                           code="model_not_found")  # fmt: skip
+        try:
+            await engine.call(lambda core: core.remove_lora(name))
+        except ValueError as exc:
+            raise APIError(400, str(exc), param="lora_name") from None
+        del self.adapters[name]

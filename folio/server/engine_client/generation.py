@@ -16,8 +16,9 @@ from folio.server.engine_client.updates import LoopMailbox, RequestUpdate, Strea
 
 class RequestSink(Protocol):
     def new_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
-    ) -> Request: ...
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int,
+        lora_name: str | None = None,
+    ) -> Request: ...  # fmt: skip
 
     def submit(self, streams: list[Stream]) -> None: ...
 
@@ -36,8 +37,9 @@ class Generation:
     _open: dict[int, str] = {}  # class defaults: __del__ must work even if __init__ failed
     _closed = True
 
-    def __init__(self, engine: RequestSink) -> None:
+    def __init__(self, engine: RequestSink, lora_name: str | None = None) -> None:
         self._engine = engine
+        self._lora_name = lora_name  # the LoRA adapter every request of the call runs with
         self._mailbox = LoopMailbox(asyncio.get_running_loop())
         self._open = {}  # choice index -> request id, until that choice finishes
         self._num_choices = 0
@@ -51,7 +53,7 @@ class Generation:
         fork from it, sharing its KV blocks. Raises EngineDeadError if the engine has died."""
         streams = []
         for sample in params:
-            request = self._engine.new_request(prompt_token_ids, sample, cache_salt, priority)
+            request = self._engine.new_request(prompt_token_ids, sample, cache_salt, priority, self._lora_name)
             streams.append(Stream(request, self._mailbox, self._num_choices))
             self._num_choices += 1
         self._engine.submit(streams)

@@ -95,15 +95,16 @@ class ProcessEngine:
     def max_model_len(self) -> int:
         return self.info.max_model_len
 
-    def generation(self) -> Generation:
-        return Generation(self)
+    def generation(self, lora_name: str | None = None) -> Generation:
+        return Generation(self, lora_name)
 
     # -- RequestSink (called by Generation, on the event loop) -----------------------------------------
     def new_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
-    ) -> Request:
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int,
+        lora_name: str | None = None,
+    ) -> Request:  # fmt: skip
         return Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.info.eos_token_ids,
-                       cache_salt=cache_salt, priority=priority)  # fmt: skip
+                       cache_salt=cache_salt, priority=priority, lora_name=lora_name)  # fmt: skip
 
     def submit(self, streams: list[Stream]) -> None:
         mailbox = streams[0].mailbox  # one call's streams share its mailbox

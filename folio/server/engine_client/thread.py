@@ -119,9 +119,9 @@ class AsyncEngine:
         self._thread.start()
 
     # -- client side (event loop) ------------------------------------------------------------------
-    def generation(self) -> Generation:
-        """A new API call's requests (add prompts to it, then iterate its updates)."""
-        return Generation(self)
+    def generation(self, lora_name: str | None = None) -> Generation:
+        """A new API call's requests (add prompts to it, then iterate its updates), with a LoRA adapter."""
+        return Generation(self, lora_name)
 
     @property
     def is_alive(self) -> bool:
@@ -132,10 +132,11 @@ class AsyncEngine:
         return self.engine.max_model_len
 
     def new_request(
-        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int
-    ) -> Request:
+        self, prompt_token_ids: list[int], params: SamplingParams, cache_salt: str | None, priority: int,
+        lora_name: str | None = None,
+    ) -> Request:  # fmt: skip
         return Request(f"req-{next(self._ids)}", prompt_token_ids, params, eos_token_ids=self.eos_token_ids,
-                       cache_salt=cache_salt, priority=priority)  # fmt: skip
+                       cache_salt=cache_salt, priority=priority, lora_name=lora_name)  # fmt: skip
 
     def submit(self, streams: list[Stream]) -> None:
         self._send(_AddGroup(streams))
