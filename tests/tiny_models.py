@@ -105,6 +105,23 @@ def make_tiny_chat_model(folder: Path) -> Path:
     return folder
 
 
+def make_lora_adapter(base_folder: Path, folder: Path, seed: int, rank: int = 4) -> str:
+    """A random PEFT LoRA adapter on every linear projection of the model at `base_folder` (B not zero,
+    and larger than peft's init, so that it changes the outputs well above fp32 noise)."""
+    import peft
+    import transformers
+
+    torch.manual_seed(seed)
+    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
+    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    for name, param in model.named_parameters():
+        if "lora_" in name:
+            param.data = torch.randn_like(param) * 0.2
+    model.save_pretrained(folder)
+    return str(folder)
+
+
 TINY_KINDS = ["llama", "llama3-rope", "mqa", "mistral-window", "qwen2", "qwen2-yarn", "gemma3"]
 # Architectures added as one model file each (folio/models/): checked by the same oracle test.
 NEW_ARCHITECTURE_KINDS = ["qwen3", "phi3", "gpt2", "bloom"]

@@ -40,12 +40,16 @@ class LoRAStore:
         self.adapters[request.name] = adapter
         return adapter
 
+    # Slots are made and written under inference mode, as the step that first needs them runs: every change
+    # to them must be too (an inference tensor cannot be written outside it).
+    @torch.inference_mode()
     def remove(self, name: str) -> bool:
         slot = self.slots.pop(name, None)
         if slot is not None:
             self._clear(slot)
         return self.adapters.pop(name, None) is not None
 
+    @torch.inference_mode()
     def prepare(self, rows: list[tuple[int, str | None]]) -> None:
         """This step's chunks as (token rows, adapter name or None), in batch order."""
         needed = {name for _, name in rows if name is not None}

@@ -11,7 +11,7 @@ import torch
 from folio import LLM, LoRARequest, SamplingParams
 from folio.lora.adapter import read_adapter
 from tests.engine_driver import run_greedy_capturing_logits
-from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_tiny_model
+from tests.tiny_models import NEW_ARCHITECTURE_KINDS, TINY_KINDS, VOCAB, make_lora_adapter, make_tiny_model
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -20,19 +20,6 @@ TOLERANCE = 1e-4  # fp32
 DECODE_STEPS = 8
 # GPT-2's Conv1D layers take PEFT's fan_in_fan_out adapters, which folio refuses (tested below).
 KINDS = [kind for kind in TINY_KINDS + NEW_ARCHITECTURE_KINDS if kind != "gpt2"]
-
-
-def make_adapter(base_folder, folder, seed: int, rank: int = 4) -> str:
-    """A random LoRA adapter on every linear projection (B is not zero: it changes the outputs)."""
-    torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(base_folder, dtype=torch.float32)
-    config = peft.LoraConfig(r=rank, lora_alpha=2 * rank, target_modules="all-linear", init_lora_weights=False)
-    model = peft.get_peft_model(base, config)
-    for name, param in model.named_parameters():
-        if "lora_" in name:  # larger than peft's init, so an adapter's effect is well above the tolerance
-            param.data = torch.randn_like(param) * 0.2
-    model.save_pretrained(folder)
-    return str(folder)
 
 
 def reference_logits(base_folder, adapter: str | None, sequence: list[int]) -> torch.Tensor:
@@ -47,7 +34,7 @@ def reference_logits(base_folder, adapter: str | None, sequence: list[int]) -> t
 def tiny(request, tmp_path_factory):
     root = tmp_path_factory.mktemp(f"lora-{request.param}")
     folder = make_tiny_model(request.param, root / "base")
-    adapters = [make_adapter(folder, root / f"adapter{i}", seed=10 + i) for i in range(4)]
+    adapters = [make_lora_adapter(folder, root / f"adapter{i}", seed=10 + i) for i in range(4)]
     llm = LLM(folder, enable_lora=True, max_loras=4, max_lora_rank=8, num_kv_blocks=256, block_size=4)
     for i, path in enumerate(adapters):
         llm.engine.add_lora(LoRARequest(f"a{i}", path))
@@ -82,13 +69,13 @@ def test_a_batch_of_four_adapters_and_the_base_gives_each_row_what_it_gets_alone
 
 def test_adapters_folio_cannot_apply_are_refused_with_the_reason(tmp_path):
     folder = make_tiny_model("gpt2", tmp_path / "gpt2")
-    adapter = make_adapter(folder, tmp_path / "conv1d", seed=3)
+    adapter = make_lora_adapter(folder, tmp_path / "conv1d", seed=3)
     llm = LLM(folder, enable_lora=True, num_kv_blocks=64)
     with pytest.raises(ValueError, match="fan_in_fan_out"):
         llm.engine.add_lora(LoRARequest("conv", adapter))
     with pytest.raises(ValueError, match="max-lora-rank"):
         llama = make_tiny_model("llama", tmp_path / "llama")
-        big = make_adapter(llama, tmp_path / "rank32", seed=4, rank=32)
+        big = make_lora_adapter(llama, tmp_path / "rank32", seed=4, rank=32)
         LLM(llama, enable_lora=True, num_kv_blocks=64).engine.add_lora(LoRARequest("big", big))
     with pytest.raises(ValueError, match="no adapter_config.json"):
         read_adapter("none", tmp_path, llm.loaded.model)
