@@ -119,7 +119,8 @@ class ModelRunner:
             scored.update(row for span in inputs.pooled.values() for row in span.rows)
             return run_split_context(self.model, self.context, inputs.input_ids, inputs.positions, inputs.meta, tables,
                                      self.block_size, list(scored))  # fmt: skip
-        if self.graphs is not None and self.graphs.takes(out):
+        adapter_rows = self.lora is not None and self.lora.batch.active  # graphs hold the base weights only
+        if self.graphs is not None and not adapter_rows and self.graphs.takes(out):
             return self.graphs.run(out, self.requests)
         if stage.size == 1:
             return self.model(inputs.input_ids, inputs.positions, inputs.meta)
