@@ -26,7 +26,7 @@ def test_schemathesis_cases_get_only_2xx_and_4xx_and_leave_the_server_empty(smol
     with running_server(llm, MODEL) as (url, _):
         # A seed whose 200 cases both reach the engine and are refused at every generation endpoint (checked
         # below): a chat completion that fits the schema often breaks a rule of folio's own.
-        report = run_fuzz(url, num_cases=200, seed=6, hostile_share=0)
+        report = run_fuzz(url, num_cases=200, seed=11, hostile_share=0)
     assert report.failures == 0, report.samples
     assert report.final_state["settled"] and report.passed
     assert report.requests >= 100
