@@ -7,7 +7,11 @@ first scheduled, TTFT at its first sampled token, ITL between consecutive tokens
 
 from __future__ import annotations
 
+from collections.abc import Callable, Iterable, Iterator
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, disable_created_metrics
+from prometheus_client.metrics_core import Metric
+from prometheus_client.parser import text_string_to_metric_families
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
@@ -29,6 +33,29 @@ def track_admission(registry: CollectorRegistry, model_name: str, admission: Adm
            "when this reaches --max-num-seqs + --max-queue.")  # fmt: skip
     gauge = Gauge("folio:num_requests_admitted", doc, ["model_name"], registry=registry).labels(model_name)
     gauge.set_function(lambda: admission.in_flight)
+
+
+class MergedEngineMetrics:
+    """Several engines' metrics in one registry (a server of several models): each family once, with every
+    engine's samples (they carry a model_name label), and each model's admission count. `texts` asks the
+    engines now (scrapes run off the event loop)."""
+
+    def __init__(self, texts: Callable[[], list[str]], admissions: Callable[[], Iterable[tuple[str, int]]]) -> None:
+        self._texts, self._admissions = texts, admissions
+
+    def collect(self) -> Iterator[Metric]:
+        families: dict[str, Metric] = {}
+        for text in self._texts():
+            for family in text_string_to_metric_families(text):
+                known = families.setdefault(family.name, family)
+                if known is not family:
+                    known.samples.extend(family.samples)
+        admitted = Metric("folio:num_requests_admitted", "Engine requests holding admission slots (running, "
+                          "queued, or being set up), per model.", "gauge")  # fmt: skip
+        for name, count in self._admissions():
+            admitted.add_sample("folio:num_requests_admitted", {"model_name": name}, count)
+        families[admitted.name] = admitted
+        yield from families.values()
 
 
 class ServerMetrics:

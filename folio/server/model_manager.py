@@ -27,8 +27,6 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 import torch
-from prometheus_client.metrics_core import Metric
-from prometheus_client.parser import text_string_to_metric_families
 
 from folio.config import parse_memory
 from folio.engine_args import EngineArgs
@@ -40,7 +38,7 @@ from folio.server.engine_client.process import ProcessEngine, StartCancelled
 from folio.server.engine_client.wire import EngineInfo
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
-from folio.server.model_sources import ModelSource, ModelSources
+from folio.server.model_sources import LATEST, ModelSource, ModelSources
 from folio.server.served_models import ModelStatus, model_not_found, requested_keep_alive
 
 logger = logging.getLogger("folio")
@@ -204,6 +202,10 @@ class ModelManager:
 
     # -- loading ---------------------------------------------------------------------------------------
     def _resolve(self, name: str | None) -> ModelSource:
+        # A loaded model answers without reading the folder or folio's home again (every request asks).
+        loaded = self._loaded.get(name) or self._loaded.get(name.removesuffix(LATEST)) if name else None
+        if loaded is not None:
+            return loaded.source
         available = self.sources.available()
         if name is None:
             loaded = [n for n in self._loaded if n in available]
@@ -212,7 +214,7 @@ class ModelManager:
                 raise APIError(400, f"this server serves several models: name one ({', '.join(available)})",
                                param="model")  # fmt: skip
             return available[only[0]]
-        source = self.sources.find(name)
+        source = available.get(name) or available.get(name.removesuffix(LATEST))
         if source is None:
             raise model_not_found(name, list(available))
         return source
@@ -387,25 +389,3 @@ class ModelManager:
     def admissions(self) -> Iterator[tuple[str, int]]:
         for model in list(self._loaded.values()):
             yield model.name, model.context.admission.in_flight
-
-
-class ModelsMetricsCollector:
-    """Every loaded model's engine metrics in the server's registry, each family once with every model's
-    samples (they carry a model_name label), and each model's admission count."""
-
-    def __init__(self, manager: ModelManager) -> None:
-        self._manager = manager
-
-    def collect(self) -> Iterator[Metric]:
-        families: dict[str, Metric] = {}
-        for text in self._manager.metrics_texts():
-            for family in text_string_to_metric_families(text):
-                known = families.setdefault(family.name, family)
-                if known is not family:
-                    known.samples.extend(family.samples)
-        admitted = Metric("folio:num_requests_admitted", "Engine requests holding admission slots (running, "
-                          "queued, or being set up), per model.", "gauge")  # fmt: skip
-        for name, count in self._manager.admissions():
-            admitted.add_sample("folio:num_requests_admitted", {"model_name": name}, count)
-        families[admitted.name] = admitted
-        yield from families.values()

@@ -33,8 +33,8 @@ from folio.server.engine_client.protocol import EngineClient
 from folio.server.engine_client.thread import AsyncEngine
 from folio.server.engine_client.wire import EngineInfo
 from folio.server.limits import RequestLimits
-from folio.server.metrics import ServerMetrics, track_admission
-from folio.server.model_manager import ManagerOptions, ModelManager, ModelsMetricsCollector
+from folio.server.metrics import MergedEngineMetrics, ServerMetrics, track_admission
+from folio.server.model_manager import ManagerOptions, ModelManager
 from folio.server.model_sources import ModelSources
 from folio.server.served_models import OneModel
 
@@ -248,7 +248,7 @@ def serve_models(
     with contextlib.closing(bind_address(host, port)) as sock:
         manager = ModelManager(sources, base_args, lambda e, i, n: make_context(e, i, n, options), manager_options)
         registry = CollectorRegistry()
-        registry.register(ModelsMetricsCollector(manager))
+        registry.register(MergedEngineMetrics(manager.metrics_texts, manager.admissions))
         app = create_app(manager, options.limits, registry, options.api_key)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=options.grace_period)  # type: ignore[arg-type]  # fmt: skip

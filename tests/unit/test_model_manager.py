@@ -17,7 +17,8 @@ from folio.engine_args import EngineArgs
 from folio.platform import default_kv_cache_memory
 from folio.server.admission import Admission
 from folio.server.errors import APIError
-from folio.server.model_manager import ManagerOptions, ModelManager, ModelsMetricsCollector
+from folio.server.metrics import MergedEngineMetrics
+from folio.server.model_manager import ManagerOptions, ModelManager
 from folio.server.model_sources import ModelSources, parse_spec, scan_folder
 from folio.server.served_models import keep_alive_seconds
 
@@ -267,7 +268,7 @@ def test_metrics_hold_each_family_once_with_every_loaded_models_samples(tmp_path
             async with manager.use(name):
                 pass
         registry = CollectorRegistry()
-        registry.register(ModelsMetricsCollector(manager))
+        registry.register(MergedEngineMetrics(manager.metrics_texts, manager.admissions))
         text = generate_latest(registry).decode()
         manager.shutdown()
         return text
