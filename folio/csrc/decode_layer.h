@@ -30,6 +30,7 @@ struct Kernels {
   folio::AddRmsNormRows::Fn add_rms_norm_rows;
   folio::RotaryRows::Fn rotary_rows;
   folio::GatedActivationRows::Fn activation_rows;
+  folio::LoraAdd::Fn lora_add;
 
   static Kernels from(const py::dict& entries) {
     using namespace folio;
@@ -37,12 +38,20 @@ struct Kernels {
             entry<RmsNorm>(entries),      entry<AddRmsNorm>(entries),      entry<Rotary>(entries),
             entry<GatedActivation>(entries), entry<LinearTiles>(entries),  entry<TiledWeightOf>(entries),
             entry<RmsNormRows>(entries),  entry<AddRmsNormRows>(entries),  entry<RotaryRows>(entries),
-            entry<GatedActivationRows>(entries)};
+            entry<GatedActivationRows>(entries), entry<LoraAdd>(entries)};
   }
+};
+
+// LoRA adapters' slots on a projection (folio/layers/lora.py's LoRASlots: a [S, W, in], b [S, N, W], each
+// part's first row and rows, flattened), added to the rows a step's slots name (lora_rows.h).
+struct LoraSlots {
+  torch::Tensor a, b;
+  std::vector<int64_t> parts;
 };
 
 // A projection: a dense weight [N, K], 4-bit (or 5-bit) or 8-bit tiles (int8_dot.cpp's layouts) with N
 // rows, or row blocks of those (`parts`, e.g. a fused q/k/v whose v is in another format), outputs joined.
+// With `lora` and a step's row slots, each adapter row gains its adapter's low-rank product.
 struct Projection {
   enum class Kind { kDense, kInt4, kInt8, kRowBlocks };
   Kind kind;
@@ -52,6 +61,13 @@ struct Projection {
   bool exact = true;  // activations in 8 + 8 bits into the dot products, else 8 (int8_activations.h)
   torch::Tensor high_bits = torch::empty({0}, torch::kUInt8);  // 5-bit codes' fifth bits (int8_tiles.h)
   std::vector<Projection> parts;
+  std::optional<LoraSlots> lora;
+
+  torch::Tensor operator()(const Kernels& k, const torch::Tensor& x, const std::optional<torch::Tensor>& slots) const {
+    torch::Tensor out = (*this)(k, x);
+    if (lora && slots) k.lora_add(x, out, lora->a, lora->b, *slots, lora->parts);
+    return out;
+  }
 
   torch::Tensor operator()(const Kernels& k, const torch::Tensor& x) const {
     if (kind == Kind::kDense) return torch::linear(x, weight, bias);

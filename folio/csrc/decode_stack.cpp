@@ -65,23 +65,34 @@ class DecodeStack {
     widest_mlp_ = std::max(widest_mlp_, plans[2].rows);
   }
 
+  // LoRA slots for layer `layer`'s projection `which` (0 q/k/v, 1 o, 2 gate/up, 3 down), read by steps
+  // given row slots.
+  void set_lora(int64_t layer, int64_t which, torch::Tensor a, torch::Tensor b, std::vector<int64_t> parts) {
+    TORCH_CHECK(layer >= 0 && layer < static_cast<int64_t>(layers_.size()) && which >= 0 && which < 4,
+                "set_lora: no such layer or projection");
+    Layer& target = layers_[static_cast<size_t>(layer)];
+    Projection* projections[] = {&target.qkv, &target.o, &target.gate_up, &target.down};
+    projections[which]->lora = folio_decode::LoraSlots{std::move(a), std::move(b), std::move(parts)};
+  }
+
   // Steps taken in teams (one parallel region a layer), and kernel by kernel.
   int64_t team_steps() const { return team_steps_.load(); }
   int64_t kernel_steps() const { return kernel_steps_.load(); }
 
   // hidden [T, D]: the embedded tokens, one per sequence; rope: [cos, sin] or [cos, sin, local cos, local
-  // sin], each [T, head_dim]; per KV cache group, slots [T] and block_tables [T, max_blocks]; seq_lens [T].
+  // sin], each [T, head_dim]; per KV cache group, slots [T] and block_tables [T, max_blocks]; seq_lens [T];
+  // lora_slots [T] int64: each token's LoRA slot (-1 none), or none for a step without adapters.
   // Returns (x, residual):
   // the model's hidden states are residual + x, still to be added and normed as the Python layers'
   // final norm does. `hidden` itself becomes the residual stream (written in place).
   std::vector<torch::Tensor> forward(torch::Tensor hidden, std::vector<torch::Tensor> rope,
                                      std::vector<torch::Tensor> slots, std::vector<torch::Tensor> block_tables,
-                                     torch::Tensor seq_lens) const {
+                                     torch::Tensor seq_lens, std::optional<torch::Tensor> lora_slots) const {
     const Kernels& k = kernels_;
     TORCH_CHECK(rope.size() == 2 || rope.size() == 4, "rope: one or two (cos, sin) pairs");
     TORCH_CHECK(slots.size() == block_tables.size(), "slots and block tables: one of each per KV cache group");
     for (const Layer& layer : layers_) TORCH_CHECK(layer.kv_group < static_cast<int64_t>(slots.size()), "kv_group");
-    if (takes_in_teams(hidden, rope, slots)) {
+    if (!lora_slots && takes_in_teams(hidden, rope, slots)) {  // the team's loops add no adapter rows
       ++team_steps_;
       return folio_decode::TeamStep(kernels_, shape_, layers_, widest_mlp_)(hidden, rope, slots, block_tables, seq_lens);
     }
@@ -92,9 +103,10 @@ class DecodeStack {
       const Norms& norms = layer.norms;
       h = i == 0 ? k.rms_norm(residual, norms.input, shape_.eps, shape_.offset)
                  : k.add_rms_norm(h, residual, norms.input, shape_.eps, shape_.offset);
-      const torch::Tensor q = queries(layer, layer.qkv(k, h), rope, slots);
-      const torch::Tensor projected = layer.o(k, attend(layer, q, block_tables, seq_lens));
-      h = layer.down(k, k.activation(layer.gate_up(k, mlp_input(layer, projected, residual)), shape_.gelu));
+      const torch::Tensor q = queries(layer, layer.qkv(k, h, lora_slots), rope, slots);
+      const torch::Tensor projected = layer.o(k, attend(layer, q, block_tables, seq_lens), lora_slots);
+      const torch::Tensor gate_up = layer.gate_up(k, mlp_input(layer, projected, residual), lora_slots);
+      h = layer.down(k, k.activation(gate_up, shape_.gelu), lora_slots);
       if (shape_.sandwich) h = k.rms_norm(h, *norms.post_feedforward, shape_.eps, shape_.offset);
     }
     return {h, residual};
@@ -206,7 +218,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<DecodeStack>(m, "DecodeStack")
       .def(py::init<const py::dict&, int64_t, int64_t, int64_t, int64_t, double, double, double, bool, bool>())
       .def("add_layer", &DecodeStack::add_layer)
+      .def("set_lora", &DecodeStack::set_lora)
       .def_property_readonly("team_steps", [](const DecodeStack& s) { return s.team_steps(); })
       .def_property_readonly("kernel_steps", [](const DecodeStack& s) { return s.kernel_steps(); })
-      .def("forward", &DecodeStack::forward, py::call_guard<py::gil_scoped_release>());
+      .def("forward", &DecodeStack::forward, py::arg("hidden"), py::arg("rope"), py::arg("slots"),
+           py::arg("block_tables"), py::arg("seq_lens"), py::arg("lora_slots") = py::none(),
+           py::call_guard<py::gil_scoped_release>());
 }

@@ -20,6 +20,7 @@
 
 #include <cstring>
 #include <optional>
+#include <vector>
 
 namespace folio {
 
@@ -76,6 +77,14 @@ struct RotaryRows {
 struct GatedActivationRows {
   static constexpr const char* name = "folio.fused_ops.gated_activation_rows";
   using Fn = void (*)(const float* x, int64_t stride, int64_t rows, int64_t width, float* out, bool gelu);
+};
+
+// fused_ops.cpp (lora_rows.h): out [T, N] += x [T, in] @ A[slot].T @ B[slot].T for each row whose slot is
+// not -1; a [S, W, in], b [S, N, W]; parts: each part's (first row, rows), flattened.
+struct LoraAdd {
+  static constexpr const char* name = "folio.fused_ops.lora_add";
+  using Fn = void (*)(torch::Tensor x, torch::Tensor out, torch::Tensor a, torch::Tensor b, torch::Tensor slots,
+                      std::vector<int64_t> parts);
 };
 
 // int8_dot.cpp: x [M, K] @ W^T for a 4-bit weight in tiles of 16 rows (5-bit: with its fifth bits, else

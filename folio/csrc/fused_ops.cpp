@@ -1,5 +1,6 @@
 // Small fused CPU ops for the layers around the matmuls: RMSNorm (with the residual add before it),
-// rotary embedding in place, and gated activations; and the greedy pick's row argmax (row_argmax.h).
+// rotary embedding in place, and gated activations; the greedy pick's row argmax (row_argmax.h) and the
+// LoRA adapters' rows (lora_rows.h).
 // Each replaces 5-15 PyTorch ops, and at decode, where a token's whole layer is a few microseconds of
 // arithmetic, the per-op dispatch is the cost.
 //
@@ -17,6 +18,7 @@
 #endif
 
 #include "folio_kernels.h"
+#include "lora_rows.h"
 #include "row_argmax.h"
 #include "vec_exp.h"
 
@@ -318,6 +320,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "each row's maximum and its first index, as torch.max(x, dim=-1)");
   m.def("row_best", &folio_row_argmax::row_best, py::call_guard<py::gil_scoped_release>(), py::arg("values"),
         py::arg("first_row"), "[N, 3] float64: each row's maximum, first_row + its first index, 1 if not all finite");
+  m.def("lora_add", &folio_lora::lora_add, py::call_guard<py::gil_scoped_release>(), py::arg("x"), py::arg("out"),
+        py::arg("a"), py::arg("b"), py::arg("slots"), py::arg("parts"),
+        "out += each adapter row's x @ A[slot].T @ B[slot].T, in place (slot -1: none)");
   // For C++ callers in other extensions (decode_stack.cpp), typed by folio_kernels.h.
   py::dict entries;
   folio::add_entry<folio::RmsNorm>(entries, &rms_norm);
@@ -328,5 +333,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   folio::add_entry<folio::AddRmsNormRows>(entries, &add_rms_norm_rows_f32);
   folio::add_entry<folio::RotaryRows>(entries, &rotary_rows_f32);
   folio::add_entry<folio::GatedActivationRows>(entries, &gated_activation_rows_f32);
+  folio::add_entry<folio::LoraAdd>(entries, &folio_lora::lora_add);
   m.attr("entries") = entries;
 }

@@ -24,7 +24,7 @@ class LoRAStore:
         self.dtype = dtype
         self.device = device
         self.batch = LoRABatch()
-        model.model.lora_batch = self.batch  # the C++ decode step leaves steps with adapter rows to the layers
+        model.model.lora_batch = self.batch  # the C++ decode step reads it too
         self.adapters: dict[str, LoRAAdapter] = {}
         self.slots: OrderedDict[str, int] = OrderedDict()  # adapter -> slot, least recently used first
         self._layers = dict(model.named_modules())

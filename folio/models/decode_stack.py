@@ -29,6 +29,7 @@ from folio.layers import fused_ops
 from folio.layers.activation import gelu_tanh_and_mul, silu_and_mul
 from folio.layers.attention.metadata import AttentionMetadata
 from folio.layers.linear import Linear
+from folio.layers.lora import LoRABatch
 from folio.layers.norm import RMSNorm
 from folio.layers.weight_storage import ConcatRows
 from folio.weight_formats import int4, int8
@@ -39,8 +40,10 @@ Rope = tuple[torch.Tensor, torch.Tensor]
 class DecodeStack:
     """The compiled stack and the most rows a step may have for it (its weights' kernels' limit)."""
 
-    def __init__(self, stack: Any, max_rows: int) -> None:
+    def __init__(self, stack: Any, max_rows: int, projections: list[list[Linear]]) -> None:
         self.stack, self.max_rows = stack, max_rows
+        self.projections = projections  # each layer's q/k/v, o, gate/up and down, as the stack holds them
+        self.lora_layouts = 0  # the LoRABatch.layouts the stack last took the layers' LoRA slots at
 
     def takes_step(self, num_tokens: int, meta: AttentionMetadata) -> bool:
         """Whether this step is one the stack runs: decodes only, within `max_rows`."""
@@ -48,15 +51,29 @@ class DecodeStack:
         whole = meta.context is None  # a split context attends across ranks, which the stack cannot
         return whole and len(groups) == 1 and groups[0].is_decode and num_tokens <= self.max_rows
 
-    def forward(self, hidden: torch.Tensor, ropes: Sequence[Rope], meta: AttentionMetadata) -> list[torch.Tensor]:
+    def forward(
+        self, hidden: torch.Tensor, ropes: Sequence[Rope], meta: AttentionMetadata, lora: LoRABatch | None = None
+    ) -> list[torch.Tensor]:
         """hidden: the embedded tokens; ropes: (cos, sin) of the global layers, then of the local ones (if
-        the model has two). Returns (x, residual), the hidden states being residual + x before the final
-        norm."""
+        the model has two); lora: the step's adapter rows, if any. Returns (x, residual), the hidden states
+        being residual + x before the final norm."""
         tables = [t.view(t.shape[0], -1) for rope in ropes for t in rope]
         views = meta.by_kv_group or [meta]  # one per KV cache group
         slots = [view.slot_mapping for view in views]
         block_tables = [view.groups[0].block_tables for view in views]
-        return self.stack.forward(hidden, tables, slots, block_tables, meta.groups[0].seq_lens)
+        lora_slots = None
+        if lora is not None and lora.token_slots is not None:
+            if lora.layouts != self.lora_layouts:
+                self._take_lora_slots(lora.layouts)
+            lora_slots = lora.token_slots
+        return self.stack.forward(hidden, tables, slots, block_tables, meta.groups[0].seq_lens, lora_slots)
+
+    def _take_lora_slots(self, layouts: int) -> None:
+        for index, projections in enumerate(self.projections):
+            for which, layer in enumerate(projections):
+                if layer.lora is not None:
+                    self.stack.set_lora(index, which, layer.lora.a, layer.lora.b, layer.lora.flat_parts)
+        self.lora_layouts = layouts
 
 
 def _projection(module: ModuleType, layer: Linear, dtype: torch.dtype) -> tuple[Any, int] | None:
@@ -127,10 +144,11 @@ def build_decode_stack(
         reference.weight_offset, act is gelu_tanh_and_mul, sandwich,
     )  # fmt: skip
     max_rows = sys.maxsize
+    projections: list[list[Linear]] = []
     for index, (layer, attn) in enumerate(zip(layers, attention, strict=True)):
         self_attn, mlp = layer.self_attn, layer.mlp
-        made = [_projection(module, p, dtype)
-                for p in (self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj)]  # fmt: skip
+        projections.append([self_attn.qkv_proj, self_attn.o_proj, mlp.gate_up_proj, mlp.down_proj])
+        made = [_projection(module, p, dtype) for p in projections[-1]]
         q_norm, k_norm = getattr(self_attn, "q_norm", None), getattr(self_attn, "k_norm", None)
         around_mlp = (layer.pre_feedforward_layernorm, layer.post_feedforward_layernorm) if sandwich else (None, None)
         norms = [layer.input_layernorm, layer.post_attention_layernorm, q_norm, k_norm, *around_mlp]
@@ -147,4 +165,4 @@ def build_decode_stack(
             *(projection for projection, _ in made), attn.cache.k, attn.cache.v, attn.sliding_window or 0,
             rope_tables[index] if rope_tables is not None else 0, attn.kv_group,
         )  # fmt: skip
-    return DecodeStack(stack, max_rows)
+    return DecodeStack(stack, max_rows, projections)

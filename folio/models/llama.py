@@ -109,17 +109,17 @@ class LlamaModel(StagedBody):
             config.head_dim, config.max_position_embeddings, config.rope_theta, config.rope_scaling
         )
         self.decode_stack: DecodeStack | None = None  # the C++ decode step, once the KV cache is bound (whole models)
-        self.lora_batch: LoRABatch | None = None  # the step's adapter rows (lora/store.py), which the C++ step lacks
+        self.lora_batch: LoRABatch | None = None  # the step's adapter rows (lora/store.py)
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
         carried: StageCarry | None = None,
     ) -> torch.Tensor | StageCarry:  # fmt: skip
-        stack, lora = self.decode_stack, self.lora_batch
-        if stack is None or (lora is not None and lora.active) or not stack.takes_step(input_ids.shape[0], meta):
+        stack = self.decode_stack
+        if stack is None or not stack.takes_step(input_ids.shape[0], meta):
             return super().forward(input_ids, positions, meta, carried)
         hidden = self.embed(input_ids, positions)
-        hidden, residual = stack.forward(hidden, self.ropes(positions, hidden.dtype), meta)
+        hidden, residual = stack.forward(hidden, self.ropes(positions, hidden.dtype), meta, self.lora_batch)
         return self.norm.add_and_norm(hidden, residual)[0]
 
     def ropes(self, positions: torch.Tensor, dtype: torch.dtype) -> list[Rope]:

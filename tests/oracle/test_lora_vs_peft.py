@@ -1,6 +1,7 @@
 """LoRA adapters against transformers + peft: on tiny random-init models of each architecture, with
 random adapters on every linear projection (peft's "all-linear"), folio's logits equal the peft model's
-within 1e-4 in fp32 and its greedy tokens are the same; rows of four adapters and the base model in one
+within 1e-4 in fp32 and its greedy tokens are the same (decodes through the C++ decode step where the
+model has one); rows of four adapters and the base model in one
 batch get exactly what each gets alone."""
 
 from __future__ import annotations
@@ -45,8 +46,12 @@ def test_logits_and_greedy_tokens_match_peft(tiny):
     kind, folder, adapters, llm = tiny
     generator = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, VOCAB, (11,), generator=generator).tolist()
+    stack = getattr(llm.loaded.model.model, "decode_stack", None)  # the C++ decode step, where the model has one
     for name, adapter in (("a0", adapters[0]), (None, None)):
+        steps_before = stack.stack.kernel_steps if stack is not None else 0
         [output], [logits] = run_greedy_capturing_logits(llm.engine, [prompt], DECODE_STEPS, [name])
+        if stack is not None:  # its decodes, the adapter's rows included, took the C++ step
+            assert stack.stack.kernel_steps - steps_before == DECODE_STEPS - 1
         expected = reference_logits(folder, adapter, prompt + output)[: len(prompt) + DECODE_STEPS - 1]
         assert logits.shape == expected.shape
         assert torch.allclose(logits, expected, atol=TOLERANCE, rtol=0), (kind, name, (logits - expected).abs().max())

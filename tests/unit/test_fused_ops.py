@@ -20,6 +20,7 @@ from folio.layers.activation import (
     silu_and_mul,
     silu_and_mul_reference,
 )
+from folio.layers.lora import LoRABatch, LoRASlots
 from folio.layers.norm import RMSNorm
 from folio.layers.rotary import RotaryEmbedding, apply_rotary, apply_rotary_reference
 
@@ -167,3 +168,64 @@ def test_gated_activation_matches_reference(name: str, layout: str, dtype: torch
         torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
     else:  # within two bf16 ulps
         torch.testing.assert_close(got.float(), expected.float(), rtol=2 * BF16_ULP, atol=1e-5)
+
+
+def _lora_slots(dtype: torch.dtype) -> LoRASlots:
+    """Three parts (a fused q|k|v of uneven widths, none a multiple of the kernel's 64-row chunks), six slots
+    of adapters of ranks 8 and 5 (below the slots' 8 in one: zero columns), inputs 72 wide (not a multiple of
+    the kernel's 16-float steps)."""
+    parts = [(0, 80), (80, 24), (104, 24)]
+    cpu = torch.device("cpu")
+    slots = LoRASlots(72, 128, parts, num_slots=6, max_rank=8, batch=LoRABatch(), dtype=dtype, device=cpu)
+    for slot in range(6):
+        rank = 5 if slot % 2 else 8
+        for part, (_, rows) in enumerate(parts):
+            seed = 100 + 10 * slot + part
+            slots.load(slot, part, _randn(rank, 72, seed=seed), _randn(rows, rank, seed=seed + 5), scale=0.5)
+    return slots
+
+
+def _lora_exact(slots: LoRASlots, x: torch.Tensor, out: torch.Tensor, token_slots: list[int]) -> torch.Tensor:
+    """out + each adapter row's low-rank product, in float64 from the slots' own matrices."""
+    expected = out.double().clone()
+    rank = slots.max_rank
+    for t, slot in enumerate(token_slots):
+        if slot < 0:
+            continue
+        shrunk = slots.a[slot].double() @ x[t].double()
+        for part, (first, rows) in enumerate(slots.parts):
+            b = slots.b[slot, :, first : first + rows].double()
+            expected[t, first : first + rows] += shrunk[part * rank : (part + 1) * rank] @ b
+    return expected
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize("token_slots", [[3], [-1, 0, 5, 0, 2, -1, 5], [1] * 9, [i % 7 - 1 for i in range(16)]],
+                         ids=["one", "mixed", "one-adapter-nine-rows", "sixteen"])  # fmt: skip
+def test_lora_add_matches_each_rows_adapter_product(token_slots: list[int], dtype: torch.dtype) -> None:
+    slots = _lora_slots(dtype)
+    slots.batch.set(token_slots, torch.device("cpu"))
+    x = _randn(len(token_slots), 72, seed=1, dtype=dtype)
+    out = _randn(len(token_slots), 128, seed=2, dtype=dtype)
+    expected = _lora_exact(slots, x, out, token_slots)
+
+    got = fused_ops.fused_ops_for(x).lora_add(x, out_kernel := out.clone(), slots.a, slots.b, slots.batch.token_slots,
+                                              slots.flat_parts)  # fmt: skip
+    by_groups = slots.add_by_groups(x, out.clone())
+
+    assert got is None
+    base_rows = [t for t, slot in enumerate(token_slots) if slot < 0]
+    assert torch.equal(out_kernel[base_rows], out[base_rows])  # the base model's rows untouched
+    if dtype == torch.float32:
+        torch.testing.assert_close(out_kernel.double(), expected, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(by_groups.double(), expected, rtol=1e-5, atol=1e-5)
+    else:  # the kernel rounds each output once: within an ulp of the exact sum
+        scale = expected.abs().clamp(min=1.0)
+        assert ((out_kernel.double() - expected).abs() <= BF16_ULP * scale).all()
+
+
+def test_lora_add_refuses_a_slot_outside_the_slots() -> None:
+    slots = _lora_slots(torch.float32)
+    x, out = _randn(2, 72, seed=1), _randn(2, 128, seed=2)
+    with pytest.raises(RuntimeError, match="slot 6 outside"):
+        fused_ops.fused_ops_for(x).lora_add(x, out, slots.a, slots.b, torch.tensor([0, 6]), slots.flat_parts)
