@@ -113,6 +113,9 @@ class EngineArgs:
                               "adapters in one batch (whole models in this process)")  # fmt: skip
     max_loras: int = _flag(4, "LoRA: adapters the running requests may use at once (default 4)")
     max_lora_rank: int = _flag(16, "LoRA: the largest adapter rank served (default 16)")
+    lora_dtype: str = _flag("auto", "LoRA: the dtype adapters are kept in: auto (the activations'), float32 or "
+                            "bfloat16 (half the bytes a step reads for its adapters)",
+                            choices=("auto", "float32", "bfloat16"))  # fmt: skip
 
     # -- command line ------------------------------------------------------------------------------
     @staticmethod
@@ -189,7 +192,8 @@ _FIELDS: dict[str, Field] = {f.name: f for f in fields(EngineArgs)}
 _ENGINE_FLAGS = ("dtype", "device", "kv_cache_memory", "num_kv_blocks", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "batching", "batch_size", "batch_timeout_ms",
                  "quantization", "activation_bits", "kv_cache_dtype", "enable_prefix_caching", "hybrid_kv_cache",
-                 "pooling", "compile", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank")  # fmt: skip
+                 "pooling", "compile", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank",
+                 "lora_dtype")  # fmt: skip
 _PARALLEL_FLAGS = ("tensor_parallel_size", "pipeline_parallel_size", "context_parallel_size", "nnodes", "master_addr",
                    "master_port", "cpu_collectives", "pipeline_layers", "pipeline_micro_batches")  # fmt: skip
 SWITCHES_OFF_BY_DEFAULT = tuple(f.name for f in _FIELDS.values() if f.default is False)  # --compile, --enforce-eager

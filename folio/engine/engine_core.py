@@ -235,8 +235,10 @@ class EngineCore:
                                  "pipeline or context parallelism")  # fmt: skip
             if args.compile:
                 raise ValueError("--enable-lora and --compile do not combine yet")
-            engine.runner.lora = LoRAStore(whole, args.max_loras, args.max_lora_rank, dtype, device)
-            logger.info("LoRA: up to %d adapters at once, rank up to %d", args.max_loras, args.max_lora_rank)
+            lora_dtype = dtype if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
+            engine.runner.lora = LoRAStore(whole, args.max_loras, args.max_lora_rank, lora_dtype, device)
+            logger.info("LoRA: up to %d adapters at once, rank up to %d, kept in %s", args.max_loras,
+                        args.max_lora_rank, str(lora_dtype).removeprefix("torch."))  # fmt: skip
         return engine
 
     # -- LoRA adapters -------------------------------------------------------------------------------

@@ -67,6 +67,7 @@ class LLM:
         enable_lora: bool = False,
         max_loras: int = 4,
         max_lora_rank: int = 16,
+        lora_dtype: str = "auto",
     ) -> None:
         if isinstance(speculative_config, dict):
             speculative_config = SpeculativeConfig(**speculative_config)
@@ -83,7 +84,7 @@ class LLM:
             pipeline_micro_batches=pipeline_micro_batches, pipeline_layers=pipeline_layers, nnodes=nnodes,
             master_addr=master_addr, master_port=master_port, cpu_collectives=cpu_collectives, pooling=pooling,
             compile=compile, activation_bits=activation_bits, enforce_eager=enforce_eager, enable_lora=enable_lora,
-            max_loras=max_loras, max_lora_rank=max_lora_rank,
+            max_loras=max_loras, max_lora_rank=max_lora_rank, lora_dtype=lora_dtype,
         )  # fmt: skip
         self.engine = EngineCore.from_engine_args(args)
         assert self.engine.loaded is not None

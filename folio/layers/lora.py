@@ -8,10 +8,10 @@ rows between them, one R x out B holds every part's B, each in its own rows' col
 does not fill (a part it does not target, a rank below the maximum) stays zero and adds nothing.
 
 The step's `LoRABatch` says which slot each token row uses (-1: the base model alone). A step of few rows
-(decode) adds them all in one C++ call (folio/csrc/lora_rows.h: Punica's gathered matmul, each adapter's
-matrices read once, two parallel regions for any mix of adapters); a long step (prefill), or one where the
-kernel is missing, groups rows by slot and runs each group's two products as one matmul each, which is
-also the kernel's test oracle.
+per adapter (decode, short prompts) adds them all in one C++ call (folio/csrc/lora_rows.h: Punica's
+gathered matmul, each adapter's matrices read once, two parallel regions for any mix of adapters); a long
+prefill, or a step where the kernel is missing, groups rows by slot and runs each group's two products as
+one matmul each, which is also the kernel's test oracle.
 """
 
 from __future__ import annotations
@@ -22,9 +22,11 @@ import torch
 
 from folio.layers import fused_ops
 
-# Steps of at most this many rows take the C++ kernel; longer ones (prefill) keep PyTorch's matmuls,
-# which reuse each adapter row across many tokens better than the kernel's dot products.
+# Steps whose adapters have at most this many rows each on average take the C++ kernel; longer ones (a
+# long prefill) keep PyTorch's matmuls, which reuse each adapter row across many tokens better than the
+# kernel's dot products.
 KERNEL_MAX_ROWS = 64
+KERNEL_DTYPES = (torch.float32, torch.bfloat16)  # of the activations, and of the adapters' matrices
 
 
 @dataclass
@@ -91,8 +93,8 @@ class LoRASlots:
         batch = self.batch
         if batch.token_slots is None:
             return out
-        kernel = fused_ops.fused_ops_for(x) if x.shape[0] <= KERNEL_MAX_ROWS else None
-        if kernel is not None and x.dtype == out.dtype == self.a.dtype and x.dtype in (torch.float32, torch.bfloat16):
+        kernel = fused_ops.fused_ops_for(x) if x.shape[0] <= KERNEL_MAX_ROWS * len(batch.groups) else None
+        if kernel is not None and x.dtype == out.dtype and x.dtype in KERNEL_DTYPES and self.a.dtype in KERNEL_DTYPES:
             kernel.lora_add(x, out, self.a, self.b, batch.token_slots, self.flat_parts)
             return out
         return self.add_by_groups(x, out)
@@ -101,10 +103,11 @@ class LoRASlots:
         """`add` in PyTorch: each slot's rows through two matmuls (the kernel's oracle)."""
         rank = self.max_rank
         for slot, rows in self.batch.groups:
-            shrunk = x.index_select(0, rows) @ self.a[slot].T  # [n, W]
+            shrunk = x.index_select(0, rows) @ self.a[slot].to(x.dtype).T  # [n, W]
             delta = torch.zeros(rows.shape[0], out.shape[1], dtype=shrunk.dtype, device=out.device)
             for part, (first_row, part_rows) in enumerate(self.parts):
                 rows_of_part = slice(first_row, first_row + part_rows)
-                delta[:, rows_of_part] = shrunk[:, part * rank : (part + 1) * rank] @ self.b[slot, :, rows_of_part]
+                b = self.b[slot, :, rows_of_part].to(x.dtype)
+                delta[:, rows_of_part] = shrunk[:, part * rank : (part + 1) * rank] @ b
             out.index_add_(0, rows, delta.to(out.dtype))
         return out

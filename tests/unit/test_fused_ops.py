@@ -170,7 +170,7 @@ def test_gated_activation_matches_reference(name: str, layout: str, dtype: torch
         torch.testing.assert_close(got.float(), expected.float(), rtol=2 * BF16_ULP, atol=1e-5)
 
 
-def _lora_slots(dtype: torch.dtype) -> LoRASlots:
+def _lora_slots(dtype: torch.dtype) -> LoRASlots:  # dtype: the adapters' matrices
     """Three parts (a fused q|k|v of uneven widths, none a multiple of the kernel's 64-row chunks), six slots
     of adapters of ranks 8 and 5 (below the slots' 8 in one: zero columns), inputs 72 wide (not a multiple of
     the kernel's 16-float steps)."""
@@ -199,11 +199,15 @@ def _lora_exact(slots: LoRASlots, x: torch.Tensor, out: torch.Tensor, token_slot
     return expected
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["f32", "bf16"])
+@pytest.mark.parametrize(("dtype", "weights"), [(torch.float32,) * 2, (torch.bfloat16,) * 2,
+                                               (torch.float32, torch.bfloat16)],
+                         ids=["f32", "bf16", "f32-bf16-adapters"])  # fmt: skip
 @pytest.mark.parametrize("token_slots", [[3], [-1, 0, 5, 0, 2, -1, 5], [1] * 9, [i % 7 - 1 for i in range(16)]],
                          ids=["one", "mixed", "one-adapter-nine-rows", "sixteen"])  # fmt: skip
-def test_lora_add_matches_each_rows_adapter_product(token_slots: list[int], dtype: torch.dtype) -> None:
-    slots = _lora_slots(dtype)
+def test_lora_add_matches_each_rows_adapter_product(
+    token_slots: list[int], dtype: torch.dtype, weights: torch.dtype
+) -> None:
+    slots = _lora_slots(weights)
     slots.batch.set(token_slots, torch.device("cpu"))
     x = _randn(len(token_slots), 72, seed=1, dtype=dtype)
     out = _randn(len(token_slots), 128, seed=2, dtype=dtype)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 
 from folio_tools.bench import decode, profile, quantization
+from folio_tools.bench.lora import command as lora
 from folio_tools.bench.parallel import command as parallel
 from folio_tools.bench.robustness import command as robustness
 from folio_tools.bench.robustness import stall
@@ -26,6 +27,7 @@ BENCHMARKS = (
     robustness,
     stall,
     spec,
+    lora,
     parallel,
     profile,
 )

@@ -1,0 +1,1 @@
+"""`folio bench lora`: LoRA adapters mixed in one batch, folio serve vs llama-server."""
