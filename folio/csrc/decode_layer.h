@@ -42,7 +42,7 @@ struct Kernels {
   }
 };
 
-// LoRA adapters' slots on a projection (folio/layers/lora.py's LoRASlots: a [S, W, in], b [S, N, W], each
+// LoRA adapters' slots on a projection (folio/layers/lora.py's LoRASlots: a [S, W, in], b [S, R, N], each
 // part's first row and rows, flattened), added to the rows a step's slots name (lora_rows.h).
 struct LoraSlots {
   torch::Tensor a, b;

@@ -79,8 +79,8 @@ struct GatedActivationRows {
   using Fn = void (*)(const float* x, int64_t stride, int64_t rows, int64_t width, float* out, bool gelu);
 };
 
-// fused_ops.cpp (lora_rows.h): out [T, N] += x [T, in] @ A[slot].T @ B[slot].T for each row whose slot is
-// not -1; a [S, W, in], b [S, N, W]; parts: each part's (first row, rows), flattened.
+// fused_ops.cpp (lora_rows.h): out [T, N] += x [T, in] @ A[slot].T @ B[slot] (per part) for each row whose
+// slot is not -1; a [S, W, in], b [S, R, N]; parts: each part's (first row, rows), flattened.
 struct LoraAdd {
   static constexpr const char* name = "folio.fused_ops.lora_add";
   using Fn = void (*)(torch::Tensor x, torch::Tensor out, torch::Tensor a, torch::Tensor b, torch::Tensor slots,

@@ -2,8 +2,9 @@
 // t whose slot s is not -1 gains x[t] @ A[s].T @ B[s].T, its own adapter's low-rank product.
 //
 // A [S, W, in] and B [S, R, N] are folio/layers/lora.py's LoRASlots: W = parts * R columns of A, part p of
-// the output rows reading only its own R of them, and B transposed, each part's B in its own rows' columns. Rows are grouped by slot so each adapter's matrices are read once a step, however many
-// rows use it, and both products run as one parallel region each over every (group, column) and
+// the output rows reading only its own R of them, and B transposed, each part's B in its own rows'
+// columns. Rows are grouped by slot so each adapter's matrices are read once a step, however many rows
+// use it, and both products run as one parallel region each over every (group, column) and
 // (group, output row) pair: a step of 16 rows with 16 adapters costs two parallel regions, not 32
 // matmuls. Arithmetic is float32; each output element is rounded to the tensor's dtype once.
 #pragma once
