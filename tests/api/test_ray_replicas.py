@@ -328,6 +328,22 @@ def test_a_server_asking_for_another_port_than_serves_proxy_refuses(joined, tiny
     assert serve.status().applications == {}
 
 
+def wait_until_computing(pid: int, timeout: float = 60) -> None:
+    """Until the process spends most of a core: a prefill replica busy with a prompt (idle, it only posts
+    metrics once a second)."""
+    process, deadline = psutil.Process(pid), time.monotonic() + timeout
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
+
+    while True:
+        before = cpu_seconds()
+        time.sleep(0.3)
+        if cpu_seconds() - before > 0.2:
+            return
+        assert time.monotonic() < deadline, "the prefill replica never started on the prompt"
+
+
 def test_disaggregated_prefill_and_decode(disaggregated, client):
     """--disaggregate: a prefill replica computes each prompt and hands its KV blocks to the decode
     replica. The answers are folio serve's (greedy and seeded), the blocks crossed, both pools end empty,
@@ -347,7 +363,7 @@ def test_disaggregated_prefill_and_decode(disaggregated, client):
     ours: list = []
     asking = threading.Thread(target=lambda: ours.append(completion_texts(ray_client, killed)))
     asking.start()
-    time.sleep(1.5)  # the prefill replica (one CPU) is computing the ~1,100-token prompt: ~5 s here at best
+    wait_until_computing(prefill_pid)  # killed before the prompt reached it, Serve would hand it to the next one
     os.kill(prefill_pid, signal.SIGKILL)
     theirs = completion_texts(client, killed)  # folio serve's answer, while the decode replica computes the prompt
     asking.join(timeout=240)
