@@ -38,6 +38,8 @@ def _add_replica_args(parser: argparse.ArgumentParser) -> None:
     ray.add_argument("--max-replicas", type=int, default=None)
     ray.add_argument("--autoscale-target", type=float, default=16.0, help="requests in flight per replica the "
                      "autoscaler aims for (default 16)")  # fmt: skip
+    ray.add_argument("--downscale-delay", type=float, default=60.0, help="seconds the load must stay below the "
+                     "target before the autoscaler removes a replica (default 60)")  # fmt: skip
     ray.add_argument("--routing", default="cache_aware", choices=POLICIES, help="cache_aware (default: the "
                      "replica holding the prompt's prefix, unless busier than the least loaded by more than "
                      "--routing-imbalance requests) or round_robin")  # fmt: skip
@@ -174,9 +176,11 @@ def build_parser() -> argparse.ArgumentParser:
     many.add_argument("--keep-alive", default=os.environ.get("FOLIO_KEEP_ALIVE", "5m"), help="how long an idle "
                       "model stays loaded: a duration (5m, 1h30m) or seconds; 0 unloads at once, negative never "
                       "(default 5m or $FOLIO_KEEP_ALIVE; a request's keep_alive overrides it)")  # fmt: skip
-    lora = serve.add_argument_group("LoRA adapters (with one MODEL)")
+    lora = serve.add_argument_group("LoRA adapters")
     lora.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH", help="PEFT adapter folders "
-                      "served beside the model; a request names one as its model (implies --enable-lora)")  # fmt: skip
+                      "served beside their base model; a request names one as its model. Among several models, "
+                      "give vLLM's JSON form: '{\"name\": ..., \"path\": ..., \"base_model_name\": ...}' "
+                      "(implies --enable-lora for that model)")  # fmt: skip
     lora.add_argument("--runtime-lora", action="store_true", help="allow /v1/load_lora_adapter and "
                       "/v1/unload_lora_adapter (they read adapter folders that requests name on this "
                       "machine)")  # fmt: skip

@@ -113,7 +113,8 @@ def build_application(
         scaling = {"autoscaling_config": AutoscalingConfig(
             min_replicas=options.min_replicas, max_replicas=options.max_replicas,
             initial_replicas=max(options.min_replicas or 0, 1),
-            target_ongoing_requests=options.target_ongoing_requests, upscale_delay_s=5.0, downscale_delay_s=60.0,
+            target_ongoing_requests=options.target_ongoing_requests, upscale_delay_s=5.0,
+            downscale_delay_s=options.downscale_delay,
         )}  # fmt: skip
     if options.disaggregate:
         prefill = _engine_deployment("prefill", args, server, options, cpus, {"num_replicas": options.prefill_replicas})

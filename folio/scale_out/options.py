@@ -15,6 +15,7 @@ class ReplicaOptions:
     min_replicas: int | None = None
     max_replicas: int | None = None
     target_ongoing_requests: float = 16.0  # per replica: the autoscaler adds replicas above this queue depth
+    downscale_delay: float = 60.0  # seconds below the target before the autoscaler removes a replica
     cpus_per_replica: float | None = None  # None: the node's CPUs over the replicas (at least 1)
     routing: RoutingConfig = field(default_factory=RoutingConfig)
     ray_address: str | None = None  # None: start a local Ray instance ("auto": join the running cluster)
@@ -38,6 +39,8 @@ class ReplicaOptions:
             raise ValueError(f"--prefill-replicas must be >= 1, got {self.prefill_replicas}")
         if not self.target_ongoing_requests > 0:
             raise ValueError(f"the autoscaling target must be > 0 requests, got {self.target_ongoing_requests}")
+        if not self.downscale_delay >= 0:
+            raise ValueError(f"--downscale-delay must be >= 0 seconds, got {self.downscale_delay}")
 
     @property
     def autoscaling(self) -> bool:

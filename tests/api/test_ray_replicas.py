@@ -99,7 +99,8 @@ def disaggregated(ray_cluster):
     """`--disaggregate` with autoscaled decode replicas (1 to 2, one request in flight each): the server of
     the last two tests, which the last one stops."""
     server = RayServer("--disaggregate", "--prefill-replicas", "1", "--min-replicas", "1", "--max-replicas", "2",
-                       "--autoscale-target", "1", "--ray-address", ray_cluster.address)  # fmt: skip
+                       "--autoscale-target", "1", "--downscale-delay", "10",
+                       "--ray-address", ray_cluster.address)  # fmt: skip
     try:
         server.wait_ready(timeout=240, replicas=1, role="decode")
         server.wait_ready(timeout=60, replicas=1, role="prefill")
@@ -382,7 +383,7 @@ def test_autoscaling_adds_a_replica_under_load(disaggregated):
     the second when the requests in flight exceed the target; then SIGTERM stops the server."""
     server = disaggregated
     client = openai.OpenAI(base_url=f"{server.url}/v1", api_key=KEY, max_retries=0, timeout=300)
-    # The test before may have scaled it up: idle, it is back to one after Serve's 60 s downscale delay.
+    # The test before may have scaled it up: idle, it is back to one after the downscale delay (10 s here).
     server.wait_ready(timeout=180, replicas=1, role="decode")
     scaled = threading.Event()
 
