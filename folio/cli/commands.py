@@ -19,12 +19,12 @@ from folio.config import ParallelConfig, parse_memory
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import DEFAULT_MODEL, EngineArgs
 from folio.loaders.catalog import CATALOG, list_pulled, pull
-from folio.lora.adapter import LoRARequest
 from folio.paths import atomic_open
 from folio.platform import available_memory, default_device
 from folio.sampling_params import INT64_MAX, INT64_MIN, SamplingParams
 from folio.scale_out.options import ReplicaOptions
 from folio.scale_out.routing import RoutingConfig
+from folio.server.adapters import LoRAModule
 from folio.server.context import ChatOptions
 from folio.server.limits import RequestLimits
 from folio.server.model_manager import ManagerOptions
@@ -235,16 +235,18 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("--max-queue must be >= 0")
     if args.api_key is not None and not args.api_key.strip():
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
-    adapters = [_lora_module(text) for text in args.lora_modules]
+    adapters = [LoRAModule.parse(text) for text in args.lora_modules]
     options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args),
                             adapters, args.runtime_lora)  # fmt: skip
-    args.enable_lora = args.enable_lora or bool(adapters) or args.runtime_lora
     many = len(args.models) != 1 or args.models_dir is not None
-    if args.enable_lora and many:
-        raise ValueError("LoRA adapters are served beside one model: name exactly one MODEL")
+    # Among several models, only those with adapters (or all, with --runtime-lora) load with LoRA slots.
+    args.enable_lora = args.enable_lora or args.runtime_lora or (bool(adapters) and not many)
     replicated = args.replicas is not None or args.max_replicas is not None or args.min_replicas is not None
     if many and (replicated or args.disaggregate):
         raise ValueError("Ray replicas serve one model: name exactly one MODEL (and no --models-dir)")
+    if (args.enable_lora or adapters) and (replicated or args.disaggregate):
+        raise ValueError("Ray replicas serve no LoRA adapters yet: serve the model with one engine (no "
+                         "--replicas, --min/--max-replicas or --disaggregate)")  # fmt: skip
     args.model = args.models[0] if not many else DEFAULT_MODEL  # each model's own replaces it when it loads
     if replicated or args.disaggregate:
         return _serve_replicas(args, options)
@@ -262,13 +264,6 @@ def cmd_serve(args: argparse.Namespace) -> int:
     return 0
 
 
-def _lora_module(text: str) -> LoRARequest:
-    name, sep, path = text.partition("=")
-    if not sep or not name or not path:
-        raise ValueError(f"--lora-modules takes NAME=PATH (a PEFT adapter folder), got {text!r}")
-    return LoRARequest(name, path)
-
-
 def models_memory(args: argparse.Namespace) -> int:
     """--models-memory, or 80% of the memory free now on the device the models run on."""
     if args.models_memory is not None:
@@ -283,6 +278,7 @@ def _serve_replicas(args: argparse.Namespace, options: ServerOptions) -> int:
     replicas = ReplicaOptions(
         replicas=args.replicas if args.replicas is not None else 1,
         target_ongoing_requests=args.autoscale_target,
+        downscale_delay=args.downscale_delay,
         routing=RoutingConfig(policy=args.routing, imbalance_bound=args.routing_imbalance),
         **{name: getattr(args, name) for name in same},
     )

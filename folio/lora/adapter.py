@@ -56,14 +56,19 @@ class LoRAAdapter:
         return sum(p.a.nbytes + p.b.nbytes for p in self.parts)
 
 
-def _config(folder: Path) -> dict:
+def read_adapter_config(path: str | Path) -> dict:
+    """A PEFT LoRA folder's adapter_config.json, checked for what folio serves (and its safetensors file
+    checked to be there); ValueError with the reason otherwise. Reads no weights."""
+    folder = Path(path).expanduser()
     try:
         config = json.loads((folder / CONFIG).read_text())
     except FileNotFoundError:
         raise ValueError(f"{folder} is not a PEFT LoRA adapter: it has no {CONFIG}") from None
     except json.JSONDecodeError as exc:
         raise ValueError(f"{folder / CONFIG} is not valid JSON: {exc.msg}") from None
-    if not isinstance(config, dict) or str(config.get("peft_type", "LORA")).upper() != "LORA":
+    if not isinstance(config, dict):
+        raise ValueError(f"{folder / CONFIG} must hold a JSON object")
+    if str(config.get("peft_type", "LORA")).upper() != "LORA":
         raise ValueError(f"{folder} is not a LoRA adapter (peft_type {config.get('peft_type')!r})")
     refused = {
         "use_dora": "DoRA adapters",
@@ -77,6 +82,8 @@ def _config(folder: Path) -> dict:
             raise ValueError(f"{folder}: {what} are not supported")
     if config.get("bias", "none") != "none":
         raise ValueError(f"{folder}: adapters with trained biases (bias={config['bias']!r}) are not supported")
+    if not (folder / WEIGHTS).is_file():
+        raise ValueError(f"{folder} has no {WEIGHTS} (only safetensors adapters are read)")
     return config
 
 
@@ -87,9 +94,7 @@ def _layer_parts(layer: Linear) -> list[object]:
 def read_adapter(name: str, path: str | Path, model: CausalLM) -> LoRAAdapter:
     """The adapter at `path`, its matrices matched to `model`'s layers; ValueError naming what does not fit."""
     folder = Path(path).expanduser()
-    config = _config(folder)
-    if not (folder / WEIGHTS).is_file():
-        raise ValueError(f"{folder} has no {WEIGHTS} (only safetensors adapters are read)")
+    config = read_adapter_config(folder)
     tensors = load_file(str(folder / WEIGHTS))
     alpha = float(config.get("lora_alpha", config.get("r", 8)))
     rslora = bool(config.get("use_rslora", False))

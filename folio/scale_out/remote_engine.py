@@ -15,6 +15,7 @@ import logging
 from ray.exceptions import ActorDiedError, ActorUnavailableError, RayActorError
 from ray.serve.handle import DeploymentHandle
 
+from folio.lora.adapter import LoRARequest
 from folio.sampling_params import SamplingParams
 from folio.scale_out.jobs import EngineJob, JobFailure
 from folio.server.engine_client.updates import EngineDeadError, RequestFailedError, RequestUpdate, take_update
@@ -22,6 +23,7 @@ from folio.server.engine_client.updates import EngineDeadError, RequestFailedErr
 logger = logging.getLogger("folio")
 
 REPLICA_LOST = (RayActorError, ActorDiedError, ActorUnavailableError)
+NO_LORA = "Ray replicas serve no LoRA adapters yet: serve the model with one engine (no --replicas)"
 RESENDS = 2  # times a job nothing came back from is sent again after its replica died
 
 
@@ -38,6 +40,12 @@ class RemoteEngine:
     def generation(self, lora_name: str | None = None) -> RemoteGeneration:
         assert lora_name is None, "the replicas serve no LoRA adapters (the ingress lists none)"
         return RemoteGeneration(self)
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        raise ValueError(NO_LORA)
+
+    async def remove_lora(self, name: str) -> bool:
+        raise ValueError(NO_LORA)
 
 
 class RemoteGeneration:

@@ -21,87 +21,56 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 
-import torch
-
-from folio.config import parse_memory
 from folio.engine_args import EngineArgs
 from folio.loaders import catalog
 from folio.loaders.catalog import CATALOG
-from folio.platform import default_device, default_kv_cache_memory
+from folio.lora.adapter import read_adapter_config
+from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.context import ServerContext
 from folio.server.engine_client.process import ProcessEngine, StartCancelled
-from folio.server.engine_client.wire import EngineInfo
 from folio.server.errors import APIError
+from folio.server.model_budget import LoadedModel, MakeContext, ManagerOptions, engine_args_for, estimate_bytes
 from folio.server.model_card import ModelCard
 from folio.server.model_sources import LATEST, ModelSource, ModelSources
-from folio.server.served_models import ModelStatus, model_not_found, requested_keep_alive
+from folio.server.served_models import (
+    ModelStatus,
+    add_adapter,
+    model_not_found,
+    remove_adapter,
+    requested_keep_alive,
+)
 
 logger = logging.getLogger("folio")
 
 REAP_INTERVAL_S = 0.25  # how often idle models are checked against their keep_alive
 ROOM_POLL_S = 0.1  # how often a load waiting for room looks again
-
-
-@dataclass(frozen=True)
-class ManagerOptions:
-    max_loaded: int = 3  # Ollama's default on a machine without a GPU
-    keep_alive: float | None = 300.0  # seconds an idle model stays loaded; None: for good (Ollama's 5 minutes)
-    memory_budget: int | None = None  # bytes the loaded models' weights and KV caches may hold; None: no bound
-    room_timeout: float = 300.0  # seconds a request waits for a busy model to free its place
-    max_waiting: int = 64  # requests waiting for room at once; more get 429
-
-    def __post_init__(self) -> None:
-        if self.max_loaded < 1:
-            raise ValueError(f"--max-loaded-models must be >= 1, got {self.max_loaded}")
-        if self.memory_budget is not None and self.memory_budget <= 0:
-            raise ValueError(f"the models' memory budget must be > 0 bytes, got {self.memory_budget}")
-        if self.room_timeout < 0 or self.max_waiting < 0:
-            raise ValueError("the wait for a loaded model's place must be >= 0 seconds and >= 0 requests")
-
-
-MakeContext = Callable[[ProcessEngine, EngineInfo, str], ServerContext]
-
-
-@dataclass
-class LoadedModel:
-    source: ModelSource
-    engine: ProcessEngine
-    context: ServerContext
-    keep_alive: float | None
-    estimate: int  # bytes it was expected to hold before it loaded
-    last_used: float = field(default_factory=time.monotonic)
-    leases: int = 0  # routes holding it now
-
-    @property
-    def name(self) -> str:
-        return self.source.name
-
-    @property
-    def idle(self) -> bool:
-        return self.leases == 0 and self.context.admission.in_flight == 0
-
-    @property
-    def resident_bytes(self) -> int:
-        """Its weights and KV cache, as the engine reported them once loaded."""
-        card = self.context.model_card
-        return card.resident_bytes if card is not None and card.resident_bytes is not None else self.estimate
-
-    def expires_at(self) -> float | None:
-        """Monotonic time at which it is unloaded if it stays idle; None: never."""
-        return None if self.keep_alive is None else self.last_used + self.keep_alive
+BASE_FORM = '{"name": ..., "path": ..., "base_model_name": ...}'  # vLLM's JSON form of a --lora-modules entry
 
 
 class ModelManager:
     def __init__(
         self, sources: ModelSources, base_args: EngineArgs, make_context: MakeContext,
-        options: ManagerOptions | None = None,
+        options: ManagerOptions | None = None, adapters: AdapterTable | None = None,
     ) -> None:  # fmt: skip
         self.sources = sources
+        self.adapters = adapters or AdapterTable([], runtime=False)  # each on a base model named in sources
+        for adapter in self.adapters:
+            if adapter.base_model_name is None:
+                raise ValueError(f"--lora-modules {adapter.name}=PATH serves an adapter beside one model; among "
+                                 f"several, name its base: '{BASE_FORM}'")  # fmt: skip
+            base = sources.find(adapter.base_model_name)
+            if base is None:
+                raise ValueError(f"the LoRA adapter {adapter.name!r} names {adapter.base_model_name!r} as its base "
+                                 "model, which this server does not serve")  # fmt: skip
+            self.adapters.add(replace(adapter, base_model_name=base.name))
+            if sources.find(adapter.name) is not None:
+                raise ValueError(f"the LoRA adapter {adapter.name!r} has a served model's name")
+            read_adapter_config(adapter.path)  # a wrong folder fails at start, not at the base model's load
         self.base_args = base_args
         self.make_context = make_context
         self.options = options or ManagerOptions()
@@ -128,9 +97,10 @@ class ModelManager:
     @asynccontextmanager
     async def use(self, name: str | None, keep_alive: float | str | None = None) -> AsyncIterator[ServerContext]:
         seconds = self.options.keep_alive if keep_alive is None else requested_keep_alive(keep_alive)
-        model = await self._acquire(self._resolve(name))
+        adapter = self.adapters.get(name)
+        model = await self._acquire(self._resolve(adapter.base_model_name if adapter else name))
         try:
-            yield model.context
+            yield replace(model.context, model_name=adapter.name, lora_name=adapter.name) if adapter else model.context
         finally:
             model.leases -= 1
             model.last_used = time.monotonic()
@@ -151,10 +121,14 @@ class ModelManager:
                 statuses.append(ModelStatus(name, "failed", source.origin, error=self._failed[name]))
             else:
                 statuses.append(ModelStatus(name, "unloaded", source.origin))
+        states = {status.name: status.state for status in statuses}
+        for adapter in self.adapters:
+            base = adapter.base_model_name or ""
+            statuses.append(ModelStatus(adapter.name, states.get(base, "unloaded"), "adapter", parent=base))
         return statuses
 
     async def card(self, name: str) -> ModelCard | None:
-        source = self._resolve(name)
+        source = self._resolve(self._model_of(name))
         model = self._loaded.get(source.name)
         if model is not None and model.context.model_card is not None:
             return model.context.model_card
@@ -172,12 +146,12 @@ class ModelManager:
         return self._cards[key]
 
     async def load(self, name: str) -> None:
-        model = await self._acquire(self._resolve(name))
+        model = await self._acquire(self._resolve(self._model_of(name)))
         model.leases -= 1
         model.last_used = time.monotonic()
 
     async def unload(self, name: str) -> bool:
-        source = self._resolve(name)
+        source = self._resolve(self._model_of(name))
         model = self._loaded.get(source.name)
         if model is None:
             return False
@@ -186,6 +160,8 @@ class ModelManager:
         return True
 
     async def delete(self, name: str) -> None:
+        if self.adapters.get(name) is not None:
+            raise APIError(400, f"'{name}' is a LoRA adapter: unload it with /v1/unload_lora_adapter", param="model")
         source = self._resolve(name)
         if source.spec not in CATALOG:
             raise APIError(400, f"'{source.name}' is {source.spec}, not a model folio pulled: delete its files "
@@ -194,13 +170,37 @@ class ModelManager:
         if not await asyncio.to_thread(catalog.remove, source.spec):
             raise APIError(404, f"model '{name}' not found: it is not pulled", param="model")
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        raise APIError(400, "LoRA adapters are served by a server of one model, not yet by a server of several")
+    async def load_adapter(self, name: str, path: str, base: str | None = None) -> None:
+        """Load the base model (if it is not), register the adapter in its engine, then list it; the
+        adapter is registered again each time the base loads."""
+        self.adapters.require_runtime()
+        if self.sources.find(name) is not None:
+            raise APIError(400, f"'{name}' is a model's name", param="lora_name")
+        if base is None:
+            raise APIError(400, "this server serves several models: name the adapter's base model "
+                           "(base_model_name)", param="base_model_name")  # fmt: skip
+        model = await self._acquire(self._resolve(base))
+        adapter = LoRAModule(name, path, model.name)
+        try:
+            await add_adapter(model.engine, adapter)
+        finally:
+            model.leases -= 1
+        self.adapters.add(adapter)
 
     async def unload_adapter(self, name: str) -> None:
-        raise APIError(400, "LoRA adapters are served by a server of one model, not yet by a server of several")
+        self.adapters.require_runtime()
+        adapter = self.adapters.known(name)
+        model = self._loaded.get(adapter.base_model_name or "")
+        if model is not None and model.engine.is_alive:
+            await remove_adapter(model.engine, adapter.name)
+        self.adapters.remove(adapter.name)
 
     # -- loading ---------------------------------------------------------------------------------------
+    def _model_of(self, name: str) -> str:
+        """The model a name loads: an adapter's base, or the model itself."""
+        adapter = self.adapters.get(name)
+        return adapter.base_model_name or name if adapter is not None else name
+
     def _resolve(self, name: str | None) -> ModelSource:
         # A loaded model answers without reading the folder or folio's home again (every request asks).
         loaded = self._loaded.get(name) or self._loaded.get(name.removesuffix(LATEST)) if name else None
@@ -216,7 +216,7 @@ class ModelManager:
             return available[only[0]]
         source = available.get(name) or available.get(name.removesuffix(LATEST))
         if source is None:
-            raise model_not_found(name, list(available))
+            raise model_not_found(name, [*available, *(adapter.name for adapter in self.adapters)])
         return source
 
     async def _acquire(self, source: ModelSource) -> LoadedModel:
@@ -245,17 +245,8 @@ class ModelManager:
         return not model.engine.is_alive or (model.idle and not self._claims.get(model.name))
 
     def engine_args(self, source: ModelSource) -> EngineArgs:
-        """The server's flags for this model. A KV pool left to its default gets at most a share of the
-        budget (half of it over --max-loaded-models), not the default share of free memory each: models
-        loaded later would find that memory taken."""
-        args = replace(self.base_args, model=source.spec)
-        budget = self.options.memory_budget
-        if budget is None or args.kv_cache_memory is not None or args.num_kv_blocks is not None:
-            return args
-        device = torch.device(args.device) if args.device else default_device()
-        return replace(
-            args, kv_cache_memory=min(default_kv_cache_memory(device), budget // (2 * self.options.max_loaded))
-        )
+        lora = self.adapters.runtime or bool(self.adapters.on(source.name))
+        return engine_args_for(source, self.base_args, self.options, lora)
 
     async def _load(self, source: ModelSource) -> LoadedModel:
         args = self.engine_args(source)
@@ -276,6 +267,7 @@ class ModelManager:
                 self._failed[source.name] = str(exc)
                 raise APIError(500, f"model '{source.name}' failed to load: {exc}", param="model",
                                code="model_load_failed") from None  # fmt: skip
+            await self._register_adapters(engine, source.name)
             context = self.make_context(engine, engine.info, source.name)
             model = LoadedModel(source, engine, context, self.options.keep_alive, estimate)
             self._loaded[source.name] = model
@@ -287,20 +279,18 @@ class ModelManager:
             if started:
                 self._starting.pop(source.name)
 
+    async def _register_adapters(self, engine: ProcessEngine, base: str) -> None:
+        """The base's adapters into its new engine. One it cannot serve (its folder changed since) is
+        dropped with a warning rather than failing the base model."""
+        for adapter in self.adapters.on(base):
+            try:
+                await engine.add_lora(adapter.request)
+            except ValueError as exc:
+                logger.warning("dropping the LoRA adapter %s: %s", adapter.name, exc)
+                self.adapters.remove(adapter.name)
+
     def estimate_bytes(self, source: ModelSource, args: EngineArgs) -> int:
-        """What a model will hold before it loads: its weights as stored (a pulled or local file; 0 for one
-        still to download) and the KV cache its flags ask for (the engine's default share of free memory
-        where none is given; a pool given in blocks counts once loaded)."""
-        path = source.local_path()
-        weights = 0
-        if path is not None:
-            files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else [path]
-            weights = sum(f.stat().st_size for f in files)
-        if args.num_kv_blocks is not None:
-            return weights
-        kv = parse_memory(args.kv_cache_memory)
-        device = torch.device(args.device) if args.device else default_device()
-        return weights + (kv if kv is not None else default_kv_cache_memory(device))
+        return estimate_bytes(source, args)
 
     def _start_engine(self, args: EngineArgs, name: str) -> ProcessEngine:
         return ProcessEngine(args, name, cancel=self._cancel)

@@ -25,6 +25,7 @@ class LoadLoRARequest(RequestBody):
     lora_name: str = Field(min_length=1)
     lora_path: str = Field(min_length=1)
     load_inplace: bool = False  # a known name is replaced either way
+    base_model_name: str | None = Field(None, min_length=1)  # the served model it adapts; needed among several
 
 
 class UnloadLoRARequest(RequestBody):
@@ -70,7 +71,7 @@ def model_router(models: ServedModels) -> APIRouter:
 
     @router.post("/v1/load_lora_adapter")
     async def load_lora_adapter(body: LoadLoRARequest) -> PlainTextResponse:
-        await models.load_adapter(body.lora_name, body.lora_path)
+        await models.load_adapter(body.lora_name, body.lora_path, body.base_model_name)
         return PlainTextResponse(f"Success: LoRA adapter '{body.lora_name}' added successfully.")
 
     @router.post("/v1/unload_lora_adapter")

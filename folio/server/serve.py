@@ -24,7 +24,7 @@ from prometheus_client import CollectorRegistry
 
 from folio.engine.engine_core import EngineCore
 from folio.engine_args import EngineArgs
-from folio.lora.adapter import LoRARequest
+from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.admission import Admission
 from folio.server.app import create_app
 from folio.server.context import ChatOptions, ServerContext
@@ -57,7 +57,7 @@ class ServerOptions:
     grace_period: float = 30.0  # seconds in-flight requests get after SIGTERM
     limits: RequestLimits = field(default_factory=RequestLimits)
     chat: ChatOptions = field(default_factory=ChatOptions)  # tool-call and reasoning parsers
-    lora_modules: list[LoRARequest] = field(default_factory=list)  # adapters registered at start-up
+    lora_modules: list[LoRAModule] = field(default_factory=list)  # adapters registered at start-up
     runtime_lora: bool = False  # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them
 
     def __post_init__(self) -> None:
@@ -137,7 +137,7 @@ def _assemble(
     options = options or ServerOptions()
     ctx = make_context(engine, info, model_name, options)
     track_admission(registry, model_name, ctx.admission)
-    models = OneModel(ctx, {m.name: m.path for m in options.lora_modules}, options.runtime_lora)
+    models = OneModel(ctx, AdapterTable(options.lora_modules, options.runtime_lora))
     return Server(create_app(models, options.limits, registry, options.api_key), ctx, registry, info)
 
 
@@ -198,14 +198,18 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
             running.should_exit = True
 
     if engine_process:
-        if options.lora_modules or options.runtime_lora:
-            raise ValueError("LoRA adapters are served by an engine on the server's thread: not with "
-                             "--engine-process yet")  # fmt: skip
-        server = build_process_server(ProcessEngine(args, model_name, stop_on_engine_death), model_name, options)
+        engine = ProcessEngine(args, model_name, stop_on_engine_death)
+        try:
+            for adapter in options.lora_modules:
+                engine.change_adapter(add=adapter.request)
+        except BaseException:
+            engine.shutdown()
+            raise
+        server = build_process_server(engine, model_name, options)
     else:
         core = EngineCore.from_engine_args(args)
         for adapter in options.lora_modules:
-            core.add_lora(adapter)
+            core.add_lora(adapter.request)
         server = build_server(core, model_name, options, stop_on_engine_death)
     config = uvicorn.Config(
         server.app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=options.grace_period
@@ -246,7 +250,9 @@ def serve_models(
     options = options or ServerOptions()
     warn_if_open(host, port, options.api_key)
     with contextlib.closing(bind_address(host, port)) as sock:
-        manager = ModelManager(sources, base_args, lambda e, i, n: make_context(e, i, n, options), manager_options)
+        adapters = AdapterTable(options.lora_modules, options.runtime_lora)
+        manager = ModelManager(sources, base_args, lambda e, i, n: make_context(e, i, n, options), manager_options,
+                               adapters)  # fmt: skip
         registry = CollectorRegistry()
         registry.register(MergedEngineMetrics(manager.metrics_texts, manager.admissions))
         app = create_app(manager, options.limits, registry, options.api_key)

@@ -16,9 +16,9 @@ from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
 from typing import Protocol
 
-from folio.lora.adapter import LoRARequest
+from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.context import ServerContext
-from folio.server.engine_client.thread import AsyncEngine
+from folio.server.engine_client.protocol import EngineClient
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
 from folio.server.model_sources import LATEST
@@ -114,8 +114,9 @@ class ServedModels(Protocol):
         """Unload the named model and delete its files (only a catalog model folio pulled)."""
         ...
 
-    async def load_adapter(self, name: str, path: str) -> None:
-        """Register a LoRA adapter (a PEFT folder on this machine) that requests then name as their model."""
+    async def load_adapter(self, name: str, path: str, base: str | None = None) -> None:
+        """Register a LoRA adapter (a PEFT folder on this machine) on the `base` model (None: the only one),
+        which requests then name as their model."""
         ...
 
     async def unload_adapter(self, name: str) -> None: ...
@@ -137,10 +138,13 @@ class OneModel:
     """One model loaded for the server's whole life, and the LoRA adapters registered on it: a request that
     names an adapter gets the model's context with the adapter set (the same engine and admission)."""
 
-    def __init__(self, ctx: ServerContext, adapters: dict[str, str] | None = None, runtime_lora: bool = False) -> None:
+    def __init__(self, ctx: ServerContext, adapters: AdapterTable | None = None) -> None:
         self.context = ctx
-        self.adapters = dict(adapters or {})  # name -> the folder it was read from
-        self.runtime_lora = runtime_lora  # whether requests may load and unload adapters
+        self.adapters = adapters or AdapterTable([], runtime=False)
+        for adapter in self.adapters:
+            if adapter.base_model_name not in (None, ctx.model_name):
+                raise ValueError(f"the LoRA adapter {adapter.name!r} names {adapter.base_model_name!r} as its base "
+                                 f"model; this server serves {ctx.model_name!r}")  # fmt: skip
 
     @property
     def is_alive(self) -> bool:
@@ -154,10 +158,10 @@ class OneModel:
         base = self.context.model_name
         if name is None or base in (name, name.removesuffix(LATEST)):
             return self.context
-        adapter = name if name in self.adapters else name.removesuffix(LATEST)
-        if adapter in self.adapters:
-            return replace(self.context, model_name=adapter, lora_name=adapter)
-        raise model_not_found(name, [base, *self.adapters])
+        adapter = self.adapters.get(name)
+        if adapter is not None:
+            return replace(self.context, model_name=adapter.name, lora_name=adapter.name)
+        raise model_not_found(name, [base, *(a.name for a in self.adapters)])
 
     @asynccontextmanager
     async def use(self, name: str | None, keep_alive: float | str | None = None) -> AsyncIterator[ServerContext]:
@@ -168,7 +172,7 @@ class OneModel:
 
     def statuses(self) -> list[ModelStatus]:
         base = ModelStatus(self.context.model_name, "loaded", "argument", self.context.model_card)
-        return [base, *(ModelStatus(name, "loaded", "adapter", parent=base.name) for name in self.adapters)]
+        return [base, *(ModelStatus(a.name, "loaded", "adapter", parent=base.name) for a in self.adapters)]
 
     async def card(self, name: str) -> ModelCard | None:
         self._context(name)
@@ -185,33 +189,33 @@ class OneModel:
         self._context(name)
         raise APIError(400, ONE_MODEL, param="model")
 
-    def _adapter_engine(self) -> AsyncEngine:
-        if not self.runtime_lora:
-            raise APIError(400, "loading and unloading LoRA adapters at run time is off: start the server with "
-                           "--runtime-lora (it reads the adapter folders requests name on this machine)")  # fmt: skip
-        engine = self.context.engine
-        if not isinstance(engine, AsyncEngine):
-            raise APIError(400, "LoRA adapters are served by an engine on the server's thread (not with "
-                           "--engine-process or replicas yet)")  # fmt: skip
-        return engine
-
-    async def load_adapter(self, name: str, path: str) -> None:
-        engine = self._adapter_engine()
-        if name.removesuffix(LATEST) == self.context.model_name:
+    async def load_adapter(self, name: str, path: str, base: str | None = None) -> None:
+        self.adapters.require_runtime()
+        model = self.context.model_name
+        if name.removesuffix(LATEST) == model:
             raise APIError(400, f"'{name}' is the base model's name", param="lora_name")
-        try:
-            await engine.call(lambda core: core.add_lora(LoRARequest(name, path)))
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="lora_path") from None
-        self.adapters[name] = path
+        if base is not None and base.removesuffix(LATEST) != model:
+            raise model_not_found(base, [model])
+        await add_adapter(self.context.engine, LoRAModule(name, path, model))
+        self.adapters.add(LoRAModule(name, path, model))
 
     async def unload_adapter(self, name: str) -> None:
-        engine = self._adapter_engine()
-        if name not in self.adapters:
-            raise APIError(404, f"no LoRA adapter named '{name}' is loaded", param="lora_name",
-                           code="model_not_found")  # fmt: skip
-        try:
-            await engine.call(lambda core: core.remove_lora(name))
-        except ValueError as exc:
-            raise APIError(400, str(exc), param="lora_name") from None
-        del self.adapters[name]
+        self.adapters.require_runtime()
+        adapter = self.adapters.known(name)
+        await remove_adapter(self.context.engine, adapter.name)
+        self.adapters.remove(adapter.name)
+
+
+async def add_adapter(engine: EngineClient, adapter: LoRAModule) -> None:
+    """Register the adapter in the engine, or the API's 400 naming why it cannot serve it."""
+    try:
+        await engine.add_lora(adapter.request)
+    except ValueError as exc:
+        raise APIError(400, str(exc), param="lora_path") from None
+
+
+async def remove_adapter(engine: EngineClient, name: str) -> None:
+    try:
+        await engine.remove_lora(name)
+    except ValueError as exc:  # requests still run with it
+        raise APIError(400, str(exc), param="lora_name") from None

@@ -4,13 +4,18 @@ load and unload at run time; what cannot be served is a 4xx and the server keeps
 
 from __future__ import annotations
 
+import signal
+import subprocess
+import sys
+
 import httpx
 import openai
 import pytest
 
 from folio import LLM, LoRARequest, SamplingParams
+from folio.server.adapters import LoRAModule
 from folio.server.serve import ServerOptions
-from tests.api.server_runner import running_server
+from tests.api.server_runner import free_port, read_until, running_server
 from tests.tiny_models import make_lora_adapter, make_tiny_chat_model
 
 pytest.importorskip("peft")
@@ -44,7 +49,7 @@ def expected(llm, adapters) -> dict[str | None, str]:
 
 @pytest.fixture(scope="module")
 def server(llm, adapters, expected):
-    options = ServerOptions(lora_modules=[LoRARequest("first", adapters[1][0]), LoRARequest("second", adapters[1][1])],
+    options = ServerOptions(lora_modules=[LoRAModule("first", adapters[1][0]), LoRAModule("second", adapters[1][1])],
                             runtime_lora=True)  # fmt: skip
     with running_server(llm, BASE, options) as (url, _):
         yield url
@@ -88,3 +93,33 @@ def test_an_adapter_that_cannot_be_served_is_a_400_and_the_server_keeps_serving(
     unknown = httpx.post(f"{server}/v1/load_lora_adapter", json={"lora_name": "x"})
     assert unknown.status_code == 400 and unknown.json()["error"]["param"] == "lora_path"
     assert _answer(server, "first") == expected["first"]
+
+
+def test_folio_serve_engine_process_serves_adapters_too(adapters, expected):
+    """`--engine-process`: the adapters given at start and those loaded at run time reach the engine's own
+    process over its wire, and answer as offline."""
+    base, paths = adapters
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "folio.cli", "serve", base, "--port", str(port),
+                                "--engine-process", "--num-kv-blocks", "128", "--max-loras", "2",
+                                "--max-lora-rank", "8", "--lora-modules", f"first={paths[0]}", "--runtime-lora"],
+                               stderr=subprocess.PIPE, text=True)  # fmt: skip
+    url = f"http://127.0.0.1:{port}"
+    lines: list[str] = []
+    try:
+        assert "engine in process" in read_until(process.stderr, "serving", lines)
+        assert _answer(url, "first") == expected["first"]
+        assert _answer(url, base) == expected[None]
+        loaded = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "late", "lora_path": paths[2]})
+        assert loaded.status_code == 200
+        assert _answer(url, "late") == expected["late"]
+        assert httpx.post(f"{url}/v1/unload_lora_adapter", json={"lora_name": "late"}).status_code == 200
+        broken = httpx.post(f"{url}/v1/load_lora_adapter", json={"lora_name": "x", "lora_path": base})
+        assert broken.status_code == 400 and "adapter_config.json" in broken.json()["error"]["message"]
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(30) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+        stderr = "".join(lines) + process.communicate()[1]
+    assert "Traceback" not in stderr, stderr

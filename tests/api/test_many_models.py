@@ -7,6 +7,7 @@ tests run in order and each says what it leaves loaded.
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -16,6 +17,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import httpx
 import ollama
@@ -23,12 +25,13 @@ import openai
 import psutil
 import pytest
 
-from folio import LLM, SamplingParams
+from folio import LLM, LoRARequest, SamplingParams
 from tests.api.server_runner import MODEL, free_port
-from tests.tiny_models import make_tiny_chat_model
+from tests.tiny_models import make_lora_adapter, make_tiny_chat_model
 
 GEMMA = "gemma3-270m"
 TINY = "tiny"
+TINY_SQL = "tiny-sql"  # a LoRA adapter on tiny
 
 
 class ManyModelServer:
@@ -65,7 +68,9 @@ class ManyModelServer:
         return {entry["id"]: entry["status"]["value"] for entry in listing}
 
     def loaded(self) -> set[str]:
-        return {name for name, state in self.states().items() if state == "loaded"}
+        """The loaded models (not their adapters)."""
+        listing = httpx.get(f"{self.url}/v1/models", timeout=10).json()["data"]
+        return {entry["id"] for entry in listing if entry["status"]["value"] == "loaded" and "parent" not in entry}
 
     def wait_for_loaded(self, expected: set[str], timeout: float) -> None:
         deadline = time.monotonic() + timeout
@@ -80,9 +85,17 @@ def tiny_chat(tmp_path_factory) -> str:
 
 
 @pytest.fixture(scope="module")
-def many(smollm2_gguf, gemma3_gguf, tiny_chat) -> Iterator[ManyModelServer]:
+def tiny_adapters(tiny_chat, tmp_path_factory) -> list[str]:
+    root = tmp_path_factory.mktemp("many-lora")
+    return [make_lora_adapter(Path(tiny_chat), root / f"adapter{i}", seed=40 + i) for i in range(2)]
+
+
+@pytest.fixture(scope="module")
+def many(smollm2_gguf, gemma3_gguf, tiny_chat, tiny_adapters) -> Iterator[ManyModelServer]:
+    sql = json.dumps({"name": TINY_SQL, "path": tiny_adapters[0], "base_model_name": TINY})
     server = ManyModelServer(MODEL, GEMMA, f"{TINY}={tiny_chat}", "--max-loaded-models", "2", "--keep-alive", "10m",
-                             "--num-kv-blocks", "64")  # fmt: skip
+                             "--num-kv-blocks", "64", "--lora-modules", sql, "--runtime-lora",
+                             "--max-lora-rank", "8")  # fmt: skip
     try:
         server.wait_ready(timeout=120)
         yield server
@@ -105,9 +118,9 @@ def _text(client: openai.OpenAI, model: str, prompt: str, max_tokens: int = 12) 
 
 
 def test_every_model_is_listed_and_none_is_loaded_before_a_request(many):
-    assert many.states() == {MODEL: "unloaded", GEMMA: "unloaded", TINY: "unloaded"}
+    assert many.states() == {MODEL: "unloaded", GEMMA: "unloaded", TINY: "unloaded", TINY_SQL: "unloaded"}
     tags = ollama.Client(host=many.url).list()
-    assert sorted(m.model for m in tags.models) == sorted([MODEL, GEMMA, TINY])
+    assert sorted(m.model for m in tags.models) == sorted([MODEL, GEMMA, TINY, TINY_SQL])
     by_name = {m.model: m for m in tags.models}
     assert by_name[MODEL].details.family == "llama" and by_name[GEMMA].details.family == "gemma3"
     assert ollama.Client(host=many.url).ps().models == []
@@ -193,6 +206,38 @@ def test_a_killed_engine_fails_only_its_own_requests_and_loads_again(many, many_
     assert _text(many_client, MODEL, "Hello", max_tokens=2)  # the other model never noticed
     assert _text(many_client, TINY, "t1 t2 t3", max_tokens=4)  # loaded anew
     assert many.engine_pid(TINY) != victim and not psutil.pid_exists(victim)
+
+
+def test_adapters_run_on_their_base_model_and_come_back_with_it(many, many_client, tiny_chat, tiny_adapters):
+    """An adapter given at start and one loaded at run time (vLLM's route, with the base named) answer as
+    offline; unloaded and loaded again, the base model brings its adapters back."""
+    offline = LLM(tiny_chat, enable_lora=True, max_loras=2, max_lora_rank=8, num_kv_blocks=64)
+    greedy = SamplingParams(max_tokens=6, temperature=0, ignore_eos=True)
+
+    def alone(adapter: int | None) -> str:
+        request = None if adapter is None else LoRARequest(f"a{adapter}", tiny_adapters[adapter])
+        return offline.generate(["t1 t2 t3"], greedy, use_tqdm=False, lora_request=request)[0].outputs[0].text
+
+    def ours(model: str) -> str:
+        return many_client.completions.create(model=model, prompt="t1 t2 t3", max_tokens=6, temperature=0,
+                                              extra_body={"ignore_eos": True}).choices[0].text  # fmt: skip
+
+    assert ours(TINY_SQL) == alone(0) != alone(None)
+    assert ours(TINY) == alone(None)
+    body = {"lora_name": "tiny-chat-lora", "lora_path": tiny_adapters[1]}
+    unnamed = httpx.post(f"{many.url}/v1/load_lora_adapter", json=body, timeout=60)
+    assert unnamed.status_code == 400 and unnamed.json()["error"]["param"] == "base_model_name"
+    loaded = httpx.post(f"{many.url}/v1/load_lora_adapter", json={**body, "base_model_name": TINY}, timeout=60)
+    assert loaded.status_code == 200
+    assert ours("tiny-chat-lora") == alone(1)
+    assert many.states()["tiny-chat-lora"] == "loaded"
+    httpx.post(f"{many.url}/models/unload", json={"model": TINY}, timeout=30)
+    many.wait_for_loaded({MODEL}, timeout=10)
+    assert many.states()[TINY_SQL] == "unloaded"
+    assert ours("tiny-chat-lora") == alone(1)  # tiny loaded again, with both its adapters
+    assert ours(TINY_SQL) == alone(0)
+    assert httpx.post(f"{many.url}/v1/unload_lora_adapter", json={"lora_name": "tiny-chat-lora"}).status_code == 200
+    assert "tiny-chat-lora" not in many.states()
 
 
 def test_load_unload_routes_and_metrics_by_model(many, many_client):

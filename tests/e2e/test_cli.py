@@ -90,6 +90,7 @@ ERROR_CASES = [
     (["chat", "gemma3-270m", *KV], "no chat template"),
     (["run", "smollm2-135m", "hi", "--format", "{not json", *KV], "json schema"),
     (["run", "smollm2-135m", "hi", "--format", "yaml", *KV], "--format takes"),
+    (["serve", "smollm2-135m", "--replicas", "2", "--lora-modules", "sql=/lora/sql"], "Ray replicas serve no LoRA"),
 ]
 
 

@@ -11,6 +11,7 @@ every open call at once, refuses new ones, and calls `on_death` so the server ca
 
 from __future__ import annotations
 
+import asyncio
 import itertools
 import logging
 import multiprocessing
@@ -27,6 +28,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from folio.engine.request import Request
 from folio.engine_args import EngineArgs
+from folio.lora.adapter import LoRARequest
 from folio.sampling_params import SamplingParams
 from folio.server.engine_client import wire
 from folio.server.engine_client.generation import Generation
@@ -63,7 +65,7 @@ class ProcessEngine:
         self._mailbox_ids: weakref.WeakKeyDictionary[Mailbox, int] = weakref.WeakKeyDictionary()
         self._mailboxes: weakref.WeakValueDictionary[int, LoopMailbox] = weakref.WeakValueDictionary()
         self._next_mailbox = itertools.count()
-        self._metrics: dict[int, tuple[threading.Event, list[str]]] = {}
+        self._answers: dict[int, tuple[threading.Event, list[object]]] = {}  # queries' replies, by number
         self._queries = itertools.count()
         self._socket_dir = Path(tempfile.mkdtemp(prefix="folio-engine-"))  # mode 0700: only this user
         self._zmq = zmq.Context()
@@ -124,21 +126,42 @@ class ProcessEngine:
             if self.dead is None and not self._stopping:
                 self._outbound.send(wire.encode(wire.Abort(request_id)))
 
-    # -- metrics ---------------------------------------------------------------------------------------
-    def metrics_text(self) -> str:
-        """The engine's registry in Prometheus' text format, asked for now ("" if it cannot answer).
-        Blocks until the engine's main thread answers: call it off the event loop."""
+    # -- queries (blocking until the engine's main thread answers: call them off the event loop) ---------
+    def _ask(self, query_message: Callable[[int], object], timeout: float | None) -> object | None:
+        """Send the message made for a new query number and wait for its answer (None: the engine has gone
+        or did not answer in time)."""
         query, done, answer = next(self._queries), threading.Event(), []
-        self._metrics[query] = (done, answer)
+        self._answers[query] = (done, answer)
         try:
             with self._lock:
                 if self.dead is not None or self._stopping:
-                    return ""
-                self._outbound.send(wire.encode(wire.MetricsQuery(query)))
-            done.wait(METRICS_TIMEOUT_S)
-            return answer[0] if answer else ""
+                    return None
+                self._outbound.send(wire.encode(query_message(query)))
+            done.wait(timeout)
+            return answer[0] if answer else None
         finally:
-            self._metrics.pop(query, None)
+            self._answers.pop(query, None)
+
+    def metrics_text(self) -> str:
+        """The engine's registry in Prometheus' text format, asked for now ("" if it cannot answer)."""
+        reply = self._ask(wire.MetricsQuery, METRICS_TIMEOUT_S)
+        return reply.text if isinstance(reply, wire.MetricsText) else ""
+
+    def change_adapter(self, add: LoRARequest | None = None, remove: str | None = None) -> bool:
+        """Register (or replace) a LoRA adapter in the engine, or remove one: whether a removal found it.
+        ValueError if the engine cannot serve the adapter, EngineDeadError if the engine has gone."""
+        reply = self._ask(lambda query: wire.AdapterChange(query, add, remove), None)
+        if not isinstance(reply, wire.AdapterChanged):
+            raise EngineDeadError("the engine has stopped")
+        if reply.error is not None:
+            raise (ValueError if reply.refused else RuntimeError)(reply.error)
+        return reply.removed
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        await asyncio.to_thread(self.change_adapter, add=request)
+
+    async def remove_lora(self, name: str) -> bool:
+        return await asyncio.to_thread(self.change_adapter, remove=name)
 
     # -- lifetime --------------------------------------------------------------------------------------
     def shutdown(self) -> None:
@@ -207,10 +230,10 @@ class ProcessEngine:
                     mailbox = self._mailboxes.get(number)
                     if mailbox is not None:  # else its call has ended and been collected
                         mailbox.post(item)
-            elif isinstance(message, wire.MetricsText):
-                waiting = self._metrics.get(message.query)
+            elif isinstance(message, wire.MetricsText | wire.AdapterChanged):
+                waiting = self._answers.get(message.query)
                 if waiting is not None:
-                    waiting[1].append(message.text)
+                    waiting[1].append(message)
                     waiting[0].set()
             elif isinstance(message, wire.Died):
                 self._die(f"the engine loop died ({message.reason})")
@@ -224,7 +247,7 @@ class ProcessEngine:
         error = EngineDeadError("the engine has stopped after an internal error")
         for mailbox in list(self._mailboxes.values()):
             mailbox.post(error)
-        for done, _ in list(self._metrics.values()):
+        for done, _ in list(self._answers.values()):
             done.set()
         if self.on_death is not None:
             self.on_death(self.dead)

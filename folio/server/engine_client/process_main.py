@@ -3,8 +3,9 @@ engine loop, so the API server's Python (HTTP, JSON, SSE, tokenizing) never hold
 
 The loop is `AsyncEngine`'s, unchanged: its faults, aborts and detokenizing work as in one process.
 Only the mailboxes differ: each API call's updates are queued in a `WireOutbox`, which sends what a
-round of the loop posted as one message. This process's main thread only receives: requests and
-aborts go to the loop's inbox, metrics scrapes are answered from the engine's own registry.
+round of the loop posted as one message. This process's main thread only receives: requests,
+aborts and LoRA adapter changes go to the loop's inbox, metrics scrapes are answered from the engine's
+own registry.
 
 It stops on `Shutdown`, and on its own when the API server's process has gone (the parent's pid
 changed), so a killed server never leaves a model loaded behind it.
@@ -121,7 +122,28 @@ def _receive(inbound: zmq.Socket, engine: AsyncEngine, outbox: WireOutbox, metri
                 outbox.flush()
         elif isinstance(message, wire.Abort):
             engine.abort(message.request_id)
+        elif isinstance(message, wire.AdapterChange):
+            _change_adapter(engine, outbox, message)
         elif isinstance(message, wire.MetricsQuery):
             outbox.send(wire.MetricsText(message.query, generate_latest(metrics.registry).decode()))
         elif isinstance(message, wire.Shutdown):
             return
+
+
+def _change_adapter(engine: AsyncEngine, outbox: WireOutbox, change: wire.AdapterChange) -> None:
+    """Made on the engine thread between two steps, as in one process; answered from there."""
+
+    def apply(core: EngineCore) -> bool:
+        if change.add is not None:
+            core.add_lora(change.add)
+            return False
+        return core.remove_lora(change.remove or "")
+
+    def reply(removed: object, error: Exception | None) -> None:
+        text = None if error is None else str(error) or type(error).__name__
+        outbox.send(wire.AdapterChanged(change.query, bool(removed), text, isinstance(error, ValueError)))
+
+    try:
+        engine.call_then(apply, reply)
+    except EngineDeadError as exc:
+        reply(False, exc)

@@ -10,6 +10,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Protocol
 
+from folio.lora.adapter import LoRARequest
 from folio.sampling_params import SamplingParams
 from folio.server.engine_client.updates import RequestUpdate
 
@@ -36,4 +37,13 @@ class EngineClient(Protocol):
 
     def generation(self, lora_name: str | None = None) -> GenerationStream:
         """A new API call's requests, all run with the named LoRA adapter (None: the base model)."""
+        ...
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        """Register (or replace) a LoRA adapter that generations may then name; ValueError if the engine
+        cannot serve it."""
+        ...
+
+    async def remove_lora(self, name: str) -> bool:
+        """Whether the adapter was there; ValueError while requests still run with it."""
         ...

@@ -32,6 +32,7 @@ from folio.engine.engine_core import EngineCore
 from folio.engine.output_processor import OutputDelta, OutputProcessor
 from folio.engine.request import FinishReason, Request
 from folio.loaders.tokenizer import Tokenizer
+from folio.lora.adapter import LoRARequest
 from folio.platform import release_openmp_workers
 from folio.sampling_params import SamplingParams
 from folio.server.engine_client.generation import Generation
@@ -40,35 +41,43 @@ from folio.worker.executor import WorkerDiedError
 
 logger = logging.getLogger("folio")
 T = TypeVar("T")
+Reply = Callable[[object, Exception | None], None]  # an engine call's result, or its exception
 
 
 @dataclass
 class EngineCall:
-    """A function to run on the engine thread between steps, its result handed back to an event loop."""
+    """A function to run on the engine thread between steps; `reply` gets its result or its exception there."""
 
     fn: Callable[[EngineCore], object]
-    loop: asyncio.AbstractEventLoop
-    future: asyncio.Future[object]
+    reply: Reply
 
     def settle(self, engine: EngineCore) -> None:
         try:
             result, error = self.fn(engine), None
         except Exception as exc:
             result, error = None, exc
-        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody is waiting
-            self.loop.call_soon_threadsafe(self._resolve, result, error)
+        self.reply(result, error)
 
     def fail(self, error: Exception) -> None:
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self._resolve, None, error)
+        self.reply(None, error)
 
-    def _resolve(self, result: object, error: Exception | None) -> None:
-        if self.future.done():  # the caller gave up waiting
+
+def _reply_to(loop: asyncio.AbstractEventLoop, future: asyncio.Future[object]) -> Reply:
+    """An EngineCall's reply that settles `future` on its event loop."""
+
+    def resolve(result: object, error: Exception | None) -> None:
+        if future.done():  # the caller gave up waiting
             return
         if error is not None:
-            self.future.set_exception(error)
+            future.set_exception(error)
         else:
-            self.future.set_result(result)
+            future.set_result(result)
+
+    def reply(result: object, error: Exception | None) -> None:
+        with contextlib.suppress(RuntimeError):  # the caller's loop has closed: nobody is waiting
+            loop.call_soon_threadsafe(resolve, result, error)
+
+    return reply
 
 
 class EngineObserver(Protocol):
@@ -157,8 +166,19 @@ class AsyncEngine:
         return its result or raise its exception."""
         loop = asyncio.get_running_loop()
         future: asyncio.Future[object] = loop.create_future()
-        self._send(EngineCall(fn, loop, future))
+        self._send(EngineCall(fn, _reply_to(loop, future)))
         return await future  # type: ignore[return-value]
+
+    def call_then(self, fn: Callable[[EngineCore], object], reply: Reply) -> None:
+        """`call` for a caller without an event loop (the engine process's receiver): `reply` gets the result
+        or the exception, on the engine thread. EngineDeadError at once if the engine has stopped."""
+        self._send(EngineCall(fn, reply))
+
+    async def add_lora(self, request: LoRARequest) -> None:
+        await self.call(lambda core: core.add_lora(request))
+
+    async def remove_lora(self, name: str) -> bool:
+        return await self.call(lambda core: core.remove_lora(name))
 
     def shutdown(self) -> None:
         self._inbox.put(None)

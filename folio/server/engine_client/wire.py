@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
 from folio.loaders.tokenizer import Tokenizer
+from folio.lora.adapter import LoRARequest
 from folio.server.engine_client.updates import Update
 from folio.server.model_card import ModelCard
 
@@ -76,6 +77,15 @@ class MetricsQuery:
 
 
 @dataclass
+class AdapterChange:
+    """Register (or replace) a LoRA adapter, or remove one by name: answered by AdapterChanged."""
+
+    query: int
+    add: LoRARequest | None = None
+    remove: str | None = None
+
+
+@dataclass
 class Shutdown:
     pass
 
@@ -102,6 +112,14 @@ class Updates:
 class MetricsText:
     query: int
     text: str  # the engine's registry in Prometheus' text format
+
+
+@dataclass
+class AdapterChanged:
+    query: int
+    removed: bool = False  # a removal found the adapter
+    error: str | None = None  # why the change was not made
+    refused: bool = True  # the adapter cannot be served (a ValueError), rather than a failure of the engine
 
 
 @dataclass

@@ -15,6 +15,7 @@ import json
 import threading
 import time
 from collections.abc import AsyncIterator
+from dataclasses import replace
 from datetime import UTC, datetime
 from typing import Any
 
@@ -206,7 +207,8 @@ def ollama_router(models: ServedModels) -> APIRouter:
         for status in models.statuses():
             found = await models.card(status.name)
             if found is not None:  # a catalog name not pulled yet is not listed, as in Ollama
-                listed.append(await _listing(found, digests))
+                # A LoRA adapter is listed under its own name, with its base model's details.
+                listed.append(await _listing(replace(found, name=status.name), digests))
         return {"models": listed}
 
     @router.get("/ps")
