@@ -27,7 +27,7 @@ from folio.scale_out.routing import RoutingConfig
 from folio.server.adapters import LoRAModule
 from folio.server.context import ChatOptions
 from folio.server.limits import RequestLimits
-from folio.server.model_manager import ManagerOptions
+from folio.server.model_budget import ManagerOptions
 from folio.server.model_sources import ModelSources
 from folio.server.openai.batch_file import batch_lines, run_batch
 from folio.server.serve import (

@@ -20,6 +20,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from folio.paths import folio_home
 from folio.server.answer_body import json_answer
 from folio.server.anthropic.protocol import CountTokensRequest, MessagesRequest
 from folio.server.anthropic.routes import count_tokens, create_message
@@ -31,6 +32,7 @@ from folio.server.errors import INTERNAL_ERROR, APIError, error_response
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.limits import RequestLimits
 from folio.server.model_routes import model_router
+from folio.server.ollama.create import BlobStore, ollama_create_router
 from folio.server.ollama.routes import ollama_router
 from folio.server.openai.chat.prompt import encode_messages
 from folio.server.openai.chat.protocol import ChatCompletionRequest
@@ -119,6 +121,7 @@ def create_app(
         return await cancel_on_disconnect(request, answer(body.model, create_embedding, body))
 
     app.include_router(ollama_router(models))
+    app.include_router(ollama_create_router(models, BlobStore(folio_home() / "blobs")))
 
     @app.post("/v1/responses")
     async def responses(request: Request, body: ResponsesRequest):

@@ -16,13 +16,16 @@ def too_large_message(max_body_bytes: int) -> str:
     return f"the request body is larger than {max_body_bytes} bytes (--max-request-bytes)"
 
 
+BLOBS_PATH = "/api/blobs/"  # Ollama's file uploads: streamed to disk under their own limit, never parsed
+
+
 class BodySizeLimit:
     def __init__(self, app: ASGIApp, max_body_bytes: int) -> None:
         self.app = app
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http":
+        if scope["type"] != "http" or scope["path"].startswith(BLOBS_PATH):
             await self.app(scope, receive, send)
             return
         length = Headers(scope=scope).get("content-length", "")

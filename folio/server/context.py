@@ -11,6 +11,7 @@ from types import TracebackType
 from folio.loaders.tokenizer import Tokenizer
 from folio.reasoning import REASONING_CHOICES
 from folio.server.admission import Admission, Reservation
+from folio.server.created_models import ModelPreset
 from folio.server.engine_client.protocol import EngineClient, GenerationStream
 from folio.server.engine_client.updates import ChoiceResult
 from folio.server.errors import APIError, engine_errors
@@ -86,6 +87,7 @@ class ServerContext:
     chat: ChatOptions = field(default_factory=ChatOptions)
     model_card: ModelCard | None = None  # what Ollama's model routes say about the served model
     lora_name: str | None = None  # a LoRA adapter's name: the calls of this context run with it
+    preset: ModelPreset | None = None  # a created model's system prompt and default options (Ollama's routes)
 
     @property
     def max_model_len(self) -> int:

@@ -46,6 +46,7 @@ class LoadedModel:
     context: ServerContext
     keep_alive: float | None
     estimate: int  # bytes it was expected to hold before it loaded
+    lora: bool = False  # loaded with LoRA slots (adapters can be registered in its engine)
     last_used: float = field(default_factory=time.monotonic)
     leases: int = 0  # routes holding it now
 

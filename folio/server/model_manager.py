@@ -24,53 +24,38 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
-from dataclasses import replace
+from pathlib import Path
 
 from folio.engine_args import EngineArgs
 from folio.loaders import catalog
 from folio.loaders.catalog import CATALOG
-from folio.lora.adapter import read_adapter_config
+from folio.paths import folio_home
 from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.context import ServerContext
+from folio.server.created_models import CreatedModel, CreatedModels, ModelPreset
 from folio.server.engine_client.process import ProcessEngine, StartCancelled
 from folio.server.errors import APIError
 from folio.server.model_budget import LoadedModel, MakeContext, ManagerOptions, engine_args_for, estimate_bytes
 from folio.server.model_card import ModelCard
 from folio.server.model_sources import LATEST, ModelSource, ModelSources
-from folio.server.served_models import (
-    ModelStatus,
-    add_adapter,
-    model_not_found,
-    remove_adapter,
-    requested_keep_alive,
-)
+from folio.server.model_variants import Variants
+from folio.server.served_models import ModelStatus, model_not_found, requested_keep_alive
 
 logger = logging.getLogger("folio")
 
 REAP_INTERVAL_S = 0.25  # how often idle models are checked against their keep_alive
 ROOM_POLL_S = 0.1  # how often a load waiting for room looks again
-BASE_FORM = '{"name": ..., "path": ..., "base_model_name": ...}'  # vLLM's JSON form of a --lora-modules entry
 
 
 class ModelManager:
     def __init__(
         self, sources: ModelSources, base_args: EngineArgs, make_context: MakeContext,
         options: ManagerOptions | None = None, adapters: AdapterTable | None = None,
+        created: CreatedModels | None = None,
     ) -> None:  # fmt: skip
         self.sources = sources
         self.adapters = adapters or AdapterTable([], runtime=False)  # each on a base model named in sources
-        for adapter in self.adapters:
-            if adapter.base_model_name is None:
-                raise ValueError(f"--lora-modules {adapter.name}=PATH serves an adapter beside one model; among "
-                                 f"several, name its base: '{BASE_FORM}'")  # fmt: skip
-            base = sources.find(adapter.base_model_name)
-            if base is None:
-                raise ValueError(f"the LoRA adapter {adapter.name!r} names {adapter.base_model_name!r} as its base "
-                                 "model, which this server does not serve")  # fmt: skip
-            self.adapters.add(replace(adapter, base_model_name=base.name))
-            if sources.find(adapter.name) is not None:
-                raise ValueError(f"the LoRA adapter {adapter.name!r} has a served model's name")
-            read_adapter_config(adapter.path)  # a wrong folder fails at start, not at the base model's load
+        self.variants = Variants(sources, self.adapters, created or CreatedModels(folio_home() / "created"))
         self.base_args = base_args
         self.make_context = make_context
         self.options = options or ManagerOptions()
@@ -97,10 +82,9 @@ class ModelManager:
     @asynccontextmanager
     async def use(self, name: str | None, keep_alive: float | str | None = None) -> AsyncIterator[ServerContext]:
         seconds = self.options.keep_alive if keep_alive is None else requested_keep_alive(keep_alive)
-        adapter = self.adapters.get(name)
-        model = await self._acquire(self._resolve(adapter.base_model_name if adapter else name))
+        model = await self._acquire(self._resolve(self.variants.base_of(name)))
         try:
-            yield replace(model.context, model_name=adapter.name, lora_name=adapter.name) if adapter else model.context
+            yield self.variants.context(name, model.context)
         finally:
             model.leases -= 1
             model.last_used = time.monotonic()
@@ -121,11 +105,7 @@ class ModelManager:
                 statuses.append(ModelStatus(name, "failed", source.origin, error=self._failed[name]))
             else:
                 statuses.append(ModelStatus(name, "unloaded", source.origin))
-        states = {status.name: status.state for status in statuses}
-        for adapter in self.adapters:
-            base = adapter.base_model_name or ""
-            statuses.append(ModelStatus(adapter.name, states.get(base, "unloaded"), "adapter", parent=base))
-        return statuses
+        return self.variants.statuses(statuses)
 
     async def card(self, name: str) -> ModelCard | None:
         source = self._resolve(self._model_of(name))
@@ -160,6 +140,10 @@ class ModelManager:
         return True
 
     async def delete(self, name: str) -> None:
+        created = self.variants.created_model(name)
+        if created is not None:
+            await self.variants.drop_created(created, self._loaded.get)
+            return
         if self.adapters.get(name) is not None:
             raise APIError(400, f"'{name}' is a LoRA adapter: unload it with /v1/unload_lora_adapter", param="model")
         source = self._resolve(name)
@@ -173,33 +157,28 @@ class ModelManager:
     async def load_adapter(self, name: str, path: str, base: str | None = None) -> None:
         """Load the base model (if it is not), register the adapter in its engine, then list it; the
         adapter is registered again each time the base loads."""
-        self.adapters.require_runtime()
-        if self.sources.find(name) is not None:
-            raise APIError(400, f"'{name}' is a model's name", param="lora_name")
-        if base is None:
-            raise APIError(400, "this server serves several models: name the adapter's base model "
-                           "(base_model_name)", param="base_model_name")  # fmt: skip
+        self.variants.check_new_adapter(name, base)
         model = await self._acquire(self._resolve(base))
-        adapter = LoRAModule(name, path, model.name)
         try:
-            await add_adapter(model.engine, adapter)
+            await self.variants.register(model, LoRAModule(name, path, model.name))
         finally:
             model.leases -= 1
-        self.adapters.add(adapter)
 
     async def unload_adapter(self, name: str) -> None:
-        self.adapters.require_runtime()
-        adapter = self.adapters.known(name)
-        model = self._loaded.get(adapter.base_model_name or "")
-        if model is not None and model.engine.is_alive:
-            await remove_adapter(model.engine, adapter.name)
-        self.adapters.remove(adapter.name)
+        await self.variants.unregister(name, self._loaded.get)
+
+    async def create(
+        self, name: str, source: str, preset: ModelPreset, adapter_files: dict[str, Path] | None = None
+    ) -> None:  # fmt: skip
+        await self.variants.create(name, source, preset, adapter_files, self._loaded.get, self.unload)
+
+    def created(self, name: str) -> CreatedModel | None:
+        return self.variants.created_model(name)
 
     # -- loading ---------------------------------------------------------------------------------------
     def _model_of(self, name: str) -> str:
-        """The model a name loads: an adapter's base, or the model itself."""
-        adapter = self.adapters.get(name)
-        return adapter.base_model_name or name if adapter is not None else name
+        """The model a name loads: an adapter's or created model's base, or the model itself."""
+        return self.variants.base_of(name) or name
 
     def _resolve(self, name: str | None) -> ModelSource:
         # A loaded model answers without reading the folder or folio's home again (every request asks).
@@ -269,7 +248,7 @@ class ModelManager:
                                code="model_load_failed") from None  # fmt: skip
             await self._register_adapters(engine, source.name)
             context = self.make_context(engine, engine.info, source.name)
-            model = LoadedModel(source, engine, context, self.options.keep_alive, estimate)
+            model = LoadedModel(source, engine, context, self.options.keep_alive, estimate, args.enable_lora)
             self._loaded[source.name] = model
             logger.info("loaded %s in %.1f s (engine in process %d)", source.name, time.perf_counter() - start,
                         engine.process.pid)  # fmt: skip

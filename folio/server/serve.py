@@ -34,7 +34,8 @@ from folio.server.engine_client.thread import AsyncEngine
 from folio.server.engine_client.wire import EngineInfo
 from folio.server.limits import RequestLimits
 from folio.server.metrics import MergedEngineMetrics, ServerMetrics, track_admission
-from folio.server.model_manager import ManagerOptions, ModelManager
+from folio.server.model_budget import ManagerOptions
+from folio.server.model_manager import ModelManager
 from folio.server.model_sources import ModelSources
 from folio.server.served_models import OneModel
 

@@ -14,10 +14,12 @@ import re
 from collections.abc import AsyncIterator
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Protocol
 
 from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.context import ServerContext
+from folio.server.created_models import CreatedModel, ModelPreset
 from folio.server.engine_client.protocol import EngineClient
 from folio.server.errors import APIError
 from folio.server.model_card import ModelCard
@@ -121,6 +123,17 @@ class ServedModels(Protocol):
 
     async def unload_adapter(self, name: str) -> None: ...
 
+    async def create(
+        self, name: str, source: str, preset: ModelPreset, adapter_files: dict[str, Path] | None = None
+    ) -> None:
+        """Make (or remake) the model `name` from `source` with `preset` and an adapter's files (Ollama's
+        /api/create and /api/copy)."""
+        ...
+
+    def created(self, name: str) -> CreatedModel | None:
+        """The created model of that name, if it is one."""
+        ...
+
 
 def model_not_found(name: str, served: list[str]) -> APIError:
     listed = ", ".join(f"'{n}'" for n in served[:20]) + (", ..." if len(served) > 20 else "") or "none yet"
@@ -130,7 +143,7 @@ def model_not_found(name: str, served: list[str]) -> APIError:
 
 ONE_MODEL = (
     "this server holds its one model for its whole life; serve several models (or --models-dir, or "
-    "none: every pulled model) to load, unload and delete them"
+    "none: every pulled model) to load, unload, create and delete them"
 )
 
 
@@ -188,6 +201,15 @@ class OneModel:
     async def delete(self, name: str) -> None:
         self._context(name)
         raise APIError(400, ONE_MODEL, param="model")
+
+    async def create(
+        self, name: str, source: str, preset: ModelPreset, adapter_files: dict[str, Path] | None = None
+    ) -> None:  # fmt: skip
+        self._context(source)
+        raise APIError(400, ONE_MODEL, param="model")
+
+    def created(self, name: str) -> CreatedModel | None:
+        return None
 
     async def load_adapter(self, name: str, path: str, base: str | None = None) -> None:
         self.adapters.require_runtime()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -26,12 +27,14 @@ import psutil
 import pytest
 
 from folio import LLM, LoRARequest, SamplingParams
+from folio.paths import folio_home
 from tests.api.server_runner import MODEL, free_port
 from tests.tiny_models import make_lora_adapter, make_tiny_chat_model
 
 GEMMA = "gemma3-270m"
 TINY = "tiny"
 TINY_SQL = "tiny-sql"  # a LoRA adapter on tiny
+MARIO = "folio-test-mario"  # a model the tests create (in folio's home) and delete
 
 
 class ManyModelServer:
@@ -92,6 +95,8 @@ def tiny_adapters(tiny_chat, tmp_path_factory) -> list[str]:
 
 @pytest.fixture(scope="module")
 def many(smollm2_gguf, gemma3_gguf, tiny_chat, tiny_adapters) -> Iterator[ManyModelServer]:
+    for leftover in (MARIO, f"{MARIO}-copy"):  # from a run that died before deleting them
+        shutil.rmtree(folio_home() / "created" / leftover, ignore_errors=True)
     sql = json.dumps({"name": TINY_SQL, "path": tiny_adapters[0], "base_model_name": TINY})
     server = ManyModelServer(MODEL, GEMMA, f"{TINY}={tiny_chat}", "--max-loaded-models", "2", "--keep-alive", "10m",
                              "--num-kv-blocks", "64", "--lora-modules", sql, "--runtime-lora",
@@ -238,6 +243,40 @@ def test_adapters_run_on_their_base_model_and_come_back_with_it(many, many_clien
     assert ours(TINY_SQL) == alone(0)
     assert httpx.post(f"{many.url}/v1/unload_lora_adapter", json={"lora_name": "tiny-chat-lora"}).status_code == 200
     assert "tiny-chat-lora" not in many.states()
+
+
+def test_ollama_create_copy_show_and_delete_a_model_made_from_another(many, tiny_adapters):
+    """`ollama create` with the official client: an adapter uploaded as blobs, a system prompt and default
+    options on tiny. The created model answers as tiny with that adapter, system prompt and options do;
+    /api/show writes its Modelfile back; a copy answers alike; deleted, both are gone with their files."""
+    olla = ollama.Client(host=many.url)
+    folder = Path(tiny_adapters[0])
+    digests = {name: olla.create_blob(folder / name) for name in ("adapter_config.json", "adapter_model.safetensors")}
+    try:
+        assert httpx.head(f"{many.url}/api/blobs/{digests['adapter_config.json']}").status_code == 200
+        wrong = httpx.post(f"{many.url}/api/blobs/sha256:{'0' * 64}", content=b"not these bytes")
+        assert wrong.status_code == 400 and "digest" in wrong.json()["error"]
+        assert httpx.head(f"{many.url}/api/blobs/sha256:{'0' * 64}").status_code == 404
+        olla.create(model=MARIO, from_=TINY, adapters=digests, system="t7 t8",
+                    parameters={"temperature": 0, "num_predict": 5})  # fmt: skip
+        question = [{"role": "user", "content": "t1 t2 t3"}]
+        ours = olla.chat(model=MARIO, messages=question)
+        theirs = olla.chat(model=TINY_SQL, messages=[{"role": "system", "content": "t7 t8"}, *question],
+                           options={"temperature": 0, "num_predict": 5})  # fmt: skip
+        assert ours.message.content == theirs.message.content and ours.eval_count == 5
+        assert ours.prompt_eval_count == theirs.prompt_eval_count  # its system prompt went in
+        shown = olla.show(MARIO)
+        assert shown.modelfile.startswith(f"FROM {TINY}\nADAPTER ") and "PARAMETER num_predict 5" in shown.modelfile
+        olla.copy(MARIO, f"{MARIO}-copy")
+        assert olla.chat(model=f"{MARIO}-copy", messages=question).message.content == ours.message.content
+        assert {MARIO, f"{MARIO}-copy"} <= {m.model for m in olla.list().models}
+    finally:
+        for name in (MARIO, f"{MARIO}-copy"):
+            httpx.request("DELETE", f"{many.url}/api/delete", json={"model": name}, timeout=30)
+        for digest in digests.values():
+            (folio_home() / "blobs" / digest.replace(":", "-")).unlink(missing_ok=True)
+    assert not {MARIO, f"{MARIO}-copy"} & {m.model for m in olla.list().models}
+    assert not (folio_home() / "created" / MARIO).exists()
 
 
 def test_load_unload_routes_and_metrics_by_model(many, many_client):

@@ -19,9 +19,11 @@ from folio.lora.adapter import LoRARequest
 from folio.platform import default_kv_cache_memory
 from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.admission import Admission
+from folio.server.created_models import CreatedModels, ModelPreset
 from folio.server.errors import APIError
 from folio.server.metrics import MergedEngineMetrics
-from folio.server.model_manager import ManagerOptions, ModelManager
+from folio.server.model_budget import ManagerOptions
+from folio.server.model_manager import ModelManager
 from folio.server.model_sources import ModelSources, parse_spec, scan_folder
 from folio.server.served_models import keep_alive_seconds
 
@@ -112,11 +114,18 @@ class FakeEngine:
 
 
 @dataclass
+class FakeTokenizer:
+    chat_template: str | None = "{{ messages[0].content }}"
+
+
+@dataclass
 class FakeContext:
     model_name: str
+    tokenizer: FakeTokenizer = field(default_factory=FakeTokenizer)
     admission: Admission = field(default_factory=lambda: Admission(4, 0))
     model_card: None = None
     lora_name: str | None = None
+    preset: ModelPreset | None = None
 
 
 class Manager(ModelManager):
@@ -126,7 +135,8 @@ class Manager(ModelManager):
     ) -> None:  # fmt: skip
         for name in names:
             (folder / f"{name}.gguf").write_bytes(b"GGUF")
-        super().__init__(ModelSources([], folder), EngineArgs(), lambda e, i, n: FakeContext(n), options, adapters)
+        super().__init__(ModelSources([], folder), EngineArgs(), lambda e, i, n: FakeContext(n), options, adapters,
+                         CreatedModels(folder / ".created"))  # fmt: skip
         self.load_seconds = load_seconds
         self.gates: dict[str, threading.Event] = {}
         self.sizes: dict[str, int] = {}

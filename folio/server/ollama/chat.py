@@ -18,7 +18,13 @@ from folio.server.context import ServerContext
 from folio.server.engine_client.updates import ChoiceResult
 from folio.server.errors import APIError, engine_errors
 from folio.server.model_card import iso_time
-from folio.server.ollama.protocol import GeneratingBody, OllamaChatRequest, OllamaGenerateRequest, OllamaMessage
+from folio.server.ollama.protocol import (
+    GeneratingBody,
+    OllamaChatRequest,
+    OllamaGenerateRequest,
+    OllamaMessage,
+    OllamaOptions,
+)
 from folio.server.openai.chat.prompt import ChatPrompt, PreparedChat, finish_preparing, prepare_chat
 from folio.server.openai.chat.protocol import ChatCompletionRequest, chat_request_from
 from folio.tool_calls.types import ToolCall
@@ -27,6 +33,8 @@ NDJSON = "application/x-ndjson"
 
 
 def _common_fields(ctx: ServerContext, body: GeneratingBody) -> dict[str, Any]:
+    if ctx.preset is not None and ctx.preset.parameters:  # a created model's PARAMETERs, under the request's
+        body.options = OllamaOptions(**{**ctx.preset.parameters, **body.options.model_dump(exclude_none=True)})
     body.options.check_extras()
     if body.images:
         raise APIError(400, "images are not supported: this server runs text models", param="images")
@@ -70,6 +78,18 @@ def _messages(messages: list[OllamaMessage]) -> list[dict[str, Any]]:
     return converted
 
 
+def _with_preset(ctx: ServerContext, messages: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """A created model's SYSTEM (unless the request has its own) and MESSAGE lines before the request's."""
+    preset = ctx.preset
+    if preset is None:
+        return messages
+    first = messages[:1] if messages and messages[0]["role"] == "system" else []
+    if not first and preset.system is not None:
+        first = [{"role": "system", "content": preset.system}]
+    rest = messages[1:] if messages and messages[0]["role"] == "system" else messages
+    return [*first, *(dict(m) for m in preset.messages), *rest]
+
+
 def _ollama_calls(calls: list[ToolCall]) -> list[dict[str, Any]]:
     return [
         {"function": {"index": i, "name": c.name, "arguments": json.loads(c.arguments)}} for i, c in enumerate(calls)
@@ -100,7 +120,8 @@ async def ollama_chat(ctx: ServerContext, body: OllamaChatRequest):
     fields = _common_fields(ctx, body)
     if not body.messages:  # Ollama's way of loading a model
         return _loaded(ctx, chat=True)
-    openai_body = chat_request_from({**fields, "messages": _messages(body.messages), "tools": body.tools})
+    messages = _with_preset(ctx, _messages(body.messages))
+    openai_body = chat_request_from({**fields, "messages": messages, "tools": body.tools})
     prepared = await run_in_threadpool(prepare_chat, ctx, openai_body, body.options.num_ctx)
     return await _answer(ctx, prepared, body.stream, clock, chat=True)
 
@@ -115,7 +136,7 @@ async def ollama_generate(ctx: ServerContext, body: OllamaGenerateRequest):
         return _loaded(ctx, chat=False)
     messages = [{"role": "system", "content": body.system}] if body.system else []
     messages.append({"role": "user", "content": body.prompt})
-    openai_body = chat_request_from({**fields, "messages": messages})
+    openai_body = chat_request_from({**fields, "messages": _with_preset(ctx, messages)})
     prepared = await run_in_threadpool(_prepare_generate, ctx, body, openai_body)
     return await _answer(ctx, prepared, body.stream, clock, chat=False)
 

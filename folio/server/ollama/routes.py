@@ -29,6 +29,7 @@ from folio.loaders.catalog import CATALOG, ModelSourceError
 from folio.reasoning import reasoning_enabled
 from folio.server.body_route import OffLoopBodyRoute
 from folio.server.context import ServerContext
+from folio.server.created_models import CreatedModel
 from folio.server.errors import APIError
 from folio.server.lifetime import cancel_on_disconnect
 from folio.server.model_card import ModelCard, iso_time
@@ -72,6 +73,27 @@ class ModelDigests:
 async def _listing(card: ModelCard, digests: ModelDigests) -> dict[str, Any]:
     return {"name": card.name, "model": card.name, "modified_at": card.modified_at, "size": card.size_bytes,
             "digest": await digests.get(card), "details": card.details()}  # fmt: skip
+
+
+def _created_fields(created: CreatedModel) -> dict[str, Any]:
+    """/api/show's account of a created model: its Modelfile, as Ollama writes one back."""
+    preset = created.preset
+    lines = [f"FROM {created.base}"]
+    if created.adapter is not None:
+        lines.append(f"ADAPTER {created.adapter}")
+    parameters = [f"{name} {json.dumps(v) if isinstance(v, str) else v}" for name, value in preset.parameters.items()
+                  for v in (value if isinstance(value, list) else [value])]  # fmt: skip
+    lines += [f"PARAMETER {line}" for line in parameters]
+    for keyword, text in (("TEMPLATE", preset.template), ("SYSTEM", preset.system), ("LICENSE", preset.license)):
+        if text is not None:
+            lines.append(f'{keyword} """{text}"""')
+    lines += [f"MESSAGE {m['role']} {m['content']}" for m in preset.messages]
+    fields: dict[str, Any] = {"modelfile": "\n".join(lines) + "\n", "parameters": "\n".join(parameters),
+                              "messages": list(preset.messages)}  # fmt: skip
+    for name in ("template", "system", "license"):
+        if getattr(preset, name) is not None:
+            fields[name] = getattr(preset, name)
+    return fields
 
 
 def _capabilities(ctx: ServerContext) -> list[str]:
@@ -236,8 +258,10 @@ def ollama_router(models: ServedModels) -> APIRouter:
         if loaded is not None:
             async with models.use(found.name) as ctx:
                 template, capabilities = ctx.tokenizer.chat_template or "", _capabilities(ctx)
-        return {"modelfile": "", "parameters": "", "template": template, "details": found.details(),
-                "model_info": info, "capabilities": capabilities, "modified_at": found.modified_at}  # fmt: skip
+        shown = {"modelfile": "", "parameters": "", "template": template, "details": found.details(),
+                 "model_info": info, "capabilities": capabilities, "modified_at": found.modified_at}  # fmt: skip
+        created = models.created(body.model_name)
+        return {**shown, **_created_fields(created)} if created is not None else shown
 
     @router.post("/pull")
     async def pull(body: OllamaModelRequest):

@@ -73,6 +73,8 @@ def _problem(response: requests.Response) -> str | None:
     path = urlsplit(response.request.url or "").path
     if response.status_code >= 500:
         return f"status {response.status_code}"
+    if response.status_code >= 400 and response.request.method == "HEAD":
+        return None  # an answer to HEAD has no body (HTTP): its status is all it says
     if response.status_code >= 400:
         try:
             if not isinstance(_error_message(path, response.json()), str):
