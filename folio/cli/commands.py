@@ -255,7 +255,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
             if many:
                 sources = ModelSources(args.models, args.models_dir)
                 manager = ManagerOptions(args.max_loaded_models, keep_alive_seconds(args.keep_alive),
-                                         models_memory(args))  # fmt: skip
+                                         models_memory(args), spare_engine=args.spare_engine)  # fmt: skip
                 serve_models(sources, EngineArgs.from_cli_args(args), args.host, args.port, options, manager)
             else:
                 serve(EngineArgs.from_cli_args(args), args.host, args.port, options, args.engine_process)

@@ -173,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
     many.add_argument("--models-memory", default=None, help="memory the loaded models' weights and KV caches "
                       "may hold together, e.g. 12GiB; to load another, idle ones are unloaded (default: 80%% of "
                       "the memory free at start)")  # fmt: skip
+    many.add_argument("--no-spare-engine", dest="spare_engine", action="store_false", help="start each model's "
+                      "engine process when it loads, not ahead (an idle spare process holds a few hundred MiB; "
+                      "it saves the seconds of importing torch on each load)")  # fmt: skip
     many.add_argument("--keep-alive", default=os.environ.get("FOLIO_KEEP_ALIVE", "5m"), help="how long an idle "
                       "model stays loaded: a duration (5m, 1h30m) or seconds; 0 unloads at once, negative never "
                       "(default 5m or $FOLIO_KEEP_ALIVE; a request's keep_alive overrides it)")  # fmt: skip

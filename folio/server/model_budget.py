@@ -26,6 +26,7 @@ class ManagerOptions:
     memory_budget: int | None = None  # bytes the loaded models' weights and KV caches may hold; None: no bound
     room_timeout: float = 300.0  # seconds a request waits for a busy model to free its place
     max_waiting: int = 64  # requests waiting for room at once; more get 429
+    spare_engine: bool = True  # keep an engine process started ahead (engine_starts.py)
 
     def __post_init__(self) -> None:
         if self.max_loaded < 1:
@@ -39,7 +40,7 @@ class ManagerOptions:
 MakeContext = Callable[[ProcessEngine, EngineInfo, str], ServerContext]
 
 
-@dataclass
+@dataclass(eq=False)  # each load is its own: compared and hashed by identity
 class LoadedModel:
     source: ModelSource
     engine: ProcessEngine

@@ -34,6 +34,7 @@ from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.context import ServerContext
 from folio.server.created_models import CreatedModel, CreatedModels, ModelPreset
 from folio.server.engine_client.process import ProcessEngine, StartCancelled
+from folio.server.engine_starts import EngineStarter
 from folio.server.errors import APIError
 from folio.server.model_budget import LoadedModel, MakeContext, ManagerOptions, engine_args_for, estimate_bytes
 from folio.server.model_card import ModelCard
@@ -65,9 +66,11 @@ class ModelManager:
         self._cards: dict[tuple[str, str, int, int], ModelCard] = {}  # unloaded models', by file and version
         self._claims: dict[str, int] = {}  # requests awaiting each load
         self._starting: dict[str, int] = {}  # loads past _make_room, not yet loaded: their estimated bytes
+        self._stopping: set[LoadedModel] = set()  # unloaded, their engines still stopping
         self._waiting = 0
         self._cancel = threading.Event()  # set at shutdown: loads in progress stop
-        self._threads = ThreadPoolExecutor(max_workers=self.options.max_loaded + 2, thread_name_prefix="folio-models")
+        self._threads = ThreadPoolExecutor(max_workers=self.options.max_loaded + 3, thread_name_prefix="folio-models")
+        self.starter = EngineStarter(self._threads, self._cancel, self.options.spare_engine)
         self._reaper: asyncio.Task[None] | None = None
 
     # -- ServedModels ----------------------------------------------------------------------------------
@@ -272,14 +275,17 @@ class ModelManager:
         return estimate_bytes(source, args)
 
     def _start_engine(self, args: EngineArgs, name: str) -> ProcessEngine:
-        return ProcessEngine(args, name, cancel=self._cancel)
+        return self.starter.start(args, name)
 
     def _fits(self, estimate: int) -> bool:
-        if len(self._loaded) + len(self._starting) >= self.options.max_loaded:
+        if not self._room_in_number():
             return False
         budget = self.options.memory_budget
-        used = sum(m.resident_bytes for m in self._loaded.values()) + sum(self._starting.values())
+        used = sum(m.resident_bytes for m in (*self._loaded.values(), *self._stopping)) + sum(self._starting.values())
         return budget is None or used + estimate <= budget
+
+    def _room_in_number(self) -> bool:
+        return len(self._loaded) + len(self._starting) < self.options.max_loaded
 
     async def _make_room(self, name: str, estimate: int) -> None:
         """Unload least recently used idle models until one more fits (in number and in memory), and count
@@ -293,9 +299,12 @@ class ModelManager:
         waiting = False
         try:
             while not self._fits(estimate):
+                if self._stopping and self._room_in_number():
+                    await asyncio.sleep(ROOM_POLL_S)  # short of memory that engines stopping give back soon
+                    continue
                 idle = [m for m in self._loaded.values() if self._evictable(m)]
-                if idle:
-                    await self._drop(min(idle, key=lambda m: m.last_used))
+                if idle:  # its engine stops while this one loads (its memory counted until it has)
+                    await self._drop(min(idle, key=lambda m: m.last_used), wait=False)
                     continue
                 if not waiting:
                     if self._waiting >= self.options.max_waiting:
@@ -313,12 +322,22 @@ class ModelManager:
             if waiting:
                 self._waiting -= 1
 
-    async def _drop(self, model: LoadedModel) -> None:
+    async def _drop(self, model: LoadedModel, wait: bool = True) -> None:
+        """Unload it: at once from the loaded models; its engine stopped on a thread (awaited, or not)."""
         if self._loaded.get(model.name) is model:
             del self._loaded[model.name]
         reason = "its engine died" if not model.engine.is_alive else "idle"
         logger.info("unloading %s (%s)", model.name, reason)
-        await asyncio.get_running_loop().run_in_executor(self._threads, model.engine.shutdown)
+        self._stopping.add(model)
+        stopped = asyncio.get_running_loop().run_in_executor(self._threads, model.engine.shutdown)
+        stopped.add_done_callback(lambda _: self._stopping.discard(model))
+        if wait:
+            await stopped
+
+    async def stops_done(self) -> None:
+        """Until every engine being stopped has stopped."""
+        while self._stopping:
+            await asyncio.sleep(0.01)
 
     # -- idle unloads ----------------------------------------------------------------------------------
     def _start_reaper(self) -> None:
@@ -344,6 +363,7 @@ class ModelManager:
     def shutdown(self) -> None:
         """Stop loads in progress and every engine (blocking; after the event loop has stopped)."""
         self._cancel.set()
+        self.starter.stop()
         engines = [model.engine for model in self._loaded.values()]
         self._loaded.clear()
         for engine in engines:

@@ -119,6 +119,7 @@ def build_process_server(engine: ProcessEngine, model_name: str, options: Server
 
 def make_context(engine: EngineClient, info: EngineInfo, model_name: str, options: ServerOptions) -> ServerContext:
     """One model's context for the routes: its engine, tokenizer and admission, and the server's limits."""
+    assert info.tokenizer is not None, "an engine's info with its tokenizer (ProcessEngine fills it in)"
     return ServerContext(
         engine=engine,
         tokenizer=info.tokenizer,
@@ -260,6 +261,7 @@ def serve_models(
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=options.grace_period)  # type: ignore[arg-type]  # fmt: skip
         sock.listen(config.backlog)
+        manager.starter.start_spare()  # the first load's engine process, imports done before it is asked for
         names = list(sources.available())
         logger.info("serving %d models (%s%s), loaded on first use, at most %d at once, at http://%s:%d/v1%s",
                     len(names), ", ".join(names[:8]), ", ..." if len(names) > 8 else "", manager.options.max_loaded,

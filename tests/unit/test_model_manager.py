@@ -20,6 +20,7 @@ from folio.platform import default_kv_cache_memory
 from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.admission import Admission
 from folio.server.created_models import CreatedModels, ModelPreset
+from folio.server.engine_starts import tokenizer_key
 from folio.server.errors import APIError
 from folio.server.metrics import MergedEngineMetrics
 from folio.server.model_budget import ManagerOptions
@@ -165,6 +166,7 @@ def test_least_recently_used_idle_model_goes_first(tmp_path):
             async with manager.use(name) as ctx:
                 assert ctx.model_name == name
         assert manager.loaded() == ["a", "c"]
+        await manager.stops_done()  # b's engine stops on a thread while c loads
         assert [e.name for e in manager.engines if e.stopped] == ["b"]
         async with manager.use("b:latest"):
             pass
@@ -432,3 +434,20 @@ def test_lora_modules_entries_parse_as_vllms(text, expected):
 def test_bad_lora_modules_entries_are_one_line_errors(text):
     with pytest.raises(ValueError, match="--lora-modules"):
         LoRAModule.parse(text)
+
+
+def test_a_kept_tokenizer_is_keyed_by_its_files_versions(tmp_path):
+    """A model loaded again reuses the tokenizer kept from its last load only while the files it was read
+    from are unchanged."""
+    folder = tmp_path / "model"
+    folder.mkdir()
+    (folder / "tokenizer.json").write_text("{}")
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "a"}')
+    first = tokenizer_key(str(folder))
+    assert first is not None and tokenizer_key(str(folder)) == first
+    (folder / "tokenizer_config.json").write_text('{"chat_template": "bb"}')
+    assert tokenizer_key(str(folder)) != first
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    assert tokenizer_key(str(gguf))[1][0][0] == "m.gguf"
+    assert tokenizer_key(str(tmp_path / "absent.gguf")) is None and tokenizer_key("hf:org/repo") is None

@@ -20,6 +20,7 @@ import tempfile
 import threading
 import weakref
 from collections.abc import Callable, Iterator
+from dataclasses import replace
 from pathlib import Path
 
 import zmq
@@ -28,6 +29,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from folio.engine.request import Request
 from folio.engine_args import EngineArgs
+from folio.loaders.tokenizer import Tokenizer
 from folio.lora.adapter import LoRARequest
 from folio.sampling_params import SamplingParams
 from folio.server.engine_client import wire
@@ -50,13 +52,56 @@ class StartCancelled(RuntimeError):
     """The engine's start was called off (its server is stopping) before the model had loaded."""
 
 
+class EngineProcess:
+    """A started engine process and the two IPC sockets to it, before any model is loaded: the process
+    has imported torch and folio (seconds) and waits for its model (`wire.Load`). A server of several
+    models keeps one started ahead, so that a load does not pay the imports."""
+
+    def __init__(self) -> None:
+        self.socket_dir = Path(tempfile.mkdtemp(prefix="folio-engine-"))  # mode 0700: only this user
+        self.zmq = zmq.Context()
+        self.outbound, self.inbound = self.zmq.socket(zmq.PUSH), self.zmq.socket(zmq.PULL)
+        to_engine, from_engine = f"ipc://{self.socket_dir}/in", f"ipc://{self.socket_dir}/out"
+        self.outbound.bind(to_engine)
+        self.inbound.bind(from_engine)
+        # spawn, not fork: this process has torch's and the event loop's threads, which fork would not copy.
+        self.process = multiprocessing.get_context("spawn").Process(
+            target=run_engine_process, name="folio-engine",
+            args=(to_engine, from_engine, logging.getLogger("folio").getEffectiveLevel()),
+        )  # fmt: skip
+        self.process.start()
+
+    def stop(self) -> None:
+        self.end_process()
+        self.close()
+
+    def end_process(self, grace: float = 0.0) -> None:
+        """After `grace` seconds to finish on its own, terminated, then killed."""
+        self.process.join(grace)
+        if self.process.is_alive():
+            self.process.terminate()
+            self.process.join(5)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+
+    def close(self) -> None:
+        self.outbound.close(linger=0)
+        self.inbound.close(linger=0)
+        self.zmq.term()
+        shutil.rmtree(self.socket_dir, ignore_errors=True)
+
+
 class ProcessEngine:
     def __init__(
         self, args: EngineArgs, model_name: str, on_death: Callable[[BaseException], None] | None = None,
-        cancel: threading.Event | None = None,
+        cancel: threading.Event | None = None, started: EngineProcess | None = None,
+        tokenizer: Tokenizer | None = None,
     ) -> None:  # fmt: skip
-        """Start the engine process and wait until its model is loaded. A model or flag it cannot load
-        raises ValueError with its reason; `cancel`, set meanwhile, stops the start (StartCancelled)."""
+        """Load the model in an engine process (`started` ahead, or a new one) and wait until it is
+        loaded. A model or flag it cannot load raises ValueError with its reason; `cancel`, set meanwhile,
+        stops the start (StartCancelled). With `tokenizer` (this model's, kept from an earlier load), the
+        engine does not send its own over the socket."""
         self.on_death = on_death
         self.dead: EngineProcessDied | None = None
         self._lock = threading.Lock()  # the outbound socket, and the engine's death against submissions
@@ -67,24 +112,16 @@ class ProcessEngine:
         self._next_mailbox = itertools.count()
         self._answers: dict[int, tuple[threading.Event, list[object]]] = {}  # queries' replies, by number
         self._queries = itertools.count()
-        self._socket_dir = Path(tempfile.mkdtemp(prefix="folio-engine-"))  # mode 0700: only this user
-        self._zmq = zmq.Context()
-        self._outbound, self._inbound = self._zmq.socket(zmq.PUSH), self._zmq.socket(zmq.PULL)
-        to_engine, from_engine = f"ipc://{self._socket_dir}/in", f"ipc://{self._socket_dir}/out"
-        self._outbound.bind(to_engine)
-        self._inbound.bind(from_engine)
-        # spawn, not fork: this process has torch's and the event loop's threads, which fork would not copy.
-        self.process = multiprocessing.get_context("spawn").Process(
-            target=run_engine_process, name="folio-engine",
-            args=(args, model_name, to_engine, from_engine, logging.getLogger("folio").getEffectiveLevel()),
-        )  # fmt: skip
-        self.process.start()
+        self._handle = started or EngineProcess()
+        self.process = self._handle.process
+        self._outbound, self._inbound = self._handle.outbound, self._handle.inbound
         try:
-            self.info = self._wait_until_ready(cancel)
+            self._outbound.send(wire.encode(wire.Load(args, model_name, send_tokenizer=tokenizer is None)))
+            info = self._wait_until_ready(cancel)
         except BaseException:  # a failed start, or SIGTERM during it: leave nothing running
-            self._stop_process()
-            self._close()
+            self._handle.stop()
             raise
+        self.info = info if tokenizer is None else replace(info, tokenizer=tokenizer)
         self._reader = threading.Thread(target=self._read, name="folio-engine-reader", daemon=True)
         self._reader.start()
 
@@ -173,7 +210,7 @@ class ProcessEngine:
                 self._outbound.send(wire.encode(wire.Shutdown()))
         self._stop_process()
         self._reader.join(timeout=5)
-        self._close()
+        self._handle.close()
 
     def _wait_until_ready(self, cancel: threading.Event | None) -> wire.EngineInfo:
         while True:
@@ -189,19 +226,7 @@ class ProcessEngine:
                 raise RuntimeError(f"the engine process exited while loading the model (code {self.process.exitcode})")
 
     def _stop_process(self) -> None:
-        self.process.join(SHUTDOWN_TIMEOUT_S if self._stopping else 0)
-        if self.process.is_alive():
-            self.process.terminate()
-            self.process.join(5)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-
-    def _close(self) -> None:
-        self._outbound.close(linger=0)
-        self._inbound.close(linger=0)
-        self._zmq.term()
-        shutil.rmtree(self._socket_dir, ignore_errors=True)
+        self._handle.end_process(SHUTDOWN_TIMEOUT_S if self._stopping else 0)
 
     # -- the reader thread -----------------------------------------------------------------------------
     def _read(self) -> None:

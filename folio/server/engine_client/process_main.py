@@ -23,7 +23,6 @@ import zmq
 from prometheus_client import generate_latest
 
 from folio.engine.engine_core import EngineCore
-from folio.engine_args import EngineArgs
 from folio.server.engine_client import wire
 from folio.server.engine_client.thread import AsyncEngine
 from folio.server.engine_client.updates import EngineDeadError, Stream, Update
@@ -69,8 +68,9 @@ class WireMailbox:
         self._outbox.post(self._mailbox, item)
 
 
-def run_engine_process(args: EngineArgs, model_name: str, to_engine: str, from_engine: str, log_level: int) -> None:
-    """The process's target: load, say Ready (or StartFailed), serve until Shutdown or orphaned."""
+def run_engine_process(to_engine: str, from_engine: str, log_level: int) -> None:
+    """The process's target: wait for its model (imports done, so that a load started ahead costs only
+    the load), load it, say Ready (or StartFailed), serve until Shutdown or orphaned."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # a terminal's Ctrl-C reaches the server, which stops us
     logging.basicConfig(level=logging.WARNING, format="folio: %(message)s", stream=sys.stderr)
     logger.setLevel(log_level)
@@ -81,17 +81,20 @@ def run_engine_process(args: EngineArgs, model_name: str, to_engine: str, from_e
     outbound.connect(from_engine)
     outbox = WireOutbox(outbound)
     try:
+        load = _wait_for_load(inbound, parent)
+        if load is None:
+            return
         try:
-            core = EngineCore.from_engine_args(args)
+            core = EngineCore.from_engine_args(load.args)
         except Exception as exc:  # a bad model or flag: the server reports it as one line
             outbox.send(wire.StartFailed(str(exc) or type(exc).__name__))
             return
-        metrics = ServerMetrics(core, model_name)
+        metrics = ServerMetrics(core, load.model_name)
         engine = AsyncEngine(
             core, core.tokenizer, frozenset(core.model_config.eos_token_ids), observer=metrics,
             on_death=lambda exc: outbox.send(wire.Died(f"{type(exc).__name__}: {exc}")), flush=outbox.flush,
         )  # fmt: skip
-        outbox.send(wire.Ready(wire.EngineInfo.of(core, model_name)))
+        outbox.send(wire.Ready(wire.EngineInfo.of(core, load.model_name, load.send_tokenizer)))
         try:
             _receive(inbound, engine, outbox, metrics, parent)
         finally:
@@ -100,6 +103,22 @@ def run_engine_process(args: EngineArgs, model_name: str, to_engine: str, from_e
         inbound.close(linger=0)
         outbound.close(linger=LINGER_MS)
         context.term()
+
+
+def _wait_for_load(inbound: zmq.Socket, parent: int) -> wire.Load | None:
+    """The Load message; None if the server goes (or says Shutdown) first."""
+    poller = zmq.Poller()
+    poller.register(inbound, zmq.POLLIN)
+    while True:
+        if not poller.poll(PARENT_CHECK_MS):
+            if os.getppid() != parent:
+                return None
+            continue
+        message = wire.decode(inbound.recv())
+        if isinstance(message, wire.Load):
+            return message
+        if isinstance(message, wire.Shutdown):
+            return None
 
 
 def _receive(inbound: zmq.Socket, engine: AsyncEngine, outbox: WireOutbox, metrics: ServerMetrics, parent: int) -> None:

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 from folio.engine.engine_core import EngineCore
 from folio.engine.request import Request
+from folio.engine_args import EngineArgs
 from folio.loaders.tokenizer import Tokenizer
 from folio.lora.adapter import LoRARequest
 from folio.server.engine_client.updates import Update
@@ -22,7 +23,7 @@ from folio.server.model_card import ModelCard
 class EngineInfo:
     """What the API side needs from the loaded model: sent once, when the engine is ready."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None where the API side said it had it (Load.send_tokenizer)
     eos_token_ids: frozenset[int]
     vocab_size: int
     hidden_size: int
@@ -33,11 +34,11 @@ class EngineInfo:
     model_card: ModelCard
 
     @classmethod
-    def of(cls, engine: EngineCore, model_name: str) -> EngineInfo:
+    def of(cls, engine: EngineCore, model_name: str, with_tokenizer: bool = True) -> EngineInfo:
         config, loaded = engine.model_config, engine.loaded
         assert loaded is not None, "an engine from EngineCore.from_engine_args"
         return cls(
-            tokenizer=engine.tokenizer,
+            tokenizer=engine.tokenizer if with_tokenizer else None,
             eos_token_ids=frozenset(config.eos_token_ids),
             vocab_size=config.vocab_size,
             hidden_size=config.hidden_size,
@@ -57,6 +58,15 @@ class EngineInfo:
 
 
 # -- API server -> engine -------------------------------------------------------------------------------
+@dataclass
+class Load:
+    """The model a started engine process loads (its first message); answered by Ready or StartFailed."""
+
+    args: EngineArgs
+    model_name: str
+    send_tokenizer: bool = True  # False: the API side has this model's tokenizer from an earlier load
+
+
 @dataclass
 class Submit:
     """One prompt's samples (the first computes the prompt, the rest fork from it), for one API call."""

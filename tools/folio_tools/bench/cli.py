@@ -15,6 +15,7 @@ from folio_tools.bench.serve import command as serve
 from folio_tools.bench.serve_compare import command as serve_compare
 from folio_tools.bench.spec import command as spec
 from folio_tools.bench.structured import command as structured
+from folio_tools.bench.swap import command as swap
 from folio_tools.bench.throughput import command as throughput
 
 BENCHMARKS = (
@@ -28,6 +29,7 @@ BENCHMARKS = (
     stall,
     spec,
     lora,
+    swap,
     parallel,
     profile,
 )

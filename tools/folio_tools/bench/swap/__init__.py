@@ -1,0 +1,1 @@
+"""`folio bench swap`: a model loaded on demand, against llama-server's router mode."""
