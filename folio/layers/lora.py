@@ -34,23 +34,32 @@ class LoRABatch:
     """Which adapter slot each of the step's token rows uses; shared by every LoRA layer of a model."""
 
     token_slots: torch.Tensor | None = None  # [T] int64, -1 for rows of the base model; None: no adapter rows
-    groups: list[tuple[int, torch.Tensor]] = field(default_factory=list)  # (slot, its rows [n] int64)
+    slots_used: int = 0  # distinct adapters among the rows
     layouts: int = 0  # LoRASlots made so far: the C++ decode step re-reads the layers' slots when it grows
+    _groups: list[tuple[int, torch.Tensor]] | None = field(default=None, repr=False)
 
     def set(self, token_slots: list[int], device: torch.device) -> None:
         if all(slot < 0 for slot in token_slots):
             self.clear()
             return
-        slots = torch.tensor(token_slots, dtype=torch.long, device=device)
-        self.token_slots = slots
-        self.groups = [(slot, (slots == slot).nonzero().flatten()) for slot in sorted(set(token_slots)) if slot >= 0]
+        self.token_slots = torch.tensor(token_slots, dtype=torch.long, device=device)
+        self.slots_used = len({slot for slot in token_slots if slot >= 0})
+        self._groups = None
 
     def clear(self) -> None:
-        self.token_slots, self.groups = None, []
+        self.token_slots, self.slots_used, self._groups = None, 0, None
 
     @property
     def active(self) -> bool:
         return self.token_slots is not None
+
+    @property
+    def groups(self) -> list[tuple[int, torch.Tensor]]:
+        """(slot, its rows [n] int64) per adapter: made on first use (only the PyTorch path uses them)."""
+        slots = self.token_slots
+        if self._groups is None and slots is not None:
+            self._groups = [(slot, (slots == slot).nonzero().flatten()) for slot in slots[slots >= 0].unique().tolist()]
+        return self._groups or []
 
 
 class LoRASlots:
@@ -93,7 +102,7 @@ class LoRASlots:
         batch = self.batch
         if batch.token_slots is None:
             return out
-        kernel = fused_ops.fused_ops_for(x) if x.shape[0] <= KERNEL_MAX_ROWS * len(batch.groups) else None
+        kernel = fused_ops.fused_ops_for(x) if x.shape[0] <= KERNEL_MAX_ROWS * batch.slots_used else None
         if kernel is not None and x.dtype == out.dtype and x.dtype in KERNEL_DTYPES and self.a.dtype in KERNEL_DTYPES:
             kernel.lora_add(x, out, self.a, self.b, batch.token_slots, self.flat_parts)
             return out

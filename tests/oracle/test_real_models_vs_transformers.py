@@ -1,5 +1,5 @@
 """The two real GGUF models: folio and transformers (which dequantizes GGUF) agree on greedy tokens
-and logits, with all prompts sharing folio's batches."""
+and logits, with all prompts sharing folio's batches, and with a LoRA adapter made by peft."""
 
 from __future__ import annotations
 
@@ -9,6 +9,8 @@ import torch
 from folio.config import CacheConfig, SchedulerConfig
 from folio.engine.engine_core import EngineCore
 from folio.loaders.model_loader import load_model
+from folio.lora.adapter import LoRARequest
+from folio.lora.store import LoRAStore
 from tests.engine_driver import run_greedy_capturing_logits
 from tests.reference import reference_greedy
 
@@ -60,3 +62,34 @@ def test_greedy_tokens_and_logits_match(models):
         assert output == ref_tokens, loaded.tokenizer.decode(prompt)
         worst = max(worst, (folio_logits - ref_logits).abs().max().item())
     assert worst < LOGIT_TOLERANCE, worst
+
+
+def test_an_adapter_on_the_real_model_matches_peft(models, tmp_path):
+    """A random rank-8 LoRA adapter on every projection, made with peft on the transformers model: folio's
+    greedy tokens and logits with it are peft's, on the same dequantized weights, in a batch beside the
+    base model's rows."""
+    peft = pytest.importorskip("peft")
+    loaded, reference = models
+    torch.manual_seed(7)
+    config = peft.LoraConfig(r=8, lora_alpha=16, target_modules="all-linear", init_lora_weights=False)
+    adapted = peft.get_peft_model(reference, config)
+    try:
+        with torch.no_grad():
+            for name, param in adapted.named_parameters():
+                if "lora_" in name:
+                    param.copy_(torch.randn_like(param) * 0.05)
+        adapted.save_pretrained(tmp_path / "adapter")
+        engine = EngineCore(loaded.model, loaded.config, CacheConfig(num_blocks=128),
+                            SchedulerConfig(max_num_seqs=4, max_model_len=2048), torch.float32,
+                            torch.device("cpu"))  # fmt: skip
+        engine.runner.lora = LoRAStore(loaded.model, 1, 8, torch.float32, torch.device("cpu"))
+        engine.add_lora(LoRARequest("random", str(tmp_path / "adapter")))
+        prompts = [loaded.tokenizer.encode(p) for p in PROMPTS[:2]]
+        outputs, logits = run_greedy_capturing_logits(engine, prompts * 2, 8, ["random", "random", None, None])
+        for prompt, output, folio_logits in zip(prompts, outputs[:2], logits[:2], strict=True):  # the adapter's rows
+            ref_tokens, ref_logits = reference_greedy(adapted, prompt, 8)
+            assert output == ref_tokens, loaded.tokenizer.decode(prompt)
+            assert (folio_logits - ref_logits).abs().max().item() < LOGIT_TOLERANCE
+        assert (logits[0] - logits[2]).abs().max().item() > 0.5  # the adapter changes the model's answer
+    finally:
+        adapted.unload()  # the transformers model as it was, for the module's other tests
