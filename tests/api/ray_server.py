@@ -194,3 +194,19 @@ def ray_test_cluster() -> Iterator[Cluster]:
         ray.shutdown()
         signal.signal(signal.SIGTERM, sigterm)
         cluster.shutdown()
+
+
+def wait_until_computing(pid: int, timeout: float = 60) -> None:
+    """Until the process spends most of a core: a prefill replica busy with a prompt (idle, it only posts
+    metrics once a second)."""
+    process, deadline = psutil.Process(pid), time.monotonic() + timeout
+
+    def cpu_seconds() -> float:
+        return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
+
+    while True:
+        before = cpu_seconds()
+        time.sleep(0.3)
+        if cpu_seconds() - before > 0.2:
+            return
+        assert time.monotonic() < deadline, "the prefill replica never started on the prompt"

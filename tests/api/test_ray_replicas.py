@@ -37,6 +37,7 @@ from tests.api.ray_server import (
     sigterm_and_check_gone,
     stop_ray_server,
     wait_for_metric,
+    wait_until_computing,
 )
 from tests.api.server_runner import MODEL, free_port
 from tests.api.tool_examples import HISTORY as TOOL_HISTORY
@@ -327,22 +328,6 @@ def test_a_server_asking_for_another_port_than_serves_proxy_refuses(joined, tiny
     assert f"folio: error: Ray Serve already runs on this cluster with its HTTP proxy on 127.0.0.1:{taken}" in output
     assert "Traceback" not in output
     assert serve.status().applications == {}
-
-
-def wait_until_computing(pid: int, timeout: float = 60) -> None:
-    """Until the process spends most of a core: a prefill replica busy with a prompt (idle, it only posts
-    metrics once a second)."""
-    process, deadline = psutil.Process(pid), time.monotonic() + timeout
-
-    def cpu_seconds() -> float:
-        return sum(sum(p.cpu_times()[:2]) for p in [process, *process.children(recursive=True)])
-
-    while True:
-        before = cpu_seconds()
-        time.sleep(0.3)
-        if cpu_seconds() - before > 0.2:
-            return
-        assert time.monotonic() < deadline, "the prefill replica never started on the prompt"
 
 
 def test_disaggregated_prefill_and_decode(disaggregated, client):

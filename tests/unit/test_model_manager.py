@@ -17,7 +17,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from folio.engine_args import EngineArgs
 from folio.lora.adapter import LoRARequest
 from folio.platform import default_kv_cache_memory
-from folio.server.adapters import AdapterTable, LoRAModule
+from folio.server.adapters import AdapterTable
 from folio.server.admission import Admission
 from folio.server.created_models import CreatedModels, ModelPreset
 from folio.server.engine_starts import tokenizer_key
@@ -338,102 +338,6 @@ def test_a_models_default_kv_pool_is_its_share_of_the_budget(tmp_path):
     manager.base_args = EngineArgs(kv_cache_memory="64MiB")
     assert manager.engine_args(source).kv_cache_memory == "64MiB"  # a pool the user sized stays as it is
     manager.shutdown()
-
-
-def _adapter_folder(folder: Path) -> str:
-    folder.mkdir()
-    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
-    (folder / "adapter_model.safetensors").write_bytes(b"")  # only its presence is checked before a load
-    return str(folder)
-
-
-def test_adapters_load_with_their_base_model_and_at_run_time(tmp_path):
-    """An adapter names its base: a request for it loads the base (with LoRA slots) and runs with the
-    adapter set; a base loaded anew gets its adapters again; run-time adapters load the base first."""
-    sql = _adapter_folder(tmp_path / "sql")
-    table = AdapterTable([LoRAModule("sql", sql, "a:latest")], runtime=True)
-    manager = Manager(tmp_path, ["a", "b"], ManagerOptions(max_loaded=1), adapters=table)
-    assert manager.engine_args(manager.sources.find("b")).enable_lora  # --runtime-lora: every model may get one
-
-    async def scenario():
-        assert {s.name: (s.state, s.parent) for s in manager.statuses()}["sql"] == ("unloaded", "a")
-        async with manager.use("sql") as ctx:
-            assert (ctx.model_name, ctx.lora_name) == ("sql", "sql")
-        assert manager.loaded() == ["a"] and manager.engines[-1].adapters == {"sql": sql}
-        assert {s.name: s.state for s in manager.statuses()}["sql"] == "loaded"
-        async with manager.use("a") as ctx:
-            assert ctx.lora_name is None
-        await manager.load_adapter("chat", sql, "b")  # b loads (a makes way), then takes the adapter
-        assert manager.loaded() == ["b"] and manager.engines[-1].adapters == {"chat": sql}
-        async with manager.use("sql:latest"):  # a again, its adapter registered in its new engine
-            pass
-        assert manager.engines[-1].name == "a" and manager.engines[-1].adapters == {"sql": sql}
-        await manager.unload("chat")  # an adapter's name loads and unloads its base
-        with pytest.raises(APIError) as delete:
-            await manager.delete("sql")
-        assert delete.value.status == 400 and "LoRA adapter" in delete.value.message
-        await manager.unload_adapter("sql")
-        assert manager.engines[-1].adapters == {}
-        with pytest.raises(APIError) as gone:
-            async with manager.use("sql"):
-                pass
-        assert gone.value.status == 404 and "chat" in gone.value.message
-        manager.shutdown()
-
-    run(scenario())
-
-
-def test_adapters_that_cannot_be_served_are_refused_before_anything_changes(tmp_path):
-    sql = _adapter_folder(tmp_path / "sql")
-    with pytest.raises(ValueError, match="base_model_name"):  # NAME=PATH among several models
-        Manager(tmp_path, ["a", "b"], ManagerOptions(), adapters=AdapterTable([LoRAModule("sql", sql)], False))
-    with pytest.raises(ValueError, match="does not serve"):
-        Manager(tmp_path, ["a"], ManagerOptions(), adapters=AdapterTable([LoRAModule("sql", sql, "zz")], False))
-    with pytest.raises(ValueError, match="served model's name"):
-        Manager(tmp_path, ["a"], ManagerOptions(), adapters=AdapterTable([LoRAModule("a", sql, "a")], False))
-    with pytest.raises(ValueError, match="adapter_config.json"):
-        Manager(tmp_path, ["a"], ManagerOptions(), adapters=AdapterTable([LoRAModule("x", str(tmp_path), "a")], False))
-    fixed = Manager(tmp_path, ["a", "b"], ManagerOptions(), adapters=AdapterTable([LoRAModule("sql", sql, "a")], False))
-    assert fixed.engine_args(fixed.sources.find("a")).enable_lora
-    assert not fixed.engine_args(fixed.sources.find("b")).enable_lora  # no adapter, no LoRA slots
-
-    async def scenario():
-        with pytest.raises(APIError, match="--runtime-lora"):
-            await fixed.load_adapter("chat", sql, "a")
-        fixed.adapters.runtime = True
-        for name, path, base, param in (("chat", sql, None, "base_model_name"), ("b", sql, "a", "lora_name"),
-                                        ("chat", str(tmp_path / "broken"), "a", "lora_path")):  # fmt: skip
-            with pytest.raises(APIError) as refused:
-                await fixed.load_adapter(name, path, base)
-            assert refused.value.status == 400 and refused.value.param == param
-        assert [s.name for s in fixed.statuses()] == ["a", "b", "sql"]  # nothing was added
-        async with fixed.use("a") as ctx:  # the base the refused adapter loaded serves on
-            assert ctx.admission.in_flight == 0
-        with pytest.raises(APIError) as unknown:
-            await fixed.unload_adapter("chat")
-        assert unknown.value.status == 404
-        fixed.shutdown()
-
-    run(scenario())
-
-
-@pytest.mark.parametrize(
-    ("text", "expected"),
-    [
-        ("sql=/lora/sql", LoRAModule("sql", "/lora/sql")),
-        ('{"name": "sql", "path": "/lora/sql", "base_model_name": "a"}', LoRAModule("sql", "/lora/sql", "a")),
-    ],
-)
-def test_lora_modules_entries_parse_as_vllms(text, expected):
-    assert LoRAModule.parse(text) == expected
-
-
-@pytest.mark.parametrize(
-    "text", ["sql", "=/p", '{"name": "sql"}', '{"name": "sql", "path": "/p", "rank": 4}', "{nope", "[1]"]
-)
-def test_bad_lora_modules_entries_are_one_line_errors(text):
-    with pytest.raises(ValueError, match="--lora-modules"):
-        LoRAModule.parse(text)
 
 
 def test_a_kept_tokenizer_is_keyed_by_its_files_versions(tmp_path):

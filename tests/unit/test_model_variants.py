@@ -1,6 +1,7 @@
-"""Created models (Ollama's /api/create and /api/copy) on the many-model manager, with stand-in engines:
-a created model runs on its base with its preset and adapter, survives a restart, flattens onto the
-served base when made from another, and a refused one leaves nothing behind."""
+"""The names a many-model server answers to beyond its models', with stand-in engines: LoRA adapters on
+their base models (given at start or loaded at run time), and created models (Ollama's /api/create and
+/api/copy), which run on their base with their preset and adapter, survive a restart, flatten onto the
+served base when made from another, and leave nothing behind when refused."""
 
 from __future__ import annotations
 
@@ -13,7 +14,7 @@ from folio.server.adapters import AdapterTable, LoRAModule
 from folio.server.created_models import CreatedModel, CreatedModels, ModelPreset
 from folio.server.errors import APIError
 from folio.server.model_budget import ManagerOptions
-from tests.unit.test_model_manager import Manager, _adapter_folder
+from tests.unit.test_model_manager import Manager
 
 TEMPLATE = "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}"
 
@@ -124,3 +125,99 @@ def test_a_created_model_whose_base_is_gone_is_not_served(tmp_path):
     assert manager.created("x") is None and [s.name for s in manager.statuses()] == ["a"]
     assert (tmp_path / ".created" / "x" / "model.json").exists()  # its files are left for a server that has it
     manager.shutdown()
+
+
+def _adapter_folder(folder: Path) -> str:
+    folder.mkdir()
+    (folder / "adapter_config.json").write_text('{"peft_type": "LORA", "r": 4}')
+    (folder / "adapter_model.safetensors").write_bytes(b"")  # only its presence is checked before a load
+    return str(folder)
+
+
+def test_adapters_load_with_their_base_model_and_at_run_time(tmp_path):
+    """An adapter names its base: a request for it loads the base (with LoRA slots) and runs with the
+    adapter set; a base loaded anew gets its adapters again; run-time adapters load the base first."""
+    sql = _adapter_folder(tmp_path / "sql")
+    table = AdapterTable([LoRAModule("sql", sql, "a:latest")], runtime=True)
+    manager = Manager(tmp_path, ["a", "b"], ManagerOptions(max_loaded=1), adapters=table)
+    assert manager.engine_args(manager.sources.find("b")).enable_lora  # --runtime-lora: every model may get one
+
+    async def scenario():
+        assert {s.name: (s.state, s.parent) for s in manager.statuses()}["sql"] == ("unloaded", "a")
+        async with manager.use("sql") as ctx:
+            assert (ctx.model_name, ctx.lora_name) == ("sql", "sql")
+        assert manager.loaded() == ["a"] and manager.engines[-1].adapters == {"sql": sql}
+        assert {s.name: s.state for s in manager.statuses()}["sql"] == "loaded"
+        async with manager.use("a") as ctx:
+            assert ctx.lora_name is None
+        await manager.load_adapter("chat", sql, "b")  # b loads (a makes way), then takes the adapter
+        assert manager.loaded() == ["b"] and manager.engines[-1].adapters == {"chat": sql}
+        async with manager.use("sql:latest"):  # a again, its adapter registered in its new engine
+            pass
+        assert manager.engines[-1].name == "a" and manager.engines[-1].adapters == {"sql": sql}
+        await manager.unload("chat")  # an adapter's name loads and unloads its base
+        with pytest.raises(APIError) as delete:
+            await manager.delete("sql")
+        assert delete.value.status == 400 and "LoRA adapter" in delete.value.message
+        await manager.unload_adapter("sql")
+        assert manager.engines[-1].adapters == {}
+        with pytest.raises(APIError) as gone:
+            async with manager.use("sql"):
+                pass
+        assert gone.value.status == 404 and "chat" in gone.value.message
+        manager.shutdown()
+
+    run(scenario())
+
+
+def test_adapters_that_cannot_be_served_are_refused_before_anything_changes(tmp_path):
+    sql = _adapter_folder(tmp_path / "sql")
+    with pytest.raises(ValueError, match="base_model_name"):  # NAME=PATH among several models
+        Manager(tmp_path, ["a", "b"], ManagerOptions(), adapters=AdapterTable([LoRAModule("sql", sql)], False))
+    with pytest.raises(ValueError, match="does not serve"):
+        Manager(tmp_path, ["a"], ManagerOptions(), adapters=AdapterTable([LoRAModule("sql", sql, "zz")], False))
+    with pytest.raises(ValueError, match="served model's name"):
+        Manager(tmp_path, ["a"], ManagerOptions(), adapters=AdapterTable([LoRAModule("a", sql, "a")], False))
+    with pytest.raises(ValueError, match="adapter_config.json"):
+        Manager(tmp_path, ["a"], ManagerOptions(), adapters=AdapterTable([LoRAModule("x", str(tmp_path), "a")], False))
+    fixed = Manager(tmp_path, ["a", "b"], ManagerOptions(), adapters=AdapterTable([LoRAModule("sql", sql, "a")], False))
+    assert fixed.engine_args(fixed.sources.find("a")).enable_lora
+    assert not fixed.engine_args(fixed.sources.find("b")).enable_lora  # no adapter, no LoRA slots
+
+    async def scenario():
+        with pytest.raises(APIError, match="--runtime-lora"):
+            await fixed.load_adapter("chat", sql, "a")
+        fixed.adapters.runtime = True
+        for name, path, base, param in (("chat", sql, None, "base_model_name"), ("b", sql, "a", "lora_name"),
+                                        ("chat", str(tmp_path / "broken"), "a", "lora_path")):  # fmt: skip
+            with pytest.raises(APIError) as refused:
+                await fixed.load_adapter(name, path, base)
+            assert refused.value.status == 400 and refused.value.param == param
+        assert [s.name for s in fixed.statuses()] == ["a", "b", "sql"]  # nothing was added
+        async with fixed.use("a") as ctx:  # the base the refused adapter loaded serves on
+            assert ctx.admission.in_flight == 0
+        with pytest.raises(APIError) as unknown:
+            await fixed.unload_adapter("chat")
+        assert unknown.value.status == 404
+        fixed.shutdown()
+
+    run(scenario())
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("sql=/lora/sql", LoRAModule("sql", "/lora/sql")),
+        ('{"name": "sql", "path": "/lora/sql", "base_model_name": "a"}', LoRAModule("sql", "/lora/sql", "a")),
+    ],
+)
+def test_lora_modules_entries_parse_as_vllms(text, expected):
+    assert LoRAModule.parse(text) == expected
+
+
+@pytest.mark.parametrize(
+    "text", ["sql", "=/p", '{"name": "sql"}', '{"name": "sql", "path": "/p", "rank": 4}', "{nope", "[1]"]
+)
+def test_bad_lora_modules_entries_are_one_line_errors(text):
+    with pytest.raises(ValueError, match="--lora-modules"):
+        LoRAModule.parse(text)
