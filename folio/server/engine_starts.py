@@ -9,6 +9,7 @@ starts every engine from nothing.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from concurrent.futures import Executor
 from pathlib import Path
@@ -63,7 +64,8 @@ class EngineStarter:
     def start_spare(self) -> None:
         """Start the spare process on a thread, if none is there (or coming)."""
         if self._spare_wanted and not self._cancel.is_set():
-            self._threads.submit(self._make_spare)
+            with contextlib.suppress(RuntimeError):  # the threads have shut down: the server is stopping
+                self._threads.submit(self._make_spare)
 
     def stop(self) -> None:
         """Stop the spare (the server is stopping: `cancel` is set, so none is made after this)."""
