@@ -18,6 +18,7 @@ from folio.config import (
     ParallelConfig,
     SchedulerConfig,
     SpeculativeConfig,
+    parse_dtype,
 )
 from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
@@ -235,7 +236,7 @@ class EngineCore:
                                  "pipeline or context parallelism")  # fmt: skip
             if args.compile:
                 raise ValueError("--enable-lora and --compile do not combine yet")
-            lora_dtype = dtype if args.lora_dtype == "auto" else getattr(torch, args.lora_dtype)
+            lora_dtype = dtype if args.lora_dtype == "auto" else parse_dtype(args.lora_dtype)
             engine.runner.lora = LoRAStore(whole, args.max_loras, args.max_lora_rank, lora_dtype, device)
             logger.info("LoRA: up to %d adapters at once, rank up to %d, kept in %s", args.max_loras,
                         args.max_lora_rank, str(lora_dtype).removeprefix("torch."))  # fmt: skip
