@@ -60,6 +60,23 @@ def engine_bars(ax: Any, engines: Sequence[str], values: Sequence[float | None],
     ax.margins(y=0.15)
 
 
+def grouped_engine_bars(ax: Any, groups: Sequence[str], values: dict[str, Sequence[float]], fmt: str,
+                        ylabel: str) -> None:  # fmt: skip
+    """Per group (an x tick), one labelled bar per engine side by side: `values[engine][i]` for groups[i],
+    folio in its color and the others in the peer's."""
+    engines = list(values)
+    width = 0.8 / len(engines)
+    for k, engine in enumerate(engines):
+        xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(groups))]
+        bars = ax.bar(xs, values[engine], width, color=FOLIO_COLOR if engine == "folio" else PEER_COLOR,
+                      label=engine)  # fmt: skip
+        ax.bar_label(bars, fmt=fmt, fontsize=8)
+    ax.set_xticks(range(len(groups)), groups)
+    ax.set_ylabel(ylabel)
+    ax.legend(fontsize=8)
+    ax.margins(y=0.15)
+
+
 def latency_cdf(ax: Any, seconds: Sequence[float], **style: Any) -> None:
     """The empirical CDF of latencies, in milliseconds; nothing for no values."""
     if len(seconds):

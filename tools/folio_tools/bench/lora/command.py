@@ -33,7 +33,7 @@ import httpx
 
 from folio.loaders.catalog import resolve_model
 from folio_tools.bench.harness.flags import add_output_dir, command_line
-from folio_tools.bench.harness.plots import FOLIO_COLOR, PEER_COLOR, figure
+from folio_tools.bench.harness.plots import figure, grouped_engine_bars
 from folio_tools.bench.harness.table import row
 from folio_tools.bench.lora.adapters import base_config, make_adapter
 from folio_tools.bench.peers.llama_cpp_build import build_llama_cpp
@@ -226,16 +226,9 @@ def report(result: dict[str, Any], json_path: Path, png_path: Path) -> None:
              f"{config['lora_dtype']} on every projection, {Path(result['model']).name}, "
              f"{result['date_utc']}")  # fmt: skip
     with figure(png_path, figsize=(8, 4), title=title) as (_, ax):
-        width = 0.8 / len(engines)
-        for k, engine in enumerate(engines):
-            xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(counts))]
-            bars = ax.bar(xs, [summary[engine][n]["tok_s"] for n in counts], width,
-                          color=FOLIO_COLOR if engine == "folio" else PEER_COLOR, label=engine)  # fmt: skip
-            ax.bar_label(bars, fmt="%.0f", fontsize=8)
-        ax.set_xticks(range(len(counts)), ["base" if n == 0 else f"{n} adapter{'s' * (n > 1)}" for n in counts])
-        ax.set_ylabel("output tok/s")
-        ax.legend(fontsize=8)
-        ax.margins(y=0.15)
+        groups = ["base" if n == 0 else f"{n} adapter{'s' * (n > 1)}" for n in counts]
+        values = {engine: [summary[engine][n]["tok_s"] for n in counts] for engine in engines}
+        grouped_engine_bars(ax, groups, values, "%.0f", "output tok/s")
     write_json(json_path, result)
     print(f"wrote {json_path} and {png_path}")
 

@@ -28,7 +28,7 @@ import httpx
 
 from folio.loaders.catalog import resolve_model
 from folio_tools.bench.harness.flags import add_output_dir, command_line
-from folio_tools.bench.harness.plots import FOLIO_COLOR, PEER_COLOR, figure
+from folio_tools.bench.harness.plots import figure, grouped_engine_bars
 from folio_tools.bench.harness.table import row
 from folio_tools.bench.peers.llama_cpp_build import build_llama_cpp
 from folio_tools.bench.peers.llama_cpp_server import free_port, stop_process, wait_for_health
@@ -175,16 +175,8 @@ def report(result: dict[str, Any], json_path: Path, png_path: Path) -> None:
         print(row("folio / llama.cpp", [summary["folio_over_llama_cpp"][n] for n in names]))
     title = f"time to first token for a model not loaded (one held at a time), {result['date_utc']}"
     with figure(png_path, figsize=(8, 4), title=title) as (_, ax):
-        width = 0.8 / len(engines)
-        for k, engine in enumerate(engines):
-            xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(names))]
-            bars = ax.bar(xs, [summary[engine][n]["swap_s"] for n in names], width,
-                          color=FOLIO_COLOR if engine == "folio" else PEER_COLOR, label=engine)  # fmt: skip
-            ax.bar_label(bars, fmt="%.2f s", fontsize=8)
-        ax.set_xticks(range(len(names)), names)
-        ax.set_ylabel("seconds to the first token (lower is better)")
-        ax.legend(fontsize=8)
-        ax.margins(y=0.15)
+        values = {engine: [summary[engine][n]["swap_s"] for n in names] for engine in engines}
+        grouped_engine_bars(ax, names, values, "%.2f s", "seconds to the first token (lower is better)")
     write_json(json_path, result)
     print(f"wrote {json_path} and {png_path}")
 
