@@ -198,7 +198,7 @@ class ModelManager:
             return available[only[0]]
         source = available.get(name) or available.get(name.removesuffix(LATEST))
         if source is None:
-            raise model_not_found(name, [*available, *(adapter.name for adapter in self.adapters)])
+            raise model_not_found(name, [*available, *(status.name for status in self.variants.statuses([]))])
         return source
 
     async def _acquire(self, source: ModelSource) -> LoadedModel:

@@ -49,7 +49,9 @@ class Variants:
                 self.created.forget(model.name)
             elif model.adapter is not None:
                 adapters.add(LoRAModule(model.name, model.adapter, model.base))
-        self._tokenizers: dict[tuple[int, str], Tokenizer] = {}  # a base's tokenizer with a preset's template
+        # Per created model with a template: its base's tokenizer (held, so that it is the same one while
+        # the base stays loaded) and that tokenizer with the template.
+        self._tokenizers: dict[str, tuple[Tokenizer, Tokenizer]] = {}
 
     def created_model(self, name: str | None) -> CreatedModel | None:
         return self.created.get(name) or self.created.get(name.removesuffix(LATEST)) if name else None
@@ -72,10 +74,10 @@ class Variants:
             tokenizer = context.tokenizer
             template = created.preset.template
             if template is not None:
-                key = (id(tokenizer), template)
-                if key not in self._tokenizers:
-                    self._tokenizers[key] = replace(tokenizer, chat_template=template)
-                tokenizer = self._tokenizers[key]
+                kept = self._tokenizers.get(created.name)
+                if kept is None or kept[0] is not tokenizer or kept[1].chat_template != template:
+                    kept = self._tokenizers[created.name] = (tokenizer, replace(tokenizer, chat_template=template))
+                tokenizer = kept[1]
             context = replace(context, model_name=created.name, preset=created.preset, tokenizer=tokenizer)
         return context
 
