@@ -29,6 +29,7 @@ SLOWEST_FILES = (
     "tests/oracle/test_speculative_decoding.py",
     "tests/distributed/test_pipeline_parallel.py",
     "tests/api/test_many_models.py",
+    "tests/browser/test_web_pages.py",
     "tests/distributed/test_tensor_parallel.py",
     "tests/distributed/test_context_parallel.py",
     "tests/e2e/test_bench_serve_compare.py",

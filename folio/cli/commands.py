@@ -237,7 +237,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise ValueError("the API key (--api-key or FOLIO_API_KEY) is empty; give a real key, or unset it")
     adapters = [LoRAModule.parse(text) for text in args.lora_modules]
     options = ServerOptions(args.max_queue, args.api_key, args.grace_period, request_limits(args), _chat_options(args),
-                            adapters, args.runtime_lora)  # fmt: skip
+                            adapters, args.runtime_lora, ui=args.ui)  # fmt: skip
     many = len(args.models) != 1 or args.models_dir is not None
     # Among several models, only those with adapters (or all, with --runtime-lora) load with LoRA slots.
     args.enable_lora = args.enable_lora or args.runtime_lora or (bool(adapters) and not many)

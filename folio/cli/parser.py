@@ -158,6 +158,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--api-key", default=os.environ.get("FOLIO_API_KEY"), help="require 'Authorization: Bearer KEY' "
         "on every route but /health (default: $FOLIO_API_KEY)"
     )  # fmt: skip
+    serve.add_argument("--no-ui", dest="ui", action="store_false", help="serve no web pages: no playground at "
+                       "/ and no dashboard at /dashboard")  # fmt: skip
     serve.add_argument("--max-queue", type=int, default=256, help="requests waiting beyond --max-num-seqs "
                        "before the server answers 429 (default 256)")  # fmt: skip
     serve.add_argument("--grace-period", type=float, default=30.0, help="seconds in-flight requests may take "

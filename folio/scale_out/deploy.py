@@ -36,7 +36,7 @@ from folio.scale_out.options import ReplicaOptions
 from folio.scale_out.replica import EngineReplica
 from folio.scale_out.request_router import FolioRequestRouter
 from folio.server.auth import APIKeyDigest
-from folio.server.serve import ServerOptions, warn_if_open
+from folio.server.serve import ServerOptions, warn_if_open, where
 
 logger = logging.getLogger("folio")
 
@@ -203,11 +203,10 @@ def serve_on_ray(args: EngineArgs, host: str, port: int, server: ServerOptions, 
             deployed = True
             deploy(args, model_name, server, options)
             count = f"{options.min_replicas}-{options.max_replicas}" if options.autoscaling else str(options.replicas)
-            keyed = " (API key required)" if server.api_key else ""
             if options.disaggregate:
                 count = f"{options.prefill_replicas} prefill + {count} decode"
-            logger.info("serving %s on Ray: %s replicas, %s routing, at http://%s:%d/v1%s", model_name, count,
-                        options.routing.policy, host, port, keyed)  # fmt: skip
+            logger.info("serving %s on Ray: %s replicas, %s routing, at %s", model_name, count,
+                        options.routing.policy, where(host, port, server))  # fmt: skip
             while not stop.wait(1.0):
                 pass
             logger.info("stopping the replicas")

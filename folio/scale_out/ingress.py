@@ -82,7 +82,7 @@ class FolioIngress:
                "max_num_seqs x replicas + --max-queue.")  # fmt: skip
         admitted = Gauge("folio:num_requests_admitted", doc, ["model_name"], registry=registry)
         admitted.labels(self.context.model_name).set_function(lambda: self.context.admission.in_flight)
-        return create_app(OneModel(self.context), self.context.limits, registry, self.api_key)
+        return create_app(OneModel(self.context), self.context.limits, registry, self.api_key, self.options.ui)
 
     async def _refresh(self) -> None:
         try:

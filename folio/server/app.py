@@ -3,7 +3,8 @@
 OpenAI: /v1/completions, /v1/chat/completions (tools, reasoning), /v1/responses, /v1/embeddings, /v1/models.
 Anthropic: /v1/messages, /v1/messages/count_tokens. Ollama: /api/chat, /api/generate, /api/embed,
 /api/tags, ... (ollama/routes.py).
-folio and vLLM: /tokenize, /detokenize, /tokenizer_info, /health, /metrics.
+folio and vLLM: /tokenize, /detokenize, /tokenizer_info, /health, /metrics. The web playground at / and the
+dashboard at /dashboard (ui/routes.py).
 Every failure a client can cause is answered in the API's own error format and the server keeps serving.
 """
 
@@ -44,6 +45,7 @@ from folio.server.openai.responses.protocol import ResponsesRequest
 from folio.server.openai.responses.routes import create_response
 from folio.server.request_body import BODY_ERROR_TYPES
 from folio.server.served_models import ServedModels
+from folio.server.ui.routes import ui_router
 
 logger = logging.getLogger("folio")
 
@@ -64,13 +66,14 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
 
 def create_app(
     models: ServedModels, limits: RequestLimits, metrics_registry: CollectorRegistry | None = None,
-    api_key: str | APIKeyDigest | None = None,
+    api_key: str | APIKeyDigest | None = None, ui: bool = True,
 ) -> FastAPI:  # fmt: skip
+    """folio's app; `ui`: with the playground at / and the dashboard at /dashboard."""
     app = FastAPI(title="folio", docs_url=None, redoc_url=None)
     app.router.route_class = OffLoopBodyRoute  # the routes below, and the Ollama router's
     warm_json_scanner()
     if api_key is not None:
-        app.add_middleware(APIKeyMiddleware, api_key=api_key)
+        app.add_middleware(APIKeyMiddleware, api_key=api_key, open_ui=ui)
     app.add_middleware(BodySizeLimit, max_body_bytes=limits.max_body_bytes)  # outermost: added last
 
     @app.exception_handler(APIError)
@@ -175,4 +178,6 @@ def create_app(
         body = await run_in_threadpool(generate_latest, metrics_registry)
         return Response(body, media_type=CONTENT_TYPE_LATEST)
 
+    if ui:
+        app.include_router(ui_router())
     return app

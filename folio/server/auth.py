@@ -1,5 +1,5 @@
-"""`--api-key`: every route but /health needs `Authorization: Bearer <key>` (or Anthropic's
-`x-api-key: <key>`), else 401.
+"""`--api-key`: every route but /health (and the web pages' static files, folio/server/ui) needs
+`Authorization: Bearer <key>` (or Anthropic's `x-api-key: <key>`), else 401.
 
 The server keeps only a salted SHA-256 of the key (`APIKeyDigest`): under `--replicas` the ingress's
 arguments travel through Ray, whose dashboard and state API show them, so the key itself must not.
@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from folio.server.errors import APIError, error_response
+from folio.server.ui.routes import is_ui_path
 
 OPEN_PATHS = frozenset({"/health"})
 BEARER = b"Bearer "
@@ -46,12 +47,17 @@ class APIKeyDigest:
 
 
 class APIKeyMiddleware:
-    def __init__(self, app: ASGIApp, api_key: str | APIKeyDigest) -> None:
+    def __init__(self, app: ASGIApp, api_key: str | APIKeyDigest, open_ui: bool = False) -> None:
         self.app = app
         self._digest = api_key if isinstance(api_key, APIKeyDigest) else APIKeyDigest.of(api_key)
+        self._open_ui = open_ui  # the pages load without the key and ask for it
+
+    def _is_open(self, scope: Scope) -> bool:
+        path = scope["path"]
+        return path in OPEN_PATHS or (self._open_ui and scope["method"] in ("GET", "HEAD") and is_ui_path(path))
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] != "http" or scope["path"] in OPEN_PATHS:
+        if scope["type"] != "http" or self._is_open(scope):
             await self.app(scope, receive, send)
             return
         headers = dict(scope["headers"])

@@ -60,6 +60,7 @@ class ServerOptions:
     chat: ChatOptions = field(default_factory=ChatOptions)  # tool-call and reasoning parsers
     lora_modules: list[LoRAModule] = field(default_factory=list)  # adapters registered at start-up
     runtime_lora: bool = False  # whether /v1/load_lora_adapter and /v1/unload_lora_adapter may change them
+    ui: bool = True  # the playground at / and the dashboard at /dashboard (--no-ui: off)
 
     def __post_init__(self) -> None:
         if self.api_key is not None and not self.api_key.strip():
@@ -140,7 +141,17 @@ def _assemble(
     ctx = make_context(engine, info, model_name, options)
     track_admission(registry, model_name, ctx.admission)
     models = OneModel(ctx, AdapterTable(options.lora_modules, options.runtime_lora))
-    return Server(create_app(models, options.limits, registry, options.api_key), ctx, registry, info)
+    app = create_app(models, options.limits, registry, options.api_key, options.ui)
+    return Server(app, ctx, registry, info)
+
+
+def where(host: str, port: int, options: ServerOptions) -> str:
+    """The serving line's addresses: the API's, the playground's, and whether a key is needed."""
+    base = f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    notes = ["API key required"] if options.api_key else []
+    if options.ui:
+        notes.append(f"playground at {base}/")
+    return f"{base}/v1" + (f" ({'; '.join(notes)})" if notes else "")
 
 
 def is_loopback(host: str) -> bool:
@@ -219,15 +230,13 @@ def _serve_on(sock: socket.socket, args: EngineArgs, host: str, options: ServerO
     info = server.info
     sock.listen(config.backlog)  # before "serving" is logged: a client that reads the line may connect at once
     logger.info(
-        "serving %s (%s, KV cache %d tokens, context %d%s) at http://%s:%d/v1%s",
+        "serving %s (%s, KV cache %d tokens, context %d%s) at %s",
         model_name,
         info.dtype,
         info.kv_capacity_tokens,
         info.max_model_len,
         f", engine in process {server.engine.process.pid}" if isinstance(server.engine, ProcessEngine) else "",
-        host,
-        port,
-        " (API key required)" if options.api_key else "",
+        where(host, port, options),
     )
     http.append(_GracefulServer(config))
     try:
@@ -257,15 +266,15 @@ def serve_models(
                                adapters)  # fmt: skip
         registry = CollectorRegistry()
         registry.register(MergedEngineMetrics(manager.metrics_texts, manager.admissions))
-        app = create_app(manager, options.limits, registry, options.api_key)
+        app = create_app(manager, options.limits, registry, options.api_key, options.ui)
         config = uvicorn.Config(app, host=host, port=port, log_level="warning",
                                 timeout_graceful_shutdown=options.grace_period)  # type: ignore[arg-type]  # fmt: skip
         sock.listen(config.backlog)
         manager.starter.start_spare()  # the first load's engine process, imports done before it is asked for
         names = list(sources.available())
-        logger.info("serving %d models (%s%s), loaded on first use, at most %d at once, at http://%s:%d/v1%s",
+        logger.info("serving %d models (%s%s), loaded on first use, at most %d at once, at %s",
                     len(names), ", ".join(names[:8]), ", ..." if len(names) > 8 else "", manager.options.max_loaded,
-                    host, port, " (API key required)" if options.api_key else "")  # fmt: skip
+                    where(host, port, options))  # fmt: skip
         if not names:
             logger.warning("no model to serve yet: pull one (folio pull NAME) or name models on the command line")
         try:

@@ -1,5 +1,5 @@
 """A wheel built from the repository, installed (not editable) into a fresh virtual environment, carries
-every kernel source and runs the compiled fast paths.
+every kernel source and the built web pages, and runs the compiled fast paths.
 
 The fresh environment sees the project environment's packages through a .pth line (a plain path,
 so the editable install's own .pth there is not processed), and pip installs only the wheel into it.
@@ -67,6 +67,9 @@ def test_the_wheel_carries_every_kernel_and_installs_with_the_fast_paths(tmp_pat
     names = zipfile.ZipFile(wheel).namelist()
     assert _kernel_files(names) == expected
     assert not [name for name in names if name.startswith(("folio_tools", "folio/bench"))]  # the runtime alone
+    pages = {p.relative_to(REPO).as_posix() for p in (REPO / "folio" / "server" / "ui" / "static").iterdir()}
+    assert {"folio/server/ui/static/index.html", "folio/server/ui/static/playground.js"} <= pages
+    assert {name for name in names if name.startswith("folio/server/ui/static/")} == pages  # the built web pages
 
     venv = tmp_path / "venv"
     _run([sys.executable, "-m", "venv", "--without-pip", venv], tmp_path)

@@ -310,6 +310,7 @@ class AsyncEngine:
             prompt_logprobs=delta.prompt_logprobs,
             embedding=request.embedding,
             stop_reason=delta.stop_reason,
+            num_cached_tokens=request.num_cached_tokens,
         )
         stream.mailbox.post((stream.index, update))
 

@@ -40,6 +40,7 @@ class RequestUpdate:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # in the first update, if asked for
     embedding: torch.Tensor | None = None  # an embedding request's vector, in its one (finished) update
     stop_reason: str | None = None  # the stop string that ended the request (Anthropic's stop_sequence)
+    num_cached_tokens: int = 0  # prompt tokens whose KV came from the prefix cache (known once scheduled)
 
 
 @dataclass
@@ -52,8 +53,10 @@ class ChoiceResult:
     finish_reason: str | None = None
     prompt_logprobs: list[TokenLogprob | None] | None = None  # if asked for, from the request's first update
     stop_reason: str | None = None  # the stop string that ended it
+    num_cached_tokens: int = 0  # of its prompt, tokens found in the prefix cache
 
     def add(self, update: RequestUpdate) -> None:
+        self.num_cached_tokens = max(self.num_cached_tokens, update.num_cached_tokens)
         if update.prompt_logprobs is not None:
             self.prompt_logprobs = update.prompt_logprobs
         self.text += update.text

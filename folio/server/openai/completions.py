@@ -87,6 +87,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
     completion_tokens = sum(len(r.token_ids) for r in results)  # best_of: every sample is paid for
     per_prompt = [results[i * samples : (i + 1) * samples] for i in range(len(prompts))]
     scores = [_prompt_scores(samples_of) for samples_of in per_prompt]
+    cached = sum(max(r.num_cached_tokens for r in samples_of) for samples_of in per_prompt)
     if samples > n:
         results = [result for samples_of in per_prompt for result in _most_likely(samples_of, n)]
     token_text = TokenText(ctx.tokenizer)
@@ -103,7 +104,7 @@ async def create_completion(ctx: ServerContext, body: CompletionRequest):
         if body.prompt_logprobs is not None:
             choice["prompt_logprobs"] = vllm_prompt_logprobs(token_text, positions)
         choices.append(choice)
-    return {**head, "choices": choices, "usage": usage(prepared.prompt_tokens, completion_tokens)}
+    return {**head, "choices": choices, "usage": usage(prepared.prompt_tokens, completion_tokens, cached)}
 
 
 def _prompt_scores(results: list[ChoiceResult]) -> list[TokenLogprob | None]:
@@ -128,6 +129,7 @@ async def _stream(
     completion_tokens = 0
     scores: dict[int, list[TokenLogprob | None]] = {}  # prompt index -> its token logprobs, once computed
     started: set[int] = set()
+    cached: dict[int, int] = {}  # prompt index -> its tokens found in the prefix cache
 
     def chunk(index: int, text: str, logprobs: dict | None, finish_reason: str | None, **fields) -> str:
         choice = {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason, **fields}
@@ -156,11 +158,13 @@ async def _stream(
             started.add(index)
             yield head_chunk(index)
         completion_tokens += len(update.new_token_ids)
+        cached[index // n] = max(cached.get(index // n, 0), update.num_cached_tokens)
         logprobs = None
         if body.logprobs is not None:
             logprobs, offsets[index] = completion_logprobs(token_text, update.new_logprobs, offsets[index])
         if update.text or logprobs is not None or update.finished:
             yield chunk(index, update.text, logprobs, update.finish_reason if update.finished else None)
     if body.include_usage:
-        yield event({**head, "choices": [], "usage": usage(prepared.prompt_tokens, completion_tokens)})
+        usage_now = usage(prepared.prompt_tokens, completion_tokens, sum(cached.values()))
+        yield event({**head, "choices": [], "usage": usage_now})
     yield DONE

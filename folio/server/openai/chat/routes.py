@@ -38,8 +38,9 @@ async def create_chat_completion(ctx: ServerContext, body: ChatCompletionRequest
         choices.append({"index": index, "message": _message(answer, prompt.reader.reasoning),
                         "logprobs": logprobs_field, "finish_reason": answer.finish_reason})  # fmt: skip
     completion_tokens = sum(len(r.token_ids) for r in results)
+    cached = max(r.num_cached_tokens for r in results)  # the choices share one prompt
     return {**head, "object": "chat.completion", "choices": choices,
-            "usage": usage(len(prompt_ids), completion_tokens)}  # fmt: skip
+            "usage": usage(len(prompt_ids), completion_tokens, cached)}  # fmt: skip
 
 
 def _message(answer: Answer, reasoning: bool) -> dict[str, Any]:
@@ -74,7 +75,7 @@ async def _stream(
     extra = {"usage": None} if body.include_usage else {}
     token_text = TokenText(ctx.tokenizer)
     answers = [reader.stream() for _ in range(body.n)]
-    completion_tokens = 0
+    completion_tokens = cached = 0
 
     def chunk(index: int, delta: dict, logprobs: dict | None = None, finish_reason: str | None = None) -> str:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
@@ -84,6 +85,7 @@ async def _stream(
         yield chunk(index, {"role": "assistant", "content": ""})
     async for index, update in generation:
         completion_tokens += len(update.new_token_ids)
+        cached = max(cached, update.num_cached_tokens)
         logprobs = chat_logprobs(token_text, update.new_logprobs) if body.logprobs else None
         deltas = _deltas(answers[index].feed(update.text), answers[index]) if update.text else []
         if update.finished:
@@ -96,5 +98,5 @@ async def _stream(
             finish_reason = reader.finish_reason(update.finish_reason, answers[index].num_calls > 0)
             yield chunk(index, {}, finish_reason=finish_reason)
     if body.include_usage:
-        yield event({**head, "choices": [], "usage": usage(len(prompt.token_ids), completion_tokens)})
+        yield event({**head, "choices": [], "usage": usage(len(prompt.token_ids), completion_tokens, cached)})
     yield DONE
