@@ -221,6 +221,8 @@ def test_errors_auth_and_health(ray_server, ray_client):
     anonymous = httpx.post(f"{ray_server.url}/v1/completions", json={"model": MODEL, "prompt": "x"}, timeout=10)
     assert anonymous.status_code == 401 and anonymous.json()["error"]["type"] == "authentication_error"
     assert httpx.get(f"{ray_server.url}/health", timeout=10).json() == {"status": "ok"}
+    playground = httpx.get(f"{ray_server.url}/", timeout=10)  # the pages load without the key, and ask for it
+    assert playground.status_code == 200 and "script-src 'self'" in playground.headers["content-security-policy"]
     with pytest.raises(openai.NotFoundError):
         ray_client.completions.create(model="another-model", prompt="x")
     too_long = " ".join(["word"] * 5000)  # the replicas hold 256 x 16 tokens

@@ -41,7 +41,8 @@ class Served:
         self.url = f"http://127.0.0.1:{self.port}"
         self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-web-", suffix=".log")  # noqa: SIM115
         command = [sys.executable, "-m", "folio.cli", "serve", MODEL, GEMMA, "--port", str(self.port),
-                   "--api-key", KEY, "--keep-alive", "10m", "--num-kv-blocks", "128"]  # fmt: skip
+                   "--api-key", KEY, "--keep-alive", "10m", "--num-kv-blocks", "128",
+                   "--reasoning-parser", "think"]  # fmt: skip
         self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
 
     def output(self) -> str:
@@ -232,6 +233,29 @@ def test_model_output_that_looks_like_html_is_shown_as_text_and_runs_nothing(pla
     page.get_by_text("[click](javascript:window.pwned=3)").click()
     page.wait_for_timeout(300)
     assert page.evaluate("window.pwned") is None
+
+
+def test_reasoning_is_folded_away_and_tool_calls_are_cards(playground):
+    page = playground.page
+    page.select_option("#constraint-kind", "regex")  # SmolLM2 does not think: a regex makes it
+    page.fill("#constraint", r"<think>[a-z ]{10,40}</think>\n\n[A-Z][a-z ]{5,30}\.")
+    settings(page, max_tokens="60", temperature="0")
+    answer = ask(page, "Is the sky blue?")
+    reasoning = page.locator("li.message.assistant >> nth=-1 >> details.reasoning")
+    assert reasoning.count() == 1 and reasoning.get_attribute("open") is None  # folded
+    assert "<think>" not in answer and answer.endswith(".")
+    assert page.locator("li.message.assistant >> nth=-1 >> details.reasoning .text").text_content()  # hidden, there
+
+    page.select_option("#constraint-kind", "")
+    weather = {"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object",
+               "properties": {"city": {"type": "string", "maxLength": 12}}, "required": ["city"]}}}  # fmt: skip
+    page.fill("#tools", json.dumps([weather]))
+    page.select_option("#tool-choice", "required")
+    ask(page, "What is the weather in Paris?")
+    card = page.locator("li.message.assistant >> nth=-1 >> .tool-call")
+    assert card.locator(".name").inner_text() == "get_weather()"
+    assert set(json.loads(card.locator("pre").inner_text())) == {"city"}
+    assert figure(page, "finish") == "tool_calls"
 
 
 def test_the_model_picker_switches_models_and_a_refusal_is_shown(playground, served):

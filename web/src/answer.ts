@@ -45,6 +45,19 @@ export function samplingFields(settings: Settings): Record<string, unknown> {
   return Object.fromEntries(Object.entries(fields).filter(([, value]) => value !== undefined));
 }
 
+/** The tools the model may call (chat only), from the settings' JSON array. */
+export function toolFields(settings: Settings): Record<string, unknown> {
+  if (settings.tools.trim() === "") return {};
+  let tools: unknown;
+  try {
+    tools = JSON.parse(settings.tools);
+  } catch (error) {
+    throw new SettingsError(`the tools are not valid JSON: ${(error as Error).message}`);
+  }
+  if (!Array.isArray(tools)) throw new SettingsError("the tools must be a JSON array of tool definitions");
+  return { tools, tool_choice: settings.toolChoice };
+}
+
 function chatMessages(conversation: Conversation, system: string): object[] {
   const messages: object[] = system.trim() ? [{ role: "system", content: system }] : [];
   for (const message of conversation.messages) {
@@ -77,7 +90,12 @@ export async function streamAnswer(
   const common = { model: settings.model, stream: true, stream_options: { include_usage: true } };
   const body = raw
     ? { ...common, ...samplingFields(settings), prompt: conversation.messages.at(-2)?.content ?? "" }
-    : { ...common, ...samplingFields(settings), messages: chatMessages(conversation, settings.system) };
+    : {
+        ...common,
+        ...samplingFields(settings),
+        ...toolFields(settings),
+        messages: chatMessages(conversation, settings.system),
+      };
   const figures = (answer.figures = emptyFigures());
   const calls: ToolCall[] = [];
   const sent = performance.now();

@@ -34,6 +34,8 @@ const FIELDS: [keyof Settings, string][] = [
   ["stop", "stop-sequences"],
   ["constraintKind", "constraint-kind"],
   ["constraint", "constraint"],
+  ["tools", "tools"],
+  ["toolChoice", "tool-choice"],
 ];
 
 type Field = HTMLInputElement | HTMLSelectElement | HTMLTextAreaElement;

@@ -45,6 +45,8 @@ export interface Settings {
   stop: string;
   constraintKind: "" | "json_schema" | "regex";
   constraint: string;
+  tools: string; // a JSON array of OpenAI tool definitions, or empty
+  toolChoice: "auto" | "required" | "none";
 }
 
 const CONVERSATIONS = "folio.conversations";
