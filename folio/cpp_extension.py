@@ -40,12 +40,14 @@ import stat
 import sys
 import sysconfig
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
 
 import torch
+from tqdm import tqdm
 
 from folio.paths import folio_home
 
@@ -197,7 +199,30 @@ def _build_once(directory: Path, name: str, module_name: str, source: Path, what
         _clear_leftovers(directory, name)  # with a build refused as unsafe
         _prune_unused(directory, name)
         logger.warning("compiling the %s (%s; about 30 s, once) in %s", what, why, directory.parent)
-        return _compile(directory, module_name, source)
+        started = time.monotonic()
+        with _ticking(f"compiling the {what}"):
+            module = _compile(directory, module_name, source)
+        logger.info("compiled the %s in %.0f s", what, time.monotonic() - started)
+        return module
+
+
+@contextlib.contextmanager
+def _ticking(doing: str) -> Iterator[None]:
+    """On a terminal, a line that counts the seconds while the block runs (a compile prints nothing else)."""
+    with tqdm(desc=doing, bar_format="{desc}: {elapsed}", disable=None, leave=False) as line:
+        done = threading.Event()
+
+        def tick() -> None:
+            while not done.wait(1.0):
+                line.refresh()
+
+        ticker = threading.Thread(target=tick, daemon=True)
+        ticker.start()
+        try:
+            yield
+        finally:
+            done.set()
+            ticker.join()
 
 
 @contextlib.contextmanager
