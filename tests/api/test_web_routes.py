@@ -39,7 +39,8 @@ def test_with_a_key_the_pages_load_without_it_and_everything_else_needs_it(serve
 
 def test_usage_counts_the_prompt_tokens_found_in_the_prefix_cache(client):
     prompt = f"{uuid.uuid4()} " + "The quick brown fox jumps over the lazy dog. " * 6  # a prefix no test shares
-    messages = [{"role": "user", "content": prompt}]
+    # First, so that the template's default system prompt (which every other chat shares) is not.
+    messages = [{"role": "system", "content": prompt}, {"role": "user", "content": "Go on."}]
     first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0)
     again = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=2, temperature=0, stream=True,
                                            stream_options={"include_usage": True})  # fmt: skip

@@ -9,6 +9,7 @@ desktop and phone width are saved under test-artifacts/web/ (not committed).
 from __future__ import annotations
 
 import json
+import re
 import signal
 import subprocess
 import sys
@@ -123,6 +124,14 @@ class Tab:
         assert not self.problems, self.problems
 
 
+@pytest.fixture(autouse=True)
+def _server_log_on_failure(request, served) -> Iterator[None]:
+    yield
+    report = getattr(request.node, "report_call", None)
+    if report is not None and report.failed:
+        print(f"the server's log, last lines:\n{served.output()[-4000:]}")  # shown with the failure
+
+
 @pytest.fixture
 def playground(browser, served) -> Iterator[Tab]:
     tab = Tab(browser, f"{served.url}/")
@@ -167,7 +176,7 @@ def test_the_page_asks_for_the_key_and_streams_the_answer_as_it_comes(browser, s
     page.fill("#prompt", "Write a short story about a lighthouse keeper.")
     page.press("#prompt", "Enter")
     streaming = page.locator("li.message.assistant[data-state=streaming] .content")
-    streaming.filter(has_text=" ").wait_for(timeout=60_000)
+    streaming.filter(has_text=re.compile(r"\S \S")).wait_for(timeout=120_000)
     partial = streaming.inner_text()
     page.locator("li.message.assistant[data-state=done]").wait_for(timeout=120_000)
     final = page.locator("li.message.assistant .content").inner_text()
@@ -187,7 +196,8 @@ def test_stop_ends_the_request_on_the_server(playground, served):
     settings(page, max_tokens="1000", temperature="0.8")
     page.fill("#prompt", "List every country in the world with its capital.")
     page.press("#prompt", "Enter")
-    page.locator("li.message.assistant[data-state=streaming] .content").filter(has_text=" ").wait_for(timeout=60_000)
+    streaming = page.locator("li.message.assistant[data-state=streaming] .content")
+    streaming.filter(has_text=re.compile(r"\S")).wait_for(timeout=120_000)
     page.click("#stop")
     page.locator("li.message.assistant[data-state=stopped]").wait_for(timeout=10_000)
     assert page.locator("#send").is_visible()
@@ -206,6 +216,27 @@ def test_temperature_zero_answers_the_same_twice_and_the_second_hits_the_prefix_
     second = page.locator("li.message.assistant .content").inner_text()
     assert second == first
     assert int(figure(page, "cached")) >= 16  # the same prompt again: its full blocks came from the cache
+
+
+def test_copy_export_and_conversations_kept_across_a_reload(playground):
+    page = playground.page
+    playground.context.grant_permissions(["clipboard-read", "clipboard-write"])
+    settings(page, max_tokens="12", temperature="0")
+    answer = ask(page, "Say hello.")
+    page.click("li.message.assistant >> nth=-1 >> button.copy")
+    copied = page.evaluate("navigator.clipboard.readText()")
+    page.click("#new-chat")
+    ask(page, "Say goodbye.")
+    page.reload()
+    assert page.locator("#conversations li").count() == 2
+    page.locator("#conversations li button.open", has_text="Say hello.").click()
+    assert page.locator("li.message.assistant .content").inner_text() == answer
+    with page.expect_download() as download:
+        page.click("#export")
+    exported = json.loads(Path(download.value.path()).read_text())["conversations"]
+    assert [c["messages"][0]["content"] for c in exported] == ["Say goodbye.", "Say hello."]
+    assert exported[1]["messages"][1]["content"] == copied and copied.strip()  # the answer as the model wrote it
+    assert exported[1]["messages"][1]["figures"]["finishReason"] in ("stop", "length")
 
 
 def test_a_json_schema_answer_is_valid_json(playground):

@@ -10,6 +10,7 @@ slipped past the Markdown renderer's escaping still could not run.
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from pathlib import Path
 
 from fastapi import APIRouter
@@ -51,7 +52,7 @@ def _file(name: str, media_type: str) -> FileResponse:
     return FileResponse(STATIC / name, media_type=media_type, headers=SECURITY_HEADERS)
 
 
-def _page_handler(page: str):
+def _page_handler(page: str) -> Callable[[], Awaitable[FileResponse]]:
     async def serve_page() -> FileResponse:
         return _file(page, "text/html; charset=utf-8")
 
