@@ -91,9 +91,10 @@ class CacheConfig:
     # A model mixing sliding-window and global layers gets a block table per KV cache group
     # (kv_cache/groups.py), so its window layers free the blocks behind the window; False: one table.
     hybrid_kv_cache: bool = True
+    kv_offload_ram: int | None = None  # bytes of host RAM for prefix-cache blocks the pool evicts; None: none
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_memory", "num_blocks"):
+        for name in ("block_size", "kv_cache_memory", "num_blocks", "kv_offload_ram"):
             if (value := getattr(self, name)) is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -27,6 +27,7 @@ from folio.engine.scheduler import Scheduler
 from folio.engine.stats import SchedulerStats
 from folio.engine_args import EngineArgs
 from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
+from folio.kv_cache.host_tier import HostTier
 from folio.kv_cache.manager import KVCacheManager
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
@@ -41,6 +42,7 @@ from folio.step import ModelRunnerOutput, SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
 from folio.weight_formats.activation_bits import set_activation_bits
 from folio.worker.executor import SplitModelExecutor, WorkerDiedError, WorkerLaunch
+from folio.worker.host_tier_store import HostTierStore, block_bytes
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 from folio.worker.rank import WorkerSpec
 
@@ -152,6 +154,8 @@ class EngineCore:
             self.runner.proposer = make_proposer(speculative_config, draft_model, num_blocks // kv_groups.num_groups,
                                                  cache_config.block_size, dtype, device, shared,
                                                  kv_groups.layer_group)  # fmt: skip
+        if cache_config.kv_offload_ram is not None:
+            self._attach_host_tier(cache_config.kv_offload_ram)
         if len(stages) > 1:
             logger.info("pipeline stages hold layers %s", ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
         # A pipeline of P stages keeps up to P steps in flight (disjoint requests): stage 0 starts the
@@ -172,6 +176,20 @@ class EngineCore:
                     self.kv_cache_bytes / 2**20, bytes_per_token, ranks,
                     cache_config.kv_cache_dtype, max_len, "on" if cache_config.enable_prefix_caching else "off",
                     _groups_note(kv_groups))  # fmt: skip
+
+    def _attach_host_tier(self, ram: int) -> None:
+        """--kv-offload-ram: a host-RAM tier of `ram` bytes under the block pool."""
+        if not isinstance(self.runner, ModelRunner):
+            raise ValueError("--kv-offload-ram needs a whole model in this process (not yet tensor, pipeline or "
+                             "context parallelism)")  # fmt: skip
+        per_block = block_bytes(self.runner.kv_caches, self.runner.slots_per_block)
+        num_slots = ram // per_block
+        if num_slots < 1:
+            raise ValueError(f"--kv-offload-ram of {ram} bytes holds no KV block ({per_block} bytes)")
+        self.kv.attach_tier(HostTier(num_slots))
+        self.runner.host_tier = HostTierStore(self.runner.kv_caches, num_slots, self.runner.slots_per_block)
+        logger.info("KV host tier: %d blocks (%.1f MiB of RAM) keep the prefix-cache blocks the pool evicts",
+                    num_slots, num_slots * per_block / 2**20)  # fmt: skip
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:

@@ -213,6 +213,7 @@ class Scheduler(BeamScheduling):
             preempted_ids=tuple(r.request_id for r in preempted),
             finished_request_ids=self.runner_view.take_finished(),
             block_copies=tuple(self.kv.take_copies()),
+            tier_copies=self.kv.take_tier_copies(),
             grammar_bitmask=self.structured.bitmask(constrained),
         )
 
@@ -227,9 +228,11 @@ class Scheduler(BeamScheduling):
             # computes all of it. (Embeddings fill the cache like any prompt: their KV is a generation's.)
             whole = request.sampling_params.reads_every_prompt_position
             cached = [] if whole else self.kv.find_cached_prefix(request)
-            num_cached = len(cached[0]) * self.kv.block_size if cached else 0
+            num_pool_blocks = len(cached[0]) if cached else 0
+            from_tier = [] if whole else self.kv.find_in_tier(request, num_pool_blocks)
+            num_cached = (num_pool_blocks + len(from_tier)) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached):
+            if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached, from_tier=from_tier):
                 break
             self.kv.record_lookup(request.num_tokens, num_cached)
             request.num_computed_tokens = num_cached

@@ -28,6 +28,15 @@ class SchedulerStats:
     prefix_cache_hits: int  # of them, found there
     spec_decoding: SpecDecodeStats  # drafts verified and accepted, since the engine started
     mask_timing: MaskTiming  # structured output's token masks: how many, and their time
+    tier: TierStats | None = None  # the host-RAM KV tier (--kv-offload-ram), if there is one
+
+
+@dataclass(frozen=True)
+class TierStats:
+    capacity_blocks: int
+    used_blocks: int
+    stored_blocks: int  # evicted from the pool into the tier, since the engine started
+    loaded_blocks: int  # loaded back into the pool for a prompt's prefix
 
 
 def read_stats(scheduler: Scheduler) -> SchedulerStats:
@@ -44,4 +53,7 @@ def read_stats(scheduler: Scheduler) -> SchedulerStats:
         prefix_cache_hits=kv.prefix_cache_hits,
         spec_decoding=replace(spec, accepted_per_position=list(spec.accepted_per_position)),
         mask_timing=replace(scheduler.structured.timing),
+        tier=None
+        if kv.tier is None
+        else TierStats(kv.tier.num_slots, kv.tier.num_used, kv.tier.num_stored, kv.tier.num_loaded),  # fmt: skip
     )

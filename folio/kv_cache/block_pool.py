@@ -10,6 +10,7 @@ A model with several KV cache groups caches each group's blocks under its own ke
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable
 
 from folio.kv_cache.hashing import BlockKey
 
@@ -31,6 +32,8 @@ class BlockPool:
         # Free blocks, least recently freed first: allocation evicts from the front.
         self._free: OrderedDict[int, None] = OrderedDict.fromkeys(range(num_blocks))
         self._cached: dict[CacheKey, int] = {}
+        # Told of each cached block the pool evicts, while its KV is still intact (the host tier's store).
+        self.on_evict: Callable[[int, CacheKey], None] | None = None
 
     @property
     def num_free_blocks(self) -> int:
@@ -96,3 +99,5 @@ class BlockPool:
         if key is not None:
             del self._cached[key]
             self.keys[block] = None
+            if self.on_evict is not None:
+                self.on_evict(block, key)

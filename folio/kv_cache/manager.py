@@ -24,7 +24,8 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 from folio.kv_cache.block_pool import BlockPool
-from folio.kv_cache.hashing import extend_block_keys
+from folio.kv_cache.hashing import BlockKey, extend_block_keys
+from folio.kv_cache.host_tier import HostTier, TierCopy
 
 if TYPE_CHECKING:
     from folio.engine.request import Request
@@ -59,6 +60,21 @@ class KVCacheManager:
         self.pending_copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) for the next forward
         self._num_dropped: dict[str, list[int]] = {}  # per group: leading blocks now the placeholder
         self._placeholder: int | None = None  # held once by the manager while any table has dropped blocks
+        self.tier: HostTier | None = None  # the host-RAM tier under the pool (attach_tier)
+
+    def attach_tier(self, tier: HostTier) -> None:
+        """Keep the blocks the pool evicts from the prefix cache in `tier`, and find prefixes there too."""
+        if self.num_groups != 1:
+            raise ValueError("a host-RAM KV tier needs one block table per request (this model's sliding-window "
+                             "layers keep their own: pass --no-hybrid-kv-cache)")  # fmt: skip
+        if not self.enable_prefix_caching:
+            raise ValueError("a host-RAM KV tier keeps prefix-cache blocks: it needs prefix caching on")
+        self.tier = tier
+        self.pool.on_evict = tier.store
+
+    def take_tier_copies(self) -> tuple[TierCopy, ...]:
+        """The copies between the pool and the host tier that the runner makes before the next forward."""
+        return self.tier.take_ops() if self.tier is not None else ()
 
     @property
     def drops_blocks(self) -> bool:
@@ -118,6 +134,19 @@ class KVCacheManager:
             return [[] for _ in self.group_windows]  # no block to make the placeholder of: nothing to reuse
         return tables
 
+    def find_in_tier(self, request: Request, num_cached_blocks: int) -> list[BlockKey]:
+        """The keys of the blocks right after the request's `num_cached_blocks` cached ones that the host
+        tier holds, up to the first it lacks (the last prompt token is always computed)."""
+        if self.tier is None:
+            return []
+        keys = request.block_keys[: (request.num_tokens - 1) // self.block_size]
+        found = []
+        for key in keys[num_cached_blocks:]:
+            if (0, key) not in self.tier:
+                break
+            found.append(key)
+        return found
+
     def _first_seen_block(self, num_blocks: int, window: int) -> int:
         """After a prefix of `num_blocks` whole blocks, the first block the next query's window reaches."""
         return min(max(num_blocks * self.block_size - window + 1, 0) // self.block_size, num_blocks)
@@ -128,9 +157,12 @@ class KVCacheManager:
         total_tokens: int,
         cached_blocks: Sequence[Sequence[int]] = (),
         write_from: int | None = None,
+        from_tier: Sequence[BlockKey] = (),
     ) -> bool:
         """Make room for `total_tokens` tokens of KV in every group's table, starting the tables with
-        `cached_blocks` (one list per group, only for a request that holds no blocks yet). `write_from`
+        `cached_blocks` (one list per group, only for a request that holds no blocks yet), then blocks
+        loaded from the host tier for the keys `from_tier` (find_in_tier), registered in the prefix cache
+        as they are loaded. `write_from`
         is the first position written this step: if it falls inside a block another request also holds
         (a fork's last prompt block), that block is copied first. False, and nothing changed, if the pool
         is short."""
@@ -168,9 +200,19 @@ class KVCacheManager:
                     self.pool.touch(block)
         if any(placeholders):
             self._num_dropped[request_id] = placeholders
-        if cached[0]:
-            self._num_registered[request_id] = len(cached[0])
+        if cached[0] or from_tier:
+            self._num_registered[request_id] = len(cached[0]) + len(from_tier)
+        pinned = [(0, key) for key in from_tier]
+        if self.tier is not None:
+            self.tier.pin(pinned)  # the blocks this allocation evicts must not push them out of the tier
         tables = [table + extra + self.pool.allocate(missing) for table, extra in zip(tables, cached, strict=True)]
+        if from_tier:
+            assert self.tier is not None and self.num_groups == 1
+            start = len(cached[0])
+            for key, block in zip(from_tier, tables[0][start : start + len(from_tier)], strict=True):
+                self.tier.load((0, key), block)
+                self.pool.register(block, key)
+            self.tier.unpin(pinned)
         for group in copies:
             assert copy_at is not None
             table = tables[group]

@@ -101,6 +101,13 @@ class ServerMetrics:
             ["model_name", "position"], registry=self.registry,
         )  # fmt: skip
         self._spec_seen = SpecDecodeStats()
+        # The host-RAM KV tier (--kv-offload-ram): zero without one.
+        self.tier_stored = counter("kv_offload_ram_stored_blocks", "Prefix-cache blocks the pool evicted into the "
+                                   "host-RAM tier.")  # fmt: skip
+        self.tier_loaded = counter("kv_offload_ram_loaded_blocks", "Blocks loaded back from the host-RAM tier for "
+                                   "a prompt's prefix.")  # fmt: skip
+        self.tier_usage = gauge("kv_offload_ram_usage_ratio", "Fraction of the host-RAM tier's blocks in use (0-1).")
+        self._tier_seen = (0, 0)
         self.success = Counter(
             "folio:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
             registry=self.registry,
@@ -118,6 +125,11 @@ class ServerMetrics:
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
         self._count_speculation(reading.spec_decoding)
+        if (tier := reading.tier) is not None:
+            self.tier_stored.inc(tier.stored_blocks - self._tier_seen[0])
+            self.tier_loaded.inc(tier.loaded_blocks - self._tier_seen[1])
+            self._tier_seen = (tier.stored_blocks, tier.loaded_blocks)
+            self.tier_usage.set(tier.used_blocks / tier.capacity_blocks)
         generated = 0
         for request in updated:
             # Usually one new token; a beam search's results arrive once, with all of theirs.

@@ -73,17 +73,17 @@ class LoadedModel:
 def estimate_bytes(source: ModelSource, args: EngineArgs) -> int:
     """What a model will hold before it loads: its weights as stored (a pulled or local file; 0 for one
     still to download) and the KV cache its flags ask for (the engine's default share of free memory
-    where none is given; a pool given in blocks counts once loaded)."""
+    where none is given; a pool given in blocks counts once loaded), and its host-RAM KV tier."""
     path = source.local_path()
-    weights = 0
+    held = parse_memory(args.kv_offload_ram) or 0
     if path is not None:
         files = [f for f in path.iterdir() if f.is_file()] if path.is_dir() else [path]
-        weights = sum(f.stat().st_size for f in files)
+        held += sum(f.stat().st_size for f in files)
     if args.num_kv_blocks is not None:
-        return weights
+        return held
     kv = parse_memory(args.kv_cache_memory)
     device = torch.device(args.device) if args.device else default_device()
-    return weights + (kv if kv is not None else default_kv_cache_memory(device))
+    return held + (kv if kv is not None else default_kv_cache_memory(device))
 
 
 def engine_args_for(source: ModelSource, base_args: EngineArgs, options: ManagerOptions, lora: bool) -> EngineArgs:

@@ -28,6 +28,7 @@ from folio.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
 from folio.worker.cuda_graphs import DecodeGraphs
+from folio.worker.host_tier_store import HostTierStore
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.pooling import pool_embeddings
 from folio.worker.request_states import RequestState, RequestStates
@@ -86,6 +87,7 @@ class ModelRunner:
         self.proposer: Proposer | None = None
         self.logits_observer: LogitsObserver | None = None
         self.lora: LoRAStore | None = None  # set by the engine with --enable-lora (whole models)
+        self.host_tier: HostTierStore | None = None  # set by the engine with --kv-offload-ram
         fmt = kv_format(cache.kv_cache_dtype)
         slots = self.slots_per_block
         self.kv_groups = kv_groups
@@ -155,6 +157,9 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the batch; samples a token for each request whose chunk reached its end (an
         embedding request's pooled hidden state instead)."""
+        if out.tier_copies:  # first: a save reads a block this step may write into
+            assert self.host_tier is not None
+            self.host_tier.run(out.tier_copies)
         for state in self.requests.update(out):
             if self.proposer is not None:
                 self.proposer.finish(state.request_id, state.token_ids)

@@ -1,0 +1,52 @@
+"""The runner's half of the host-RAM KV tier (the scheduler's half: kv_cache/host_tier.py): the bytes
+of each tier slot, and the copies between them and the pool's blocks that each step's `TierCopy`
+batches ask for, made in order before anything else in the step touches the cache.
+
+A slot holds one block of every layer, in the cache's own format (8-bit codes with their scales, float8
+as bytes), so a block comes back bit for bit as it left.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from folio.kv_cache.host_tier import TierCopy
+from folio.layers.attention.kv_tensors import LayerKV, lazy_zeros
+
+
+def _raw(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+def block_bytes(kv_caches: list[LayerKV], slots_per_block: int) -> int:
+    """Bytes of one block of every layer's K/V (and scales)."""
+    return sum(t[0].numel() * t.element_size() * slots_per_block for layer in kv_caches for t in layer.tensors())
+
+
+class HostTierStore:
+    def __init__(self, kv_caches: list[LayerKV], num_slots: int, slots_per_block: int) -> None:
+        self.slots_per_block = slots_per_block
+        # Per layer, per tensor: the pool's blocks as [blocks, slots_per_block, ...] and the tier's slots alike.
+        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer in kv_caches:
+            for tensor in layer.tensors():
+                raw = _raw(tensor)
+                blocks = raw.view(-1, slots_per_block, *raw.shape[1:])
+                shape = (num_slots, *blocks.shape[1:])
+                if raw.device.type == "cpu":
+                    host = lazy_zeros(shape, raw.dtype, raw.device)  # pages taken as slots fill
+                else:
+                    host = torch.empty(shape, dtype=raw.dtype, pin_memory=True)
+                self._pairs.append((blocks, host))
+
+    @torch.inference_mode()
+    def run(self, copies: tuple[TierCopy, ...]) -> None:
+        for copy in copies:
+            device = self._pairs[0][0].device
+            block_ids = torch.tensor(copy.blocks, dtype=torch.long, device=device)
+            slot_ids = torch.tensor(copy.slots, dtype=torch.long)
+            for blocks, host in self._pairs:
+                if copy.load:
+                    blocks[block_ids] = host[slot_ids].to(blocks.device, non_blocking=True)
+                else:
+                    host[slot_ids] = blocks[block_ids].to("cpu")
