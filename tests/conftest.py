@@ -9,6 +9,7 @@ OpenMP's spinning threads then slow each test several times over."""
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 
 import pytest
@@ -93,3 +94,17 @@ def offline_llm(smollm2_gguf) -> LLM:
     """An in-process engine for offline runs and comparisons (the served one belongs to the server's
     engine thread). Tests leave it with no request in flight."""
     return LLM(smollm2_gguf, kv_cache_memory="64MiB")
+
+
+# FOLIO_TEST_TIMELINE=FILE: each test's xdist worker, start and end (monotonic seconds) and id, a line each,
+# to see which files a run ends on (what SLOWEST_FILES orders). Written by the workers only.
+if (_TIMELINE := os.environ.get("FOLIO_TEST_TIMELINE")) and "PYTEST_XDIST_WORKER" in os.environ:
+    _started: dict[str, float] = {}
+
+    def pytest_runtest_logstart(nodeid: str, location: tuple) -> None:
+        _started[nodeid] = time.monotonic()
+
+    def pytest_runtest_logfinish(nodeid: str, location: tuple) -> None:
+        worker, started = os.environ["PYTEST_XDIST_WORKER"], _started.pop(nodeid, 0.0)
+        with open(_TIMELINE, "a") as out:
+            out.write(f"{worker} {started:.1f} {time.monotonic():.1f} {nodeid}\n")
