@@ -228,9 +228,8 @@ class Scheduler(BeamScheduling):
             # computes all of it. (Embeddings fill the cache like any prompt: their KV is a generation's.)
             whole = request.sampling_params.reads_every_prompt_position
             cached = [] if whole else self.kv.find_cached_prefix(request)
-            num_pool_blocks = len(cached[0]) if cached else 0
-            from_tier = [] if whole else self.kv.find_in_tier(request, num_pool_blocks)
-            num_cached = (num_pool_blocks + len(from_tier)) * self.kv.block_size
+            from_tier = [] if whole else self.kv.find_in_tier(request, len(cached[0]) if cached else 0)
+            num_cached = ((len(cached[0]) if cached else 0) + len(from_tier)) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if not self.kv.allocate_slots(request.request_id, num_cached + num_new, cached, from_tier=from_tier):
                 break

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import socket
+import subprocess
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterable, Iterator
@@ -22,6 +25,32 @@ def free_port() -> int:
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         return probe.getsockname()[1]
+
+
+class ServeProcess:
+    """`folio serve ARGS --port <free port>` as a process of its own, its output in a temporary log."""
+
+    def __init__(self, *args: str) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-serve-", suffix=".log")  # noqa: SIM115
+        command = [sys.executable, "-m", "folio.cli", "serve", *args, "--port", str(self.port)]
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
+
+    def output(self) -> str:
+        return open(self.log.name).read()
+
+    def wait_ready(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            assert self.process.poll() is None, self.output()[-3000:]
+            try:
+                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.1)
+        raise AssertionError(f"not serving:\n{self.output()[-3000:]}")
 
 
 def read_until(stream: Iterable[str], word: str, lines: list[str]) -> str:

@@ -12,9 +12,6 @@ import os
 import re
 import shutil
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -28,7 +25,7 @@ import pytest
 
 from folio import LLM, LoRARequest, SamplingParams
 from folio.paths import folio_home
-from tests.api.server_runner import MODEL, free_port
+from tests.api.server_runner import MODEL, ServeProcess
 from tests.tiny_models import make_lora_adapter, make_tiny_chat_model
 
 GEMMA = "gemma3-270m"
@@ -37,29 +34,7 @@ TINY_SQL = "tiny-sql"  # a LoRA adapter on tiny
 MARIO = "folio-test-mario"  # a model the tests create (in folio's home) and delete
 
 
-class ManyModelServer:
-    def __init__(self, *args: str) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-many-", suffix=".log")  # noqa: SIM115
-        command = [sys.executable, "-m", "folio.cli", "serve", *args, "--port", str(self.port)]
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return open(self.log.name).read()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.output()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"not serving:\n{self.output()[-3000:]}")
-
+class ManyModelServer(ServeProcess):
     def engine_pid(self, name: str) -> int:
         """The engine process of `name`'s latest load, from the server's log."""
         pids = re.findall(rf"loaded {re.escape(name)} in [\d.]+ s \(engine in process (\d+)\)", self.output())

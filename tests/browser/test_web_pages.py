@@ -11,9 +11,6 @@ from __future__ import annotations
 import json
 import re
 import signal
-import subprocess
-import sys
-import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -24,7 +21,7 @@ import jsonschema
 import pytest
 from playwright.sync_api import Browser, Page, sync_playwright
 
-from tests.api.server_runner import MODEL, free_port
+from tests.api.server_runner import MODEL, ServeProcess
 from tests.browser.chromium import chromium_path
 
 GEMMA = "gemma3-270m"
@@ -36,30 +33,10 @@ PHONE = {"width": 390, "height": 844}
 HOSTILE = '<script>window.pwned=1</script><img src=x onerror="window.pwned=2"> [click](javascript:window.pwned=3)'
 
 
-class Served:
+class Served(ServeProcess):
     def __init__(self) -> None:
-        self.port = free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
-        self.log = tempfile.NamedTemporaryFile("w+", prefix="folio-web-", suffix=".log")  # noqa: SIM115
-        command = [sys.executable, "-m", "folio.cli", "serve", MODEL, GEMMA, "--port", str(self.port),
-                   "--api-key", KEY, "--keep-alive", "10m", "--num-kv-blocks", "128",
-                   "--reasoning-parser", "think"]  # fmt: skip
-        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT)
-
-    def output(self) -> str:
-        return Path(self.log.name).read_text()
-
-    def wait_ready(self, timeout: float) -> None:
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.process.poll() is None, self.output()[-3000:]
-            try:
-                if httpx.get(f"{self.url}/health", timeout=1).status_code == 200:
-                    return
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise AssertionError(f"not serving:\n{self.output()[-3000:]}")
+        super().__init__(MODEL, GEMMA, "--api-key", KEY, "--keep-alive", "10m", "--num-kv-blocks", "128",
+                         "--reasoning-parser", "think")  # fmt: skip
 
     def get(self, path: str) -> httpx.Response:
         return httpx.get(f"{self.url}{path}", headers={"Authorization": f"Bearer {KEY}"}, timeout=30)
