@@ -92,9 +92,11 @@ class CacheConfig:
     # (kv_cache/groups.py), so its window layers free the blocks behind the window; False: one table.
     hybrid_kv_cache: bool = True
     kv_offload_ram: int | None = None  # bytes of host RAM for prefix-cache blocks the pool evicts; None: none
+    kv_cache_dir: str | None = None  # a directory that keeps computed prefix-cache blocks as files; None: none
+    kv_cache_disk: int | None = None  # bytes of files there at most; None: 20 GiB or half the free space
 
     def __post_init__(self) -> None:
-        for name in ("block_size", "kv_cache_memory", "num_blocks", "kv_offload_ram"):
+        for name in ("block_size", "kv_cache_memory", "num_blocks", "kv_offload_ram", "kv_cache_disk"):
             if (value := getattr(self, name)) is not None and value <= 0:
                 raise ValueError(f"{name} must be positive, got {value}")
         check_kv_cache_dtype(self.kv_cache_dtype)

@@ -50,6 +50,10 @@ class EngineArgs:
     kv_offload_ram: str | int | None = _flag(None, "host RAM that keeps the prefix-cache blocks the KV pool evicts, "
                                              "e.g. 4GiB; a later prompt with that prefix loads them back instead "
                                              "of recomputing them (default: none)")  # fmt: skip
+    kv_cache_dir: str | None = _flag(None, "a directory where every computed prefix-cache block is also kept as a "
+                                     "file, read back after memory pressure or a restart (default: none)")  # fmt: skip
+    kv_cache_disk: str | int | None = _flag(None, "size of --kv-cache-dir's files at most, e.g. 20GiB (default: "
+                                            "20GiB or half the free space)")  # fmt: skip
     block_size: int = _flag(16, "tokens per KV block (default 16)")
     max_num_seqs: int = _flag(128, "requests running at once")
     max_num_batched_tokens: int = _flag(1024, "token budget of one step")
@@ -182,7 +186,8 @@ class EngineArgs:
     def cache_config(self) -> CacheConfig:
         return self._config(CacheConfig, kv_cache_memory=parse_memory(self.kv_cache_memory),
                             num_blocks=self.num_kv_blocks,
-                            kv_offload_ram=parse_memory(self.kv_offload_ram))  # fmt: skip
+                            kv_offload_ram=parse_memory(self.kv_offload_ram),
+                            kv_cache_disk=parse_memory(self.kv_cache_disk))  # fmt: skip
 
     def scheduler_config(self, model_max_len: int) -> SchedulerConfig:
         """`model_max_len`: the model's own context length, served when `max_model_len` is not given."""
@@ -193,7 +198,8 @@ class EngineArgs:
 
 _FIELDS: dict[str, Field] = {f.name: f for f in fields(EngineArgs)}
 # Each group's flags, in the order `--help` lists them.
-_ENGINE_FLAGS = ("dtype", "device", "kv_cache_memory", "num_kv_blocks", "kv_offload_ram", "block_size", "max_num_seqs",
+_ENGINE_FLAGS = ("dtype", "device", "kv_cache_memory", "num_kv_blocks", "kv_offload_ram", "kv_cache_dir",
+                 "kv_cache_disk", "block_size", "max_num_seqs",
                  "max_num_batched_tokens", "max_model_len", "batching", "batch_size", "batch_timeout_ms",
                  "quantization", "activation_bits", "kv_cache_dtype", "enable_prefix_caching", "hybrid_kv_cache",
                  "pooling", "compile", "enforce_eager", "enable_lora", "max_loras", "max_lora_rank",

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from folio.kv_cache.host_tier import TierCopy
+from folio.kv_cache.tier_ops import TierOps
 from folio.outputs import TokenLogprob
 from folio.sampling_params import SamplingParams
 
@@ -72,7 +72,7 @@ class SchedulerOutput:
     preempted_ids: tuple[str, ...] = ()
     finished_request_ids: frozenset[str] = frozenset()  # ended since the last step: the runner forgets them
     block_copies: tuple[tuple[int, int], ...] = ()  # (src, dst): copy-on-write, before the forward
-    tier_copies: tuple[TierCopy, ...] = ()  # host-RAM tier saves and loads, in order, before everything else
+    tier_ops: TierOps = TierOps()  # the KV tiers' saves, copies and reads, before everything else
     grammar_bitmask: GrammarBitmask | None = None
 
     @property

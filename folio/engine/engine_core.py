@@ -7,6 +7,7 @@ import logging
 import weakref
 from collections import deque
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 import torch
 from torch import nn
@@ -22,12 +23,12 @@ from folio.config import (
 )
 from folio.distributed.pipeline_parallel import partition_layers
 from folio.distributed.tensor_parallel import TensorParallel, head_shard
+from folio.engine.kv_tiers import attach_disk_tier, attach_host_tier, fingerprint_settings, sync_tiers
 from folio.engine.request import FinishReason, Request
 from folio.engine.scheduler import Scheduler
 from folio.engine.stats import SchedulerStats
 from folio.engine_args import EngineArgs
 from folio.kv_cache.groups import KVGroups, one_group, plan_kv_groups
-from folio.kv_cache.host_tier import HostTier
 from folio.kv_cache.manager import KVCacheManager
 from folio.loaders.catalog import resolve_model
 from folio.loaders.model_loader import LoadedModel, load_model, open_checkpoint
@@ -42,7 +43,6 @@ from folio.step import ModelRunnerOutput, SchedulerOutput
 from folio.structured.grammar import GrammarCompiler
 from folio.weight_formats.activation_bits import set_activation_bits
 from folio.worker.executor import SplitModelExecutor, WorkerDiedError, WorkerLaunch
-from folio.worker.host_tier_store import HostTierStore, block_bytes
 from folio.worker.model_runner import ModelRunner, kv_bytes_per_token
 from folio.worker.rank import WorkerSpec
 
@@ -155,7 +155,10 @@ class EngineCore:
                                                  cache_config.block_size, dtype, device, shared,
                                                  kv_groups.layer_group)  # fmt: skip
         if cache_config.kv_offload_ram is not None:
-            self._attach_host_tier(cache_config.kv_offload_ram)
+            if not isinstance(self.runner, ModelRunner):
+                raise ValueError("--kv-offload-ram needs a whole model in this process (not yet tensor, pipeline "
+                                 "or context parallelism)")  # fmt: skip
+            attach_host_tier(self.kv, self.runner, cache_config.kv_offload_ram)
         if len(stages) > 1:
             logger.info("pipeline stages hold layers %s", ", ".join(f"{r.start}-{r.stop - 1}" for r in stages))
         # A pipeline of P stages keeps up to P steps in flight (disjoint requests): stage 0 starts the
@@ -176,20 +179,6 @@ class EngineCore:
                     self.kv_cache_bytes / 2**20, bytes_per_token, ranks,
                     cache_config.kv_cache_dtype, max_len, "on" if cache_config.enable_prefix_caching else "off",
                     _groups_note(kv_groups))  # fmt: skip
-
-    def _attach_host_tier(self, ram: int) -> None:
-        """--kv-offload-ram: a host-RAM tier of `ram` bytes under the block pool."""
-        if not isinstance(self.runner, ModelRunner):
-            raise ValueError("--kv-offload-ram needs a whole model in this process (not yet tensor, pipeline or "
-                             "context parallelism)")  # fmt: skip
-        per_block = block_bytes(self.runner.kv_caches, self.runner.slots_per_block)
-        num_slots = ram // per_block
-        if num_slots < 1:
-            raise ValueError(f"--kv-offload-ram of {ram} bytes holds no KV block ({per_block} bytes)")
-        self.kv.attach_tier(HostTier(num_slots))
-        self.runner.host_tier = HostTierStore(self.runner.kv_caches, num_slots, self.runner.slots_per_block)
-        logger.info("KV host tier: %d blocks (%.1f MiB of RAM) keep the prefix-cache blocks the pool evicts",
-                    num_slots, num_slots * per_block / 2**20)  # fmt: skip
 
     @classmethod
     def from_engine_args(cls, args: EngineArgs) -> EngineCore:
@@ -248,6 +237,8 @@ class EngineCore:
                     ", layers torch.compile'd" if args.compile else "",
                     ", 8-bit activations into the int8 dot products" if args.activation_bits == 8 else "")  # fmt: skip
         engine.grammars = GrammarCompiler(loaded.tokenizer, config.vocab_size)
+        if args.kv_cache_dir is not None:
+            engine._attach_disk_tier(args, dtype)
         if args.enable_lora:
             if whole is None or not isinstance(engine.runner, ModelRunner) or engine.runner.context is not None:
                 raise ValueError("LoRA adapters are served by a whole model in this process: not with tensor, "
@@ -259,6 +250,19 @@ class EngineCore:
             logger.info("LoRA: up to %d adapters at once, rank up to %d, kept in %s", args.max_loras,
                         args.max_lora_rank, str(lora_dtype).removeprefix("torch."))  # fmt: skip
         return engine
+
+    def _attach_disk_tier(self, args: EngineArgs, dtype: torch.dtype) -> None:
+        runner, loaded = self.runner, self.loaded
+        if not isinstance(runner, ModelRunner) or loaded is None:
+            raise ValueError("--kv-cache-dir needs a whole model in this process (not yet tensor, pipeline or "
+                             "context parallelism)")  # fmt: skip
+        cache = args.cache_config()
+        settings = fingerprint_settings(loaded.config, dtype, cache.kv_cache_dtype, loaded.quantization,
+                                        args.activation_bits)  # fmt: skip
+        attach_disk_tier(self.kv, runner, Path(cache.kv_cache_dir or "."), cache.kv_cache_disk, loaded.path,
+                         settings, self.max_model_len)  # fmt: skip
+        if runner.disk_tier is not None:  # its thread writes what is queued before the process ends
+            weakref.finalize(self, runner.disk_tier.close)
 
     # -- LoRA adapters -------------------------------------------------------------------------------
     def add_lora(self, request: LoRARequest) -> None:
@@ -335,10 +339,13 @@ class EngineCore:
     def stalled(self) -> bool:
         """The last step scheduled nothing and no step is under way: requests wait for a batch to
         form (a caller may sleep until one does); with a step in flight, its result is coming."""
-        return self.last_step is not None and self.last_step.num_batched_tokens == 0 and not self.in_flight
+        idle = self.last_step is not None and self.last_step.num_batched_tokens == 0 and not self.in_flight
+        return idle and not self.kv.tier_loads_pending  # with reads from disk pending, the next step waits for them
 
     def shutdown(self) -> None:
-        """Stop the model's ranks, if it has any (an in-process model needs nothing)."""
+        """Stop the model's ranks, if it has any; let the disk KV tier finish its writes, if there is one."""
+        if isinstance(self.runner, ModelRunner) and self.runner.disk_tier is not None:
+            self.runner.disk_tier.close()
         if isinstance(self.runner, SplitModelExecutor):
             with contextlib.suppress(WorkerDiedError):
                 while self.in_flight:  # the ranks finish what they were given before they stop
@@ -352,7 +359,10 @@ class EngineCore:
         out = self.scheduler.schedule()
         if self.max_steps_in_flight == 1:
             self._record(out)
-            return self._apply(out, self.runner.execute(out))  # an empty step still tells the runner who ended
+            updated = self._apply(out, self.runner.execute(out))  # an empty step still tells the runner who ended
+            if isinstance(self.runner, ModelRunner) and self.kv.tier is not None:
+                sync_tiers(self.kv, self.runner, out.is_empty)
+            return updated
         started = not out.is_empty or bool(out.finished_request_ids)
         if started:
             assert isinstance(self.runner, SplitModelExecutor)

@@ -125,9 +125,7 @@ def import_prefix(core: EngineCore, blocks: KVBlocks) -> int:
                 wanted[group].append(i)
             reserved += len(lacking)
         targets = [(pool.allocate(len(picked)), picked) for picked in wanted]
-        if evicted := core.kv.take_tier_copies():  # saved to the host tier before they are written over
-            assert runner.host_tier is not None
-            runner.host_tier.run(evicted)
+        runner.run_tier_ops(core.kv.take_tier_ops())  # evicted blocks are saved before they are written over
         for fresh, picked in targets:
             placed.extend(zip(picked, fresh, strict=True))
         write_kv_blocks(runner, blocks, targets)

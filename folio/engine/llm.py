@@ -40,6 +40,8 @@ class LLM:
         kv_cache_memory: str | int | None = None,
         num_kv_blocks: int | None = None,
         kv_offload_ram: str | int | None = None,
+        kv_cache_dir: str | Path | None = None,
+        kv_cache_disk: str | int | None = None,
         block_size: int = 16,
         max_num_seqs: int = 128,
         max_num_batched_tokens: int = 1024,
@@ -76,7 +78,8 @@ class LLM:
             pipeline_layers = ",".join(map(str, pipeline_layers))
         args = EngineArgs(
             str(model), dtype=dtype, device=device, kv_cache_memory=kv_cache_memory, num_kv_blocks=num_kv_blocks,
-            kv_offload_ram=kv_offload_ram, block_size=block_size, max_num_seqs=max_num_seqs,
+            kv_offload_ram=kv_offload_ram, kv_cache_dir=None if kv_cache_dir is None else str(kv_cache_dir),
+            kv_cache_disk=kv_cache_disk, block_size=block_size, max_num_seqs=max_num_seqs,
             max_num_batched_tokens=max_num_batched_tokens, max_model_len=max_model_len,
             enable_prefix_caching=enable_prefix_caching,
             hybrid_kv_cache=hybrid_kv_cache, batching=batching, batch_size=batch_size,

@@ -213,7 +213,7 @@ class Scheduler(BeamScheduling):
             preempted_ids=tuple(r.request_id for r in preempted),
             finished_request_ids=self.runner_view.take_finished(),
             block_copies=tuple(self.kv.take_copies()),
-            tier_copies=self.kv.take_tier_copies(),
+            tier_ops=self.kv.take_tier_ops(),
             grammar_bitmask=self.structured.bitmask(constrained),
         )
 
@@ -221,7 +221,7 @@ class Scheduler(BeamScheduling):
         """Move waiting requests to running while budget, sequence slots and blocks last."""
         while budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = next((r for r in self.waiting if self.gate.admits(r) and not self._is_parked(r)
-                            and self._adapter_fits(r)), None)  # fmt: skip
+                            and self._adapter_fits(r) and self.kv.tiers_ready(r)), None)  # fmt: skip
             if request is None:
                 break
             # A cached block has no logits or hidden states: a request scoring its prompt or mean-pooling it

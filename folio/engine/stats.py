@@ -10,6 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
+from folio.kv_cache.tier_ops import DiskCounters
 from folio.spec_decode.scheduling import SpecDecodeStats
 from folio.structured.grammar import MaskTiming
 
@@ -29,6 +30,7 @@ class SchedulerStats:
     spec_decoding: SpecDecodeStats  # drafts verified and accepted, since the engine started
     mask_timing: MaskTiming  # structured output's token masks: how many, and their time
     tier: TierStats | None = None  # the host-RAM KV tier (--kv-offload-ram), if there is one
+    disk: DiskStats | None = None  # the disk KV tier (--kv-cache-dir), if there is one
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,17 @@ class TierStats:
     used_blocks: int
     stored_blocks: int  # evicted from the pool into the tier, since the engine started
     loaded_blocks: int  # loaded back into the pool for a prompt's prefix
+
+
+@dataclass(frozen=True)
+class DiskStats:
+    capacity_blocks: int
+    files: int
+    stored_blocks: int  # written, since the engine started
+    loaded_blocks: int  # read back into the RAM tier for a prompt's prefix
+    failed_loads: int  # reads that found no usable file (removed, torn, corrupted, foreign)
+    enabled: bool  # False once a write failed (disk full, read-only)
+    io: DiskCounters  # bytes and seconds of the I/O thread, as of the last step
 
 
 def read_stats(scheduler: Scheduler) -> SchedulerStats:
@@ -56,4 +69,7 @@ def read_stats(scheduler: Scheduler) -> SchedulerStats:
         tier=None
         if kv.tier is None
         else TierStats(kv.tier.num_slots, kv.tier.num_used, kv.tier.num_stored, kv.tier.num_loaded),  # fmt: skip
+        disk=None
+        if (d := kv.disk) is None
+        else DiskStats(d.capacity, d.num_files, d.num_stored, d.num_loaded, d.num_failed, d.enabled, replace(d.io)),
     )

@@ -2,29 +2,22 @@
 pool evicts them, and where a later request's prefix finds them again instead of recomputing them.
 
 This is the scheduler's half: which cache key sits in which of the tier's slots, least recently used
-first out. It never touches KV bytes. What must move is written down as `TierOps`, in order, and sent
-to the runner with the step (the runner's half, worker/host_tier_store.py, holds the slots' bytes):
+first out. It never touches KV bytes. What must move is written down as `TierCopy` batches (tier_ops.py),
+in order, and sent to the runner with the step (the runner's half, worker/host_tier_store.py, holds the slots' bytes):
 a block's KV is saved before the step writes into the block again, and loaded before the forward that
 reads it. A key being loaded is pinned: the saves made room for in the same step never evict it.
+
+Under a disk tier (disk_tier.py), the tier also stages the blocks read back from disk: a slot is
+reserved while its file is being read, and holds the key once the read succeeded.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Iterable
-from dataclasses import dataclass
 
 from folio.kv_cache.block_pool import CacheKey
-
-
-@dataclass(frozen=True)
-class TierCopy:
-    """One batch of copies the runner makes, all in one direction: pool block `blocks[i]` to host slot
-    `slots[i]` (a save) or back (a load). No slot appears twice in a batch."""
-
-    load: bool
-    blocks: tuple[int, ...]
-    slots: tuple[int, ...]
+from folio.kv_cache.tier_ops import TierCopy
 
 
 class HostTier:
@@ -76,6 +69,21 @@ class HostTier:
     def take_ops(self) -> tuple[TierCopy, ...]:
         ops, self._ops = tuple(self._ops), []
         return ops
+
+    def reserve_slot(self) -> int | None:
+        """A slot for a block on its way from disk, out of the LRU until `fill` or `release`; None if
+        every key is pinned."""
+        return self._take_slot()
+
+    def fill(self, slot: int, key: CacheKey) -> None:
+        """The reserved `slot` now holds `key`'s block (most recently used)."""
+        if key in self._slots:  # saved again meanwhile: keep that copy
+            self.release(slot)
+            return
+        self._slots[key] = slot
+
+    def release(self, slot: int) -> None:
+        self._free.append(slot)
 
     def _take_slot(self) -> int | None:
         if self._free:

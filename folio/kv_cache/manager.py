@@ -23,9 +23,11 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
-from folio.kv_cache.block_pool import BlockPool
+from folio.kv_cache.block_pool import BlockPool, CacheKey
+from folio.kv_cache.disk_tier import DiskTier
 from folio.kv_cache.hashing import BlockKey, extend_block_keys
-from folio.kv_cache.host_tier import HostTier, TierCopy
+from folio.kv_cache.host_tier import HostTier
+from folio.kv_cache.tier_ops import TierOps
 
 if TYPE_CHECKING:
     from folio.engine.request import Request
@@ -61,6 +63,9 @@ class KVCacheManager:
         self._num_dropped: dict[str, list[int]] = {}  # per group: leading blocks now the placeholder
         self._placeholder: int | None = None  # held once by the manager while any table has dropped blocks
         self.tier: HostTier | None = None  # the host-RAM tier under the pool (attach_tier)
+        self.disk: DiskTier | None = None  # the disk tier under the RAM tier (attach_disk)
+        # Until admitted: request id -> the keys of its prefix read from disk for it (tiers_ready).
+        self._awaiting: dict[str, set[CacheKey]] = {}
 
     def attach_tier(self, tier: HostTier) -> None:
         """Keep the blocks the pool evicts from the prefix cache in `tier`, and find prefixes there too."""
@@ -72,9 +77,49 @@ class KVCacheManager:
         self.tier = tier
         self.pool.on_evict = tier.store
 
-    def take_tier_copies(self) -> tuple[TierCopy, ...]:
-        """The copies between the pool and the host tier that the runner makes before the next forward."""
-        return self.tier.take_ops() if self.tier is not None else ()
+    def attach_disk(self, disk: DiskTier) -> None:
+        """Write each block the prefix cache registers to `disk` too, and read prefixes back from it."""
+        if self.tier is None or disk.host is not self.tier:
+            raise ValueError("a disk KV tier stages its reads in the host-RAM tier: attach that first")
+        self.disk = disk
+
+    def take_tier_ops(self) -> TierOps:
+        """What the runner does for the tiers: before the next forward, or (the disk tier's saves of the
+        blocks a step just computed) right after the step."""
+        if self.tier is None:
+            return TierOps()
+        if self.disk is None:
+            return TierOps(copies=self.tier.take_ops())
+        saves, loads, removes = self.disk.take_ops()
+        return TierOps(saves, self.tier.take_ops(), loads, removes)
+
+    def tiers_ready(self, request: Request) -> bool:
+        """False while blocks of the request's prefix are being read from disk: it waits, the batch goes
+        on. The first call starts the reads; the blocks read stay pinned in the RAM tier until the request
+        is admitted (or leaves), so that other traffic cannot push them out before it gets in."""
+        if self.disk is None or request.sampling_params.reads_every_prompt_position:
+            return True
+        awaited = self._awaiting.get(request.request_id)
+        if awaited is None:
+            num_cached = len(self.find_cached_prefix(request)[0])
+            keys = request.block_keys[num_cached : (request.num_tokens - 1) // self.block_size]
+            awaited = self._awaiting[request.request_id] = self.disk.prefetch(keys)
+        return not awaited & self.disk.loading
+
+    def finish_disk_reads(self, results: Sequence[tuple[int, bool]]) -> None:
+        """The runner's reads from disk that ended: (RAM-tier slot, whether it holds its block now)."""
+        assert self.disk is not None and self.tier is not None
+        awaited = set().union(*self._awaiting.values())
+        self.tier.pin([key for key in self.disk.finish(results) if key in awaited])
+
+    def _unpin(self, keys: set[CacheKey]) -> None:
+        """Unpin `keys` in the RAM tier, but those a request not yet admitted waits for."""
+        assert self.tier is not None
+        self.tier.unpin(keys.difference(*self._awaiting.values()))
+
+    @property
+    def tier_loads_pending(self) -> bool:
+        return self.disk is not None and bool(self.disk.loading)
 
     @property
     def drops_blocks(self) -> bool:
@@ -202,7 +247,7 @@ class KVCacheManager:
             self._num_dropped[request_id] = placeholders
         if cached[0] or from_tier:
             self._num_registered[request_id] = len(cached[0]) + len(from_tier)
-        pinned = [(0, key) for key in from_tier]
+        pinned = {(0, key) for key in from_tier}
         if self.tier is not None:
             self.tier.pin(pinned)  # the blocks this allocation evicts must not push them out of the tier
         tables = [table + extra + self.pool.allocate(missing) for table, extra in zip(tables, cached, strict=True)]
@@ -212,7 +257,10 @@ class KVCacheManager:
             for key, block in zip(from_tier, tables[0][start : start + len(from_tier)], strict=True):
                 self.tier.load((0, key), block)
                 self.pool.register(block, key)
-            self.tier.unpin(pinned)
+        if (awaited := self._awaiting.pop(request_id, None)) is not None:  # admitted
+            pinned |= awaited
+        if pinned:
+            self._unpin(pinned)
         for group in copies:
             assert copy_at is not None
             table = tables[group]
@@ -254,7 +302,10 @@ class KVCacheManager:
         extend_block_keys(request.block_keys, request.all_token_ids(), self.block_size, request.prefix_salt)
         for group, table in enumerate(self.block_tables[request.request_id]):
             for index in range(done, full):
-                self.pool.register(table[index], request.block_keys[index], group)
+                block, key = table[index], request.block_keys[index]
+                self.pool.register(block, key, group)
+                if self.disk is not None and self.pool.keys[block] == (group, key):
+                    self.disk.save(block, (group, key))
         self._num_registered[request.request_id] = full
 
     def trim(self, request_id: str, num_tokens: int) -> None:
@@ -304,6 +355,8 @@ class KVCacheManager:
 
     def free(self, request_id: str) -> None:
         self._num_registered.pop(request_id, None)
+        if (awaited := self._awaiting.pop(request_id, None)) is not None:
+            self._unpin(awaited)
         self._num_dropped.pop(request_id, None)
         for table in self.block_tables.pop(request_id, []):
             self.pool.free(table)

@@ -101,19 +101,52 @@ class ServerMetrics:
             ["model_name", "position"], registry=self.registry,
         )  # fmt: skip
         self._spec_seen = SpecDecodeStats()
-        # The host-RAM KV tier (--kv-offload-ram): zero without one.
-        self.tier_stored = counter("kv_offload_ram_stored_blocks", "Prefix-cache blocks the pool evicted into the "
-                                   "host-RAM tier.")  # fmt: skip
-        self.tier_loaded = counter("kv_offload_ram_loaded_blocks", "Blocks loaded back from the host-RAM tier for "
-                                   "a prompt's prefix.")  # fmt: skip
+        # The KV tiers under the pool (--kv-offload-ram, --kv-cache-dir): zero without them.
+        self._tier_counters = {
+            "ram_stored": counter("kv_offload_ram_stored_blocks", "Prefix-cache blocks the pool evicted into the "
+                                  "host-RAM tier."),
+            "ram_loaded": counter("kv_offload_ram_loaded_blocks", "Blocks loaded back from the host-RAM tier for a "
+                                  "prompt's prefix."),
+            "disk_stored": counter("kv_cache_disk_stored_blocks", "Computed prefix-cache blocks written to the disk "
+                                   "tier."),
+            "disk_loaded": counter("kv_cache_disk_loaded_blocks", "Blocks read back from the disk tier for a prompt's "
+                                   "prefix."),
+            "disk_failed": counter("kv_cache_disk_failed_loads", "Reads from the disk tier that found no usable file "
+                                   "(removed, torn, corrupted or another model's): computed instead."),
+            "disk_written": counter("kv_cache_disk_written_bytes", "Bytes written to the disk tier."),
+            "disk_read": counter("kv_cache_disk_read_bytes", "Bytes read from the disk tier."),
+            "disk_save_seconds": counter("kv_cache_disk_save_seconds", "Seconds the disk tier's I/O thread spent "
+                                         "writing blocks (over stored blocks: the store latency)."),
+            "disk_load_seconds": counter("kv_cache_disk_load_seconds", "Seconds the disk tier's I/O thread spent "
+                                         "reading and checking blocks (over loaded blocks: the load latency)."),
+        }  # fmt: skip
+        self._tier_seen: dict[str, float] = dict.fromkeys(self._tier_counters, 0)
         self.tier_usage = gauge("kv_offload_ram_usage_ratio", "Fraction of the host-RAM tier's blocks in use (0-1).")
-        self._tier_seen = (0, 0)
+        self.disk_usage = gauge("kv_cache_disk_usage_ratio", "Fraction of the disk tier's budget its files hold (0-1).")
+        self.disk_enabled = gauge("kv_cache_disk_enabled", "1 while the disk tier writes; 0 once a write failed (disk "
+                                  "full, read-only) or without one.")  # fmt: skip
         self.success = Counter(
             "folio:request_success", "Requests finished, by reason.", ["model_name", "finished_reason"],
             registry=self.registry,
         )  # fmt: skip
         self._model_name = model_name
         self._progress: dict[str, tuple[float, int]] = {}  # request id -> (last update, tokens seen)
+
+    def _count_tiers(self, reading: SchedulerStats) -> None:
+        totals: dict[str, float] = {}
+        if (tier := reading.tier) is not None:
+            totals.update(ram_stored=tier.stored_blocks, ram_loaded=tier.loaded_blocks)
+            self.tier_usage.set(tier.used_blocks / tier.capacity_blocks)
+        if (disk := reading.disk) is not None:
+            io = disk.io
+            totals.update(disk_stored=disk.stored_blocks, disk_loaded=disk.loaded_blocks, disk_failed=disk.failed_loads,
+                          disk_written=io.bytes_written, disk_read=io.bytes_read, disk_save_seconds=io.save_seconds,
+                          disk_load_seconds=io.load_seconds)  # fmt: skip
+            self.disk_usage.set(disk.files / disk.capacity_blocks)
+            self.disk_enabled.set(float(disk.enabled))
+        for name, total in totals.items():
+            self._tier_counters[name].inc(max(total - self._tier_seen[name], 0))
+            self._tier_seen[name] = total
 
     def on_step(self, updated: list[Request], now: float) -> None:
         stats = self.engine.last_step
@@ -125,11 +158,7 @@ class ServerMetrics:
         self.prefix_hits.inc(hits - self._prefix_seen[1])
         self._prefix_seen = (queries, hits)
         self._count_speculation(reading.spec_decoding)
-        if (tier := reading.tier) is not None:
-            self.tier_stored.inc(tier.stored_blocks - self._tier_seen[0])
-            self.tier_loaded.inc(tier.loaded_blocks - self._tier_seen[1])
-            self._tier_seen = (tier.stored_blocks, tier.loaded_blocks)
-            self.tier_usage.set(tier.used_blocks / tier.capacity_blocks)
+        self._count_tiers(reading)
         generated = 0
         for request in updated:
             # Usually one new token; a beam search's results arrive once, with all of theirs.

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from folio.kv_cache.host_tier import TierCopy
+from folio.kv_cache.tier_ops import TierCopy
 from folio.layers.attention.kv_tensors import LayerKV, lazy_zeros
 
 
@@ -27,7 +27,7 @@ class HostTierStore:
     def __init__(self, kv_caches: list[LayerKV], num_slots: int, slots_per_block: int) -> None:
         self.slots_per_block = slots_per_block
         # Per layer, per tensor: the pool's blocks as [blocks, slots_per_block, ...] and the tier's slots alike.
-        self._pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
+        self.pairs: list[tuple[torch.Tensor, torch.Tensor]] = []
         for layer in kv_caches:
             for tensor in layer.tensors():
                 raw = _raw(tensor)
@@ -37,16 +37,34 @@ class HostTierStore:
                     host = lazy_zeros(shape, raw.dtype, raw.device)  # pages taken as slots fill
                 else:
                     host = torch.empty(shape, dtype=raw.dtype, pin_memory=True)
-                self._pairs.append((blocks, host))
+                self.pairs.append((blocks, host))
+
+    @property
+    def slot_bytes(self) -> int:
+        return sum(host[0].numel() * host.element_size() for _, host in self.pairs)
 
     @torch.inference_mode()
     def run(self, copies: tuple[TierCopy, ...]) -> None:
         for copy in copies:
-            device = self._pairs[0][0].device
+            device = self.pairs[0][0].device
             block_ids = torch.tensor(copy.blocks, dtype=torch.long, device=device)
             slot_ids = torch.tensor(copy.slots, dtype=torch.long)
-            for blocks, host in self._pairs:
+            for blocks, host in self.pairs:
                 if copy.load:
                     blocks[block_ids] = host[slot_ids].to(blocks.device, non_blocking=True)
                 else:
                     host[slot_ids] = blocks[block_ids].to("cpu")
+
+    @torch.inference_mode()
+    def block_payload(self, block: int) -> torch.Tensor:
+        """Pool block `block` of every layer as one new uint8 tensor on the CPU, in slot layout."""
+        return torch.cat([blocks[block].to("cpu").reshape(-1).view(torch.uint8) for blocks, _ in self.pairs])
+
+    @torch.inference_mode()
+    def fill_slot(self, slot: int, payload: torch.Tensor) -> None:
+        """Slot `slot` from a `block_payload` (uint8, slot_bytes long)."""
+        offset = 0
+        for _, host in self.pairs:
+            target = host[slot].reshape(-1).view(torch.uint8)
+            target.copy_(payload[offset : offset + target.numel()])
+            offset += target.numel()

@@ -18,6 +18,7 @@ from folio.config import CacheConfig, ModelConfig, SpeculativeConfig
 from folio.distributed.context_parallel import ContextParallel
 from folio.kv_cache.groups import KVGroups
 from folio.kv_cache.quant import kv_format, slot_bytes_per_head
+from folio.kv_cache.tier_ops import TierOps
 from folio.layers.attention.kv_tensors import LayerKV
 from folio.lora.store import LoRAStore
 from folio.outputs import TokenLogprob
@@ -28,6 +29,7 @@ from folio.step import BeamCandidates, ModelRunnerOutput, SchedulerOutput
 from folio.worker.batch_inputs import BatchInputs, prepare_batch
 from folio.worker.context_step import run_split_context, split_over_ranks
 from folio.worker.cuda_graphs import DecodeGraphs
+from folio.worker.disk_tier_store import DiskTierStore
 from folio.worker.host_tier_store import HostTierStore
 from folio.worker.pipeline_step import Span, micro_batches, run_stage
 from folio.worker.pooling import pool_embeddings
@@ -88,6 +90,7 @@ class ModelRunner:
         self.logits_observer: LogitsObserver | None = None
         self.lora: LoRAStore | None = None  # set by the engine with --enable-lora (whole models)
         self.host_tier: HostTierStore | None = None  # set by the engine with --kv-offload-ram
+        self.disk_tier: DiskTierStore | None = None  # and with --kv-cache-dir
         fmt = kv_format(cache.kv_cache_dtype)
         slots = self.slots_per_block
         self.kv_groups = kv_groups
@@ -153,13 +156,26 @@ class ModelRunner:
         both = split_over_ranks(self.context, hidden, packed, (2,), torch.float64)
         return both[:, 0].long(), both[:, 1].bool()
 
+    def run_tier_ops(self, ops: TierOps) -> None:
+        """The KV tiers' copies and file operations, in the order kv_cache/tier_ops.py gives."""
+        disk = self.disk_tier  # disk operations come only from an engine that attached one
+        if disk is not None:
+            for save in ops.disk_saves:
+                disk.save(save)
+        if ops.copies:
+            assert self.host_tier is not None
+            self.host_tier.run(ops.copies)
+        if disk is not None:
+            for load in ops.disk_loads:
+                disk.load(load)
+            for digest in ops.disk_removes:
+                disk.remove(digest)
+
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> ModelRunnerOutput:
         """One forward over the batch; samples a token for each request whose chunk reached its end (an
         embedding request's pooled hidden state instead)."""
-        if out.tier_copies:  # first: a save reads a block this step may write into
-            assert self.host_tier is not None
-            self.host_tier.run(out.tier_copies)
+        self.run_tier_ops(out.tier_ops)  # first: a save reads a block this step may write into
         for state in self.requests.update(out):
             if self.proposer is not None:
                 self.proposer.finish(state.request_id, state.token_ids)
