@@ -22,9 +22,9 @@ from folio_tools.bench.serve_compare.command import (
     CompareReport,
     ServerRun,
     ServerSpec,
-    default_ctx_size,
     folio_spec,
 )
+from folio_tools.bench.serve_compare.peers import default_ctx_size
 from folio_tools.bench.serve_compare.report import format_table, plotted_rate_index, ratios
 
 from folio.cli import build_parser, main
@@ -194,7 +194,8 @@ def test_peer_problems_fail_before_any_server_starts(tiny_llama, tmp_path, capsy
     assert main(_argv(tiny_llama, tmp_path / "out", "--peer", "vllm")) == 1
     assert _one_error_line(capsys) == (
         "folio: error: unknown --peer 'vllm'; choose from folio-disaggregated, folio-dynamic, folio-engine-process, "
-        "folio-no-prefix-cache, folio-ray-1, folio-replicas, folio-replicas-round-robin, folio-static, llama.cpp"
+        "folio-no-kv-tiers, folio-no-prefix-cache, folio-ray-1, folio-replicas, folio-replicas-round-robin, "
+        "folio-static, llama.cpp, llama.cpp-cache-ram"
     )
     assert main(_argv(tiny_llama, tmp_path / "out", "--llama-extra-body", '{"stream": false}')) == 1
     assert "--llama-extra-body must not set stream" in _one_error_line(capsys)

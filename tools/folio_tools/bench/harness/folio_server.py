@@ -14,7 +14,8 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from folio_tools.bench.peers.llama_cpp_server import free_port, stop_process
-from folio_tools.bench.serve_compare.command import STARTUP_TIMEOUT_S, STOP_GRACE_S, start_process, wait_until_ready
+from folio_tools.bench.serve_compare.command import STOP_GRACE_S, start_process, wait_until_ready
+from folio_tools.bench.serve_compare.peers import STARTUP_TIMEOUT_S
 
 T = TypeVar("T")
 

@@ -12,7 +12,7 @@ prompt cache is on by default.
 
 When the server counts prefix-cache tokens at /metrics (folio, vLLM), each rate also reports the prompt tokens
 it looked up in the prefix cache and those it found there (serve_metrics.py). The cache is not emptied between
-rates, so a later rate of a prefix-sharing workload (document, tenants, multi-turn) finds the earlier rate's
+rates, so a later rate of a prefix-sharing workload (document, tenants, multi-turn, agent) finds the earlier rate's
 prompts; the probe request before the first rate already caches the document of `document`. A server whose
 /metrics lag behind its requests (`folio serve --replicas`, refreshed from the replicas about once a second)
 needs `--metrics-lag S`: the counters are read S seconds after the probe and after each rate's last request.
@@ -38,8 +38,10 @@ from folio_tools.bench.serve.client import (
     run_rate,
 )
 from folio_tools.bench.serve.metrics import (
+    kv_tiers_delta,
     kv_transfer_delta,
     prefix_cache_delta,
+    scrape_kv_tiers,
     scrape_kv_transfer,
     scrape_prefix_cache,
 )
@@ -92,6 +94,7 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
     for rate in config.request_rates:
         before = scrape_prefix_cache(config.base_url)
         handed_before = scrape_kv_transfer(config.base_url) if before is not None else None
+        tiers_before = scrape_kv_tiers(config.base_url) if before is not None else None
         records, duration = asyncio.run(
             run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
         )
@@ -104,6 +107,8 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         )
         if handed_before is not None:  # a disaggregated server: what the hand-overs cost
             summary["kv_transfer"] = kv_transfer_delta(handed_before, scrape_kv_transfer(config.base_url))
+        if tiers_before is not None and (tiers := kv_tiers_delta(tiers_before, scrape_kv_tiers(config.base_url))):
+            summary["kv_tiers"] = tiers  # blocks that came back from RAM and disk instead of being computed
         results.append(RateResult(rate, summary, records))
     return ServeReport(
         command=command,
@@ -194,7 +199,8 @@ def add_parser(benchmarks: argparse._SubParsersAction) -> None:
         "workloads share prefixes: document (questions about one long document, /v1/completions), tenants (the "
         "same about --tenants documents, each request a seeded tenant's, /v1/completions) and multi-turn "
         "(ShareGPT conversations, each turn sent after the previous one finished with the history so far, "
-        "/v1/chat/completions). A server that counts prefix-cache tokens at /metrics (folio) also gets its "
+        "/v1/chat/completions); agent is multi-turn behind one long system prompt every conversation shares. A "
+        "server that counts prefix-cache tokens at /metrics (folio) also gets its "
         "prefix cache's queried and hit tokens reported per rate.",
     )
     parser.add_argument("--base-url", default="http://127.0.0.1:8000", help="server root, with or without /v1")
@@ -226,24 +232,30 @@ def add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) 
     """The workload options that `bench serve` and `bench serve-compare` share (serve-compare takes the
     tokenizer from its MODEL, so it has no --tokenizer)."""
     parser.add_argument(
-        "--dataset", default="random", help="random (default), humaneval, chat, multi-turn, document or tenants"
+        "--dataset",
+        default="random",
+        help="random (default), humaneval, chat, multi-turn, agent, document or tenants",
     )
     parser.add_argument(
         "--dataset-path",
         default=None,
-        help="chat, multi-turn, document, tenants: a ShareGPT-format JSON file to draw from",
+        help="chat, multi-turn, agent, document, tenants: a ShareGPT-format JSON file to draw from",
     )
     parser.add_argument(
-        "--num-prompts", type=int, default=100, help="requests per rate; multi-turn: conversations (default 100)"
+        "--num-prompts", type=int, default=100, help="requests per rate; multi-turn, agent: conversations (default 100)"
     )
     parser.add_argument(
-        "--turns", type=int, default=4, help="multi-turn: user turns per conversation; fewer are skipped (default 4)"
+        "--turns",
+        type=int,
+        default=4,
+        help="multi-turn, agent: user turns per conversation; fewer are skipped (default 4)",
     )
     parser.add_argument(
         "--document-len",
         type=int,
         default=2000,
-        help="document, tenants: tokens of the shared document (of each tenant's) (default 2000)",
+        help="document, tenants, agent: tokens of the shared document (of each tenant's; the system prompt) "
+        "(default 2000)",
     )
     parser.add_argument(
         "--tenants",

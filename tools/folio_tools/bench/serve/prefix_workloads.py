@@ -15,12 +15,18 @@ nothing with other tenants', the workload of a router that sends each prefix to 
 user messages with the dataset's own assistant answers in between (never the model's, so every server gets the
 same workload), so each turn's prompt extends the previous turn's. The client sends turn k+1 only after turn k
 has finished (see `serve_client.run_rate`).
+
+`agent`: `multi-turn` conversations, each behind one long system prompt that all of them share (an agent's
+instructions and tool descriptions: a `document` of `document_len` tokens). Each session's history grows turn by
+turn; with more sessions than the KV pool holds, a server recomputes a history the pool evicted, unless it keeps
+it elsewhere (folio's --kv-offload-ram and --kv-cache-dir, llama-server's --cache-ram).
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -182,3 +188,28 @@ def multi_turn_requests(
             prompt_len, output_len = sum(lengths[: 2 * k + 1]), outputs[c * turns + k]
             requests.append(ServeRequest(shown[-1], prompt_len, output_len, _messages(shown), conversation=c, turn=k))
     return requests
+
+
+def agent_requests(
+    answers: list[str],
+    dialogues: list[list[str]],
+    encode: Encode,
+    decode: Decode,
+    num: int,
+    turns: int,
+    document_len: int,
+    input_range: LengthRange,
+    output_range: LengthRange,
+    seed: int,
+) -> tuple[list[ServeRequest], int]:
+    """`multi_turn_requests` with one shared system prompt of `document_len` tokens first in every request's
+    messages; also returns the system prompt's length in tokens. `input_range` bounds each conversation's own
+    history, without the system prompt."""
+    system = make_document(answers, encode, decode, document_len, seed)
+    system_len = len(encode(system))
+    requests = [
+        replace(r, prompt_len=r.prompt_len + system_len, messages=[{"role": "system", "content": system}, *r.messages])
+        for r in multi_turn_requests(dialogues, encode, num, turns, input_range, output_range, seed)
+        if r.messages is not None
+    ]
+    return requests, system_len

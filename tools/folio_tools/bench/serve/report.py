@@ -44,6 +44,12 @@ def format_table(report: ServeReport) -> str:
         lines.append(row("prefix query tok", [_count(cache, "queried_tokens") for cache in caches]))
         lines.append(row("prefix hit tok", [_count(cache, "hit_tokens") for cache in caches]))
         lines.append(row("prefix hit rate", [_percent(cache) for cache in caches]))
+    tiers = [r.summary.get("kv_tiers") or {} for r in results]
+    if any(tiers):  # folio with --kv-offload-ram or --kv-cache-dir
+        lines.append(row("RAM-tier hit blocks", [t.get("ram_loaded_blocks", 0) for t in tiers]))
+        lines.append(row("disk-tier hit blocks", [t.get("disk_loaded_blocks", 0) for t in tiers]))
+        lines.append(row("disk write MB", [t.get("disk_written_bytes", 0) / 2**20 for t in tiers]))
+        lines.append(row("disk ms/block read", [t.get("disk_load_ms_per_block") for t in tiers]))
     for key, name in LATENCIES:
         for stat in TABLE_STATS:
             lines.append(row(f"{stat} {name} ms", [(r.summary[key] or {}).get(stat) for r in results]))

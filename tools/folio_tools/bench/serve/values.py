@@ -69,7 +69,7 @@ class ServeConfig:
 
     def size_text(self) -> str:
         """How much one rate sends: `100 requests`, or `20 conversations x 4 turns`."""
-        if self.dataset == "multi-turn":
+        if self.dataset in ("multi-turn", "agent"):
             return f"{self.num_prompts} conversations x {self.turns} turns"
         return f"{self.num_prompts} requests"
 
@@ -125,8 +125,8 @@ class ServeReport:
                 "slo_ms": {key: value * 1000 for key, value in c.slo.items()},
                 "price_per_hour": c.price_per_hour,
                 "input_len_range": None if undrawn else str(c.input_len_range),
-                "turns": c.turns if c.dataset == "multi-turn" else None,
-                "document_len": c.document_len if c.dataset in ("document", "tenants") else None,
+                "turns": c.turns if c.dataset in ("multi-turn", "agent") else None,
+                "document_len": c.document_len if c.dataset in ("document", "tenants", "agent") else None,
                 "tenants": c.tenants if c.dataset == "tenants" else None,
                 "output_len_range": str(c.output_len_range),
                 "dataset_path": c.dataset_path,

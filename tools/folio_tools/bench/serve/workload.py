@@ -3,7 +3,7 @@
 Random prompts are token ids decoded to text with the model's tokenizer; the server re-encodes that text,
 which can shift the count by a few tokens, so throughput uses the server's own `usage.prompt_tokens`
 whenever it reports them. Only the tokenizer is loaded (GGUF metadata or tokenizer.json), never weights.
-`document`, `tenants` and `multi-turn`, the workloads that share prefixes, live in serve_prefix_workloads.py.
+`document`, `tenants`, `multi-turn` and `agent`, the workloads that share prefixes, live in prefix_workloads.py.
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ from folio_tools.bench.harness.datasets import (
 )
 from folio_tools.bench.serve.client import ServeRequest
 from folio_tools.bench.serve.prefix_workloads import (
+    agent_requests,
     document_requests,
     multi_turn_requests,
     sharegpt_answers,
@@ -38,9 +39,10 @@ from folio_tools.bench.serve.prefix_workloads import (
 )
 from folio_tools.eval.sharegpt import sharegpt_path
 
-SERVE_DATASETS = ("random", "humaneval", "chat", "multi-turn", "document", "tenants")
-CHAT_DATASETS = ("chat", "multi-turn")  # sent to /v1/chat/completions; the others to /v1/completions
-SHAREGPT_DATASETS = ("chat", "multi-turn", "document", "tenants")  # drawn from a ShareGPT file (--dataset-path)
+SERVE_DATASETS = ("random", "humaneval", "chat", "multi-turn", "agent", "document", "tenants")
+CHAT_DATASETS = ("chat", "multi-turn", "agent")  # sent to /v1/chat/completions; the others to /v1/completions
+# Drawn from a ShareGPT file (--dataset-path).
+SHAREGPT_DATASETS = ("chat", "multi-turn", "agent", "document", "tenants")
 
 
 @dataclass
@@ -84,7 +86,8 @@ def check_dataset(dataset: str, dataset_path: str | None) -> None:
     if dataset_path is not None:
         if dataset not in SHAREGPT_DATASETS:
             raise ValueError(
-                "--dataset-path is for --dataset chat, multi-turn, document or tenants (a ShareGPT-format JSON file)"
+                "--dataset-path is for --dataset chat, multi-turn, agent, document or tenants (a ShareGPT-format JSON "
+                "file)"
             )
         if not Path(dataset_path).is_file():
             raise ValueError(f"--dataset-path {dataset_path}: no such file")
@@ -125,6 +128,12 @@ def build_serve_requests(
         dialogues = sharegpt_dialogues(path, turns)
         requests = multi_turn_requests(dialogues, alone, num, turns, input_range, output_range, seed)
         return ServeWorkload(requests, {"conversations": num, "turns": turns})
+    if dataset == "agent":
+        requests, system_tokens = agent_requests(
+            sharegpt_answers(path), sharegpt_dialogues(path, turns), alone, tokenizer.decode, num, turns,
+            document_len, input_range, output_range, seed,
+        )  # fmt: skip
+        return ServeWorkload(requests, {"conversations": num, "turns": turns, "system_prompt_tokens": system_tokens})
     return ServeWorkload(_single_requests(dataset, bench_tokenizer, num, input_range, output_range, seed, path))
 
 

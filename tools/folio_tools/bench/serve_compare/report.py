@@ -36,6 +36,8 @@ METRICS = (
     ("p99_e2e_ms", "p99 E2E ms", ("e2e_ms", "p99"), "lower"),
     ("prefix_cache_hit_rate", "prefix hit rate", ("prefix_cache", "hit_rate"), "higher"),
     ("kv_handover_ms", "KV hand-over ms", ("kv_transfer", "mean_ms"), "lower"),
+    ("ram_tier_hit_blocks", "RAM-tier hit blocks", ("kv_tiers", "ram_loaded_blocks"), "higher"),
+    ("disk_tier_hit_blocks", "disk-tier hit blocks", ("kv_tiers", "disk_loaded_blocks"), "higher"),
 )
 
 
@@ -64,6 +66,9 @@ def _shown(report: CompareReport) -> list[tuple[str, str, tuple[str, ...], str]]
         skip.add("mfu")  # a report written before MFU was measured
     if all(metric_value(result, ("kv_transfer", "mean_ms")) is None for result in results):
         skip.add("kv_handover_ms")
+    for key, tier in (("ram_tier_hit_blocks", "ram_loaded_blocks"), ("disk_tier_hit_blocks", "disk_loaded_blocks")):
+        if all(metric_value(result, ("kv_tiers", tier)) is None for result in results):
+            skip.add(key)
     if not workload.slo:
         skip.add("goodput_requests_per_s")
     if workload.price_per_hour is None:

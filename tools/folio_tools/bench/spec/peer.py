@@ -19,7 +19,8 @@ from folio_tools.bench.harness.roofline import MachinePeaks, TokenCost
 from folio_tools.bench.peers.llama_cpp_build import build_llama_cpp
 from folio_tools.bench.peers.llama_cpp_server import _help_text, server_command
 from folio_tools.bench.serve.client import ServeRequest
-from folio_tools.bench.serve_compare.command import STARTUP_TIMEOUT_S, ServerSpec, default_ctx_size, running_server
+from folio_tools.bench.serve_compare.command import ServerSpec, running_server
+from folio_tools.bench.serve_compare.peers import STARTUP_TIMEOUT_S, default_ctx_size
 from folio_tools.bench.spec.served import sweep
 from folio_tools.bench.spec.values import Cell, PeerVariant, SpecConfig
 

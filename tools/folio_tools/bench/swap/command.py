@@ -33,12 +33,12 @@ from folio_tools.bench.harness.table import row
 from folio_tools.bench.peers.llama_cpp_build import build_llama_cpp
 from folio_tools.bench.peers.llama_cpp_server import free_port, stop_process, wait_for_health
 from folio_tools.bench.serve_compare.command import (
-    STARTUP_TIMEOUT_S,
     STOP_GRACE_S,
     server_session,
     start_process,
     wait_until_ready,
 )
+from folio_tools.bench.serve_compare.peers import STARTUP_TIMEOUT_S
 from folio_tools.results import machine_info, result_paths, write_json
 
 PROMPT = "Write one sentence about the sea."
