@@ -172,6 +172,7 @@ class EngineCore:
         self.kv_cache_dtype = cache_config.kv_cache_dtype
         self.last_step: StepStats | None = None
         self.num_steps = 0  # steps that ran the model, for per-step figures
+        self._disk_reads_ended = False  # in the last step
         self.grammars: GrammarCompiler | None = None  # set by from_engine_args, which has the tokenizer
         ranks = f" over {tp} tensor-parallel ranks" if tp > 1 else f", {cp} context-parallel ranks" if cp > 1 else ""
         logger.info("KV cache: %d blocks x %d tokens = %d tokens (%.1f MiB, %d bytes/token%s, %s); context length %d; "
@@ -340,7 +341,9 @@ class EngineCore:
         """The last step scheduled nothing and no step is under way: requests wait for a batch to
         form (a caller may sleep until one does); with a step in flight, its result is coming."""
         idle = self.last_step is not None and self.last_step.num_batched_tokens == 0 and not self.in_flight
-        return idle and not self.kv.tier_loads_pending  # with reads from disk pending, the next step waits for them
+        # Not while reads from disk are under way (the next step waits for them) or just ended (their
+        # request may go in now).
+        return idle and not self.kv.tier_loads_pending and not self._disk_reads_ended
 
     def shutdown(self) -> None:
         """Stop the model's ranks, if it has any; let the disk KV tier finish its writes, if there is one."""
@@ -361,7 +364,7 @@ class EngineCore:
             self._record(out)
             updated = self._apply(out, self.runner.execute(out))  # an empty step still tells the runner who ended
             if isinstance(self.runner, ModelRunner) and self.kv.tier is not None:
-                sync_tiers(self.kv, self.runner, out.is_empty)
+                self._disk_reads_ended = sync_tiers(self.kv, self.runner, out.is_empty)
             return updated
         started = not out.is_empty or bool(out.finished_request_ids)
         if started:

@@ -90,19 +90,22 @@ def fingerprint_settings(config: ModelConfig, dtype: torch.dtype, kv_cache_dtype
             "quantization": quantization, "activation_bits": activation_bits, "ranks": 1}  # fmt: skip
 
 
-def sync_tiers(kv: KVCacheManager, runner: ModelRunner, idle: bool) -> None:
+def sync_tiers(kv: KVCacheManager, runner: ModelRunner, idle: bool) -> bool:
     """After a step: the runner saves what the step computed; the scheduler learns which disk reads
-    ended. An idle step (every waiting request waits for the disk) waits a little for one to end."""
+    ended. An idle step (every waiting request waits for the disk) waits a little for one to end.
+    Returns whether a read ended: a request waiting for it may be admitted now."""
     runner.run_tier_ops(kv.take_tier_ops())
     store, disk = runner.disk_tier, kv.disk
     if store is None or disk is None:
-        return
+        return False
     if store.disabled is not None and disk.enabled:
         disk.disable()
     if idle and disk.loading:
         store.wait(0.01)
-    kv.finish_disk_reads(store.finished())
+    ended = store.finished()
+    kv.finish_disk_reads(ended)
     disk.io = replace(store.counters)
+    return bool(ended)
 
 
 def _remove_stale_temporaries(folder: Path) -> None:

@@ -133,6 +133,24 @@ def test_a_directory_removed_while_serving_costs_hits_not_requests(tiny_llama, t
     assert any(tmp_path.rglob("*.kv"))  # made again, and written to
 
 
+def test_a_restarted_server_answers_a_known_prompt_from_disk(tiny_llama, tmp_path):
+    """The server's engine thread sleeps while nothing can run: a request waiting for its blocks from disk
+    must wake it when they arrive, not wait for the next request."""
+    from openai import OpenAI
+
+    from tests.api.server_runner import running_server
+
+    prompt = " ".join(f"t{10 + (7 * i) % 300}" for i in range(200))
+    answers = []
+    for _ in range(2):  # the second server is the first restarted, on the same directory
+        with running_server(LLM(tiny_llama, kv_cache_dir=tmp_path), "tiny") as (url, _):
+            client = OpenAI(base_url=f"{url}/v1", api_key="none", timeout=30, max_retries=0)
+            answers.append(client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0))
+    assert answers[1].choices[0].text == answers[0].choices[0].text
+    assert answers[0].usage.prompt_tokens_details.cached_tokens == 0
+    assert answers[1].usage.prompt_tokens_details.cached_tokens >= 192  # every whole block but the last
+
+
 WRITER = """
 import json, sys
 from folio import LLM

@@ -9,6 +9,7 @@ import argparse
 from folio_tools.bench import decode, profile, quantization
 from folio_tools.bench.lora import command as lora
 from folio_tools.bench.parallel import command as parallel
+from folio_tools.bench.restart import command as restart
 from folio_tools.bench.robustness import command as robustness
 from folio_tools.bench.robustness import stall
 from folio_tools.bench.serve import command as serve
@@ -30,6 +31,7 @@ BENCHMARKS = (
     spec,
     lora,
     swap,
+    restart,
     parallel,
     profile,
 )

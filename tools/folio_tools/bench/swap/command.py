@@ -71,9 +71,9 @@ class EngineTimes:
     warm: dict[str, list[float]] = field(default_factory=dict)  # model -> the same, loaded already
 
 
-def first_token_seconds(base_url: str, model: str) -> float:
+def first_token_seconds(base_url: str, model: str, prompt: str = PROMPT) -> float:
     """Seconds from sending a streamed completion to its first token."""
-    body = {"model": model, "prompt": PROMPT, "max_tokens": 4, "temperature": 0, "stream": True}
+    body = {"model": model, "prompt": prompt, "max_tokens": 4, "temperature": 0, "stream": True}
     start = time.perf_counter()
     with httpx.stream("POST", f"{base_url}/v1/completions", json=body, timeout=600) as answer:
         answer.raise_for_status()
