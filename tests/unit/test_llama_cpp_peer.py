@@ -103,6 +103,8 @@ def test_cmake_configure_args() -> None:
         assert flag in args
     assert "-DLLAMA_USE_PREBUILT_UI=OFF" in args  # no network at build time
     assert "-DLLAMA_BUILD_COMMIT=0c1e57098" in args
+    # Native, but without ggml's AMX kernels (SIGILL on AMX Xeons in VMs): their code needs __AMX_INT8__.
+    assert "-DCMAKE_CXX_FLAGS=-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__" in args
     shared = build.cmake_configure_args(Path("/src"), Path("/build"), commit="unknown", shared=True)
     assert "-DBUILD_SHARED_LIBS=ON" in shared
     assert not any(a.startswith("-DLLAMA_BUILD_COMMIT") for a in shared)

@@ -4,7 +4,8 @@ llama.cpp benchmark peer.
 The llama-cpp-python sdist on PyPI vendors llama.cpp under vendor/llama.cpp, so a package registry is
 all the build needs. We compile only those tools, statically linked and tuned for this CPU
 (GGML_NATIVE), into `folio_home()/peers/llama.cpp/<version>/bin`; the folder appears in one rename once
-the build is complete, so its existence means the binaries are usable. Because of GGML_NATIVE the cache
+the build is complete, so its existence means the binaries are usable (ggml's AMX kernels are left out:
+they fault on the AMX Xeons of our VMs). Because of GGML_NATIVE the cache
 belongs to this machine: do not copy it to another CPU.
 """
 
@@ -29,6 +30,7 @@ PACKAGE = "llama-cpp-python"
 SERVER, BENCH, BATCHED_BENCH = "llama-server", "llama-bench", "llama-batched-bench"
 TOOLS = (SERVER, BENCH, BATCHED_BENCH)
 BUILD_INFO = "build.json"
+NO_AMX = "-U__AMX_TILE__ -U__AMX_INT8__ -U__AMX_BF16__"
 _VERSION_RE = re.compile(r"^[0-9A-Za-z][0-9A-Za-z.+!_-]*$")  # a PEP 440 version; also safe as a folder name
 
 
@@ -115,6 +117,10 @@ def cmake_configure_args(source: Path, build: Path, *, commit: str, shared: bool
         "-DLLAMA_BUILD_EXAMPLES=OFF",
         "-DLLAMA_BUILD_APP=OFF",
         "-DCMAKE_BUILD_RPATH=$ORIGIN",  # a shared build finds its .so files next to the binaries once moved
+        # ggml's AMX kernels (compiled where -march=native has AMX) fault with SIGILL on the AMX Xeons this runs
+        # on in VMs; their code is behind these macros, so the rest stays native.
+        f"-DCMAKE_C_FLAGS={NO_AMX}",
+        f"-DCMAKE_CXX_FLAGS={NO_AMX}",
     ]
     if commit != "unknown":
         args.append(f"-DLLAMA_BUILD_COMMIT={commit}")  # shows up in --version and the server's log
