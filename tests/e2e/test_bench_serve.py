@@ -87,10 +87,11 @@ def test_serve_end_to_end_at_two_rates(tiny_llama, base_url, tmp_path, capsys):
         assert 0 <= result["goodput_requests_per_s"] <= result["requests_per_s"]
         assert result["requests_per_s"] == pytest.approx(8 / result["duration_s"])
         assert result["cost_per_1m_output_tokens"] == pytest.approx(2.0 / (result["output_tokens_per_s"] * 3600) * 1e6)
-        # MFU: the requests' FLOPs from the tiny model's shapes over the run, against the peak measured first.
+        # MFU: the requests' FLOPs from the tiny model's shapes over the run, against the peak measured first,
+        # less the prefill of the prompt tokens the server took from its prefix cache.
         cost = TokenCost.of(tiny_llama, 0, 0)
         work = sum(cost.request_flops(r["prompt_tokens"] or r["prompt_len"], r["output_tokens"])
-                   for r in result["requests"])  # fmt: skip
+                   - cost.request_flops(r["cached_tokens"], 0) for r in result["requests"])  # fmt: skip
         peak = report["peaks"]["matmul_gflops"] * 1e9
         assert result["mfu"] == pytest.approx(work / result["duration_s"] / peak) and plausible(result["mfu"])
     # Poisson arrivals at 20/s spread the sends out; at inf they all leave together.

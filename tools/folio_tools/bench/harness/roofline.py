@@ -147,12 +147,15 @@ class TokenCost:
             + (4 * self.num_layers * self.attention_width * contexts)
         )
 
-    def requests_mfu(self, lengths: Iterable[tuple[int, int]], seconds: float, peaks: MachinePeaks) -> float | None:
+    def requests_mfu(self, lengths: Iterable[tuple[int, int]], seconds: float, peaks: MachinePeaks,
+                     cached: Iterable[int] = ()) -> float | None:  # fmt: skip
         """The fraction of the matmul peak that requests of these (prompt, output) token counts, served in
-        `seconds` of wall time, come to; None without time to divide by."""
+        `seconds` of wall time, come to; None without time to divide by. `cached`: per request, the prompt
+        tokens whose KV the server took from its prefix cache, whose prefill it never computed."""
         if seconds <= 0:
             return None
         work = sum(self.request_flops(prompt, output) for prompt, output in lengths)
+        work -= sum(self.request_flops(tokens, 0) for tokens in cached)
         return work / seconds / (peaks.matmul_gflops * 1e9)
 
     def decode_bytes(self, batch: float, context: float) -> float:

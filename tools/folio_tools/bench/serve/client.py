@@ -174,6 +174,9 @@ async def send_request(client: Any, target: Target, request: ServeRequest, recor
                     usage_tokens = int(data["usage"]["completion_tokens"])
                     if data["usage"].get("prompt_tokens") is not None:
                         record.prompt_tokens = int(data["usage"]["prompt_tokens"])
+                    details = data["usage"].get("prompt_tokens_details")
+                    if isinstance(details, dict) and details.get("cached_tokens") is not None:
+                        record.cached_tokens = int(details["cached_tokens"])
                 for choice in data.get("choices") or []:
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]

@@ -126,9 +126,11 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
 
 def served_mfu(records: list[RequestRecord], duration_s: float, cost: TokenCost, peaks: MachinePeaks) -> float | None:
     """The fraction of the machine's matmul peak the completed requests' FLOPs (the model's shapes, the
-    prompt and output tokens each request had) come to over the run's wall time."""
-    lengths = [(r.prompt_tokens or r.prompt_len, r.output_tokens) for r in records if r.success]
-    return cost.requests_mfu(lengths, duration_s, peaks)
+    prompt and output tokens each request had, less the prompt tokens the server said it had cached) come to
+    over the run's wall time."""
+    done = [r for r in records if r.success]
+    lengths = [(r.prompt_tokens or r.prompt_len, r.output_tokens) for r in done]
+    return cost.requests_mfu(lengths, duration_s, peaks, [r.cached_tokens or 0 for r in done])
 
 
 def _workload(requests: list[ServeRequest]) -> dict[str, Any]:

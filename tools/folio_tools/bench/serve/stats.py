@@ -33,6 +33,7 @@ class RequestRecord:
     output_tokens: int = 0
     output_tokens_source: str = "chunks"  # "usage" (the server's final usage chunk) or "chunks" (counted)
     prompt_tokens: int | None = None  # the server's usage.prompt_tokens, when it sent usage
+    cached_tokens: int | None = None  # of those, usage.prompt_tokens_details.cached_tokens: taken from its cache
     finish_reason: str | None = None
     conversation: int | None = None  # multi-turn: the conversation and the turn in it (from 0)
     turn: int | None = None
