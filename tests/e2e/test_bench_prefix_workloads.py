@@ -1,4 +1,5 @@
-"""The workloads of `folio bench serve` that share prefixes (document, tenants, multi-turn, agent), the chaining of a
+"""The workloads of `folio bench serve` that share prefixes (document, tenants, multi-turn; agent in
+test_bench_agent_workload.py), the chaining of a
 conversation's turns, and the prefix-cache counters scraped from /metrics: against canned streams, the packaged
 ShareGPT text with a real tokenizer, and a real folio server on a tiny random Llama (with and without /metrics)."""
 
@@ -183,37 +184,6 @@ def test_multi_turn_requests_grow_by_the_datasets_answers(tiny_llama, sharegpt):
     with pytest.raises(ValueError, match="widen --input-len-range"):
         build_serve_requests("multi-turn", tokenizer, 2, LengthRange(1, 5), LengthRange(2, 9), 0, str(sharegpt),
                              turns=3)  # fmt: skip
-
-
-def test_agent_requests_put_one_shared_system_prompt_before_each_conversation(tiny_llama, sharegpt):
-    tokenizer = load_tokenizer(str(tiny_llama), explicit=True)
-    common = (tokenizer, 3, LengthRange(1, 500), LengthRange(2, 9), 0, str(sharegpt))
-    agent = build_serve_requests("agent", *common, turns=3, document_len=40)
-    plain = build_serve_requests("multi-turn", *common, turns=3).requests
-    system = agent.requests[0].messages[0]
-    assert system["role"] == "system" and agent.facts == {"conversations": 3, "turns": 3, "system_prompt_tokens": 40}
-    for ours, theirs in zip(agent.requests, plain, strict=True):
-        assert ours.messages == [system, *theirs.messages] and ours.prompt_len == theirs.prompt_len + 40
-        assert (ours.conversation, ours.turn, ours.prompt) == (theirs.conversation, theirs.turn, theirs.prompt)
-
-
-def test_agent_run_reports_blocks_the_ram_tier_gave_back(tiny_llama, sharegpt, tmp_path, capsys):
-    from folio import LLM
-
-    # A pool of 8 blocks holds about one conversation: its history is evicted while the others run.
-    llm = LLM(tiny_llama, num_kv_blocks=8, kv_offload_ram="8MiB")
-    with running_server(llm, MODEL) as (url, _):
-        code = main([
-            "bench", "serve", "--base-url", url, "--model", MODEL, "--tokenizer", str(tiny_llama),
-            "--dataset", "agent", "--dataset-path", str(sharegpt), "--turns", "3", "--num-prompts", "3",
-            "--document-len", "40", "--input-len-range", "1:500", "--output-len-range", "2:4",
-            "--output-dir", str(tmp_path),
-        ])  # fmt: skip
-    assert code == 0
-    [json_path] = tmp_path.glob("*.json")
-    [result] = json.loads(json_path.read_text())["results"]
-    assert result["completed"] == 9 and result["kv_tiers"]["ram_loaded_blocks"] > 0
-    assert "RAM-tier hit blocks" in capsys.readouterr().out
 
 
 # -- sending a conversation -------------------------------------------------------------------------------
