@@ -58,3 +58,52 @@ def test_agent_run_reports_blocks_the_ram_tier_gave_back(tiny_llama, sharegpt, t
     [result] = json.loads(json_path.read_text())["results"]
     assert result["completed"] == 9 and result["kv_tiers"]["ram_loaded_blocks"] > 0
     assert "RAM-tier hit blocks" in capsys.readouterr().out
+
+
+def test_with_history_from_replies_each_turn_carries_the_servers_earlier_answers(monkeypatch):
+    import asyncio
+    import math
+
+    import httpx
+    from folio_tools.bench.serve import client as serve_client
+    from folio_tools.bench.serve.client import ServeRequest, Target, run_rate
+
+    bodies: list[dict] = []
+
+    async def handler(request: httpx.Request) -> httpx.Response:
+        body = json.loads(request.content)
+        bodies.append(body)
+        answer = f"reply to {body['messages'][-1]['content']}"
+        chunks = [{"choices": [{"index": 0, "delta": {"content": piece}, "finish_reason": None}]}
+                  for piece in (answer[:5], answer[5:])]  # fmt: skip
+        events = [*chunks, {"choices": [{"index": 0, "delta": {}, "finish_reason": "length"}]}]
+        text = "".join(f"data: {json.dumps(e)}\n\n" for e in events) + "data: [DONE]\n\n"
+        return httpx.Response(200, content=text.encode())
+
+    monkeypatch.setattr(
+        serve_client, "make_client", lambda *_: httpx.AsyncClient(transport=httpx.MockTransport(handler))
+    )
+    texts = ["system", "user 0", "answer 0", "user 1", "answer 1", "user 2"]
+    requests = [
+        ServeRequest(
+            texts[2 * k + 1],
+            1,
+            2,
+            conversation=0,
+            turn=k,
+            messages=[{"role": "system", "content": "system"}]
+            + [
+                {"role": "user" if j % 2 == 0 else "assistant", "content": t}
+                for j, t in enumerate(texts[1 : 2 * k + 2])
+            ],
+        )  # fmt: skip
+        for k in range(3)
+    ]
+    target = Target("http://test", "m", chat=True, include_usage=False)
+    records, _ = asyncio.run(run_rate(target, requests, math.inf, 0, None, use_tqdm=False, replies_as_history=True))
+    assert all(r.success for r in records), [r.error for r in records]
+    assert [[m["content"] for m in body["messages"]] for body in bodies] == [
+        ["system", "user 0"],
+        ["system", "user 0", "reply to user 0", "user 1"],
+        ["system", "user 0", "reply to user 0", "user 1", "reply to user 1", "user 2"],
+    ]

@@ -257,7 +257,7 @@ def test_counters_are_read_a_metrics_lag_after_the_requests(monkeypatch, lag, pr
         events.append("probe")
         return target, {}
 
-    async def fake_run_rate(target, reqs, rate, *args):
+    async def fake_run_rate(target, reqs, rate, *args, **kwargs):
         events.append(f"rate {rate:g}")
         return [], 1.0
 

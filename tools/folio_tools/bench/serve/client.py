@@ -136,8 +136,10 @@ def _chunk_text(choice: dict[str, Any], chat: bool) -> str:
     return text if isinstance(text, str) else ""
 
 
-async def send_request(client: Any, target: Target, request: ServeRequest, record: RequestRecord, t0: float) -> None:
-    """Stream one request and fill `record`; exceptions become `record.error`."""
+async def send_request(client: Any, target: Target, request: ServeRequest, record: RequestRecord, t0: float,
+                       reply: list[str] | None = None) -> None:  # fmt: skip
+    """Stream one request and fill `record`, and `reply` with the streamed text's pieces if given; exceptions
+    become `record.error`."""
     import httpx
 
     start = time.perf_counter()
@@ -180,7 +182,9 @@ async def send_request(client: Any, target: Target, request: ServeRequest, recor
                 for choice in data.get("choices") or []:
                     if choice.get("finish_reason"):
                         record.finish_reason = choice["finish_reason"]
-                    if _chunk_text(choice, target.chat):
+                    if text := _chunk_text(choice, target.chat):
+                        if reply is not None:
+                            reply.append(text)
                         if last_chunk is None:
                             record.ttft_s = now - start
                         else:
@@ -230,6 +234,19 @@ def conversations(requests: list[ServeRequest]) -> list[list[int]]:
     return groups
 
 
+def with_replies(request: ServeRequest, replies: list[str]) -> ServeRequest:
+    """`request` with its first assistant turns' contents replaced by `replies`, in order."""
+    if not request.messages or not replies:
+        return request
+    messages, answered = [], 0
+    for message in request.messages:
+        if message["role"] == "assistant" and answered < len(replies):
+            message = {**message, "content": replies[answered]}
+            answered += 1
+        messages.append(message)
+    return replace(request, messages=messages)
+
+
 async def run_rate(
     target: Target,
     requests: list[ServeRequest],
@@ -237,13 +254,14 @@ async def run_rate(
     seed: int,
     max_concurrency: int | None,
     use_tqdm: bool = True,
+    replies_as_history: bool = False,
 ) -> tuple[list[RequestRecord], float]:
     """Send every request on the Poisson schedule of `rate` (at most `max_concurrency` in flight; a request
     that waits for a slot is timed from when it is sent). Returns the records and the run's duration.
 
     A conversation (see `conversations`) arrives as one: its first request at its Poisson time, each later one
-    as soon as the one before has finished, failed or not (its messages come from the dataset, not from the
-    answer), so `rate` counts conversations."""
+    as soon as the one before has finished, failed or not, so `rate` counts conversations. Its messages come
+    from the dataset, or with `replies_as_history` its earlier assistant turns are the server's replies."""
     groups = conversations(requests)
     offsets = arrival_offsets(len(groups), rate, seed)
     records = [
@@ -258,12 +276,18 @@ async def run_rate(
 
         async def one(group: list[int], offset: float) -> None:
             await asyncio.sleep(max(0.0, t0 + offset - time.perf_counter()))
+            replies: list[str] = []  # the server's answers to this conversation's turns so far
             for i in group:
+                request, reply = requests[i], [] if replies_as_history else None
+                if replies_as_history:
+                    request = with_replies(request, replies)
                 if limit is None:
-                    await send_request(client, target, requests[i], records[i], t0)
+                    await send_request(client, target, request, records[i], t0, reply)
                 else:
                     async with limit:
-                        await send_request(client, target, requests[i], records[i], t0)
+                        await send_request(client, target, request, records[i], t0, reply)
+                if reply is not None:
+                    replies.append("".join(reply))
                 bar.update(1)
 
         tasks = [one(group, offset) for group, offset in zip(groups, offsets, strict=True)]

@@ -96,7 +96,15 @@ def run_serve(config: ServeConfig, command: str, label: str | None = None) -> Se
         handed_before = scrape_kv_transfer(config.base_url) if before is not None else None
         tiers_before = scrape_kv_tiers(config.base_url) if before is not None else None
         records, duration = asyncio.run(
-            run_rate(target, requests, rate, config.seed, config.max_concurrency, config.use_tqdm)
+            run_rate(
+                target,
+                requests,
+                rate,
+                config.seed,
+                config.max_concurrency,
+                config.use_tqdm,
+                replies_as_history=config.history == "replies",
+            )
         )
         summary = summarize(records, duration, config.slo, config.price_per_hour)
         summary["mfu"] = served_mfu(records, duration, cost, peaks)
@@ -162,6 +170,7 @@ def workload_config(args: argparse.Namespace, base_url: str, **settings: Any) ->
         turns=args.turns,
         document_len=args.document_len,
         tenants=args.tenants,
+        history=args.history,
         **settings,
     )
 
@@ -246,6 +255,11 @@ def add_workload_args(parser: argparse.ArgumentParser, tokenizer: bool = False) 
     parser.add_argument(
         "--num-prompts", type=int, default=100, help="requests per rate; multi-turn, agent: conversations (default 100)"
     )
+    parser.add_argument(
+        "--history", choices=("dataset", "replies"), default="dataset",
+        help="multi-turn, agent: earlier assistant turns are the dataset's answers (default: every server gets the "
+        "same prompts) or the server's own replies (as a chat client or an agent sends them)",
+    )  # fmt: skip
     parser.add_argument(
         "--turns",
         type=int,

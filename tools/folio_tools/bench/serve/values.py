@@ -39,11 +39,16 @@ class ServeConfig:
     tenants: int = 4  # tenants: documents, each shared by its tenant's requests
     probe_request: bool = True  # send one short request before timing (a static-batching server holds it)
     metrics_lag_s: float = 0.0  # wait this long before reading /metrics, for a server whose counters lag
+    # multi-turn, agent: the assistant turns of a history are the dataset's answers ("dataset", the same
+    # prompts for every server) or the server's own replies to the earlier turns ("replies", as a chat client)
+    history: str = "dataset"
 
     def __post_init__(self) -> None:
         self.base_url = normalize_base_url(self.base_url)
         if self.num_prompts < 1:
             raise ValueError(f"--num-prompts must be at least 1, got {self.num_prompts}")
+        if self.history not in ("dataset", "replies"):
+            raise ValueError(f"--history must be dataset or replies, got {self.history!r}")
         if self.turns < 1:
             raise ValueError(f"--turns must be at least 1, got {self.turns}")
         if self.document_len < 1:
@@ -126,6 +131,7 @@ class ServeReport:
                 "price_per_hour": c.price_per_hour,
                 "input_len_range": None if undrawn else str(c.input_len_range),
                 "turns": c.turns if c.dataset in ("multi-turn", "agent") else None,
+                "history": c.history if c.dataset in ("multi-turn", "agent") else None,
                 "document_len": c.document_len if c.dataset in ("document", "tenants", "agent") else None,
                 "tenants": c.tenants if c.dataset == "tenants" else None,
                 "output_len_range": str(c.output_len_range),
