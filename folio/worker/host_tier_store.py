@@ -56,9 +56,17 @@ class HostTierStore:
                     host[slot_ids] = blocks[block_ids].to("cpu")
 
     @torch.inference_mode()
-    def block_payload(self, block: int) -> torch.Tensor:
-        """Pool block `block` of every layer as one new uint8 tensor on the CPU, in slot layout."""
-        return torch.cat([blocks[block].to("cpu").reshape(-1).view(torch.uint8) for blocks, _ in self.pairs])
+    def block_payloads(self, block_ids: list[int]) -> torch.Tensor:
+        """Pool blocks `block_ids` of every layer as one new uint8 tensor [len(block_ids), slot_bytes] on the
+        CPU, row i in slot layout: one gather per layer tensor, however many blocks."""
+        out = torch.empty(len(block_ids), self.slot_bytes, dtype=torch.uint8)
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.pairs[0][0].device)
+        offset = 0
+        for blocks, _ in self.pairs:
+            part = blocks[ids].to("cpu").reshape(len(block_ids), -1).view(torch.uint8)
+            out[:, offset : offset + part.shape[1]] = part
+            offset += part.shape[1]
+        return out
 
     @torch.inference_mode()
     def fill_slot(self, slot: int, payload: torch.Tensor) -> None:

@@ -160,8 +160,7 @@ class ModelRunner:
         """The KV tiers' copies and file operations, in the order kv_cache/tier_ops.py gives."""
         disk = self.disk_tier  # disk operations come only from an engine that attached one
         if disk is not None:
-            for save in ops.disk_saves:
-                disk.save(save)
+            disk.save(ops.disk_saves)
         if ops.copies:
             assert self.host_tier is not None
             self.host_tier.run(ops.copies)

@@ -45,8 +45,7 @@ class Tiers:
     def flush(self) -> None:
         saves, loads, removes = self.disk.take_ops()
         ops = TierOps(saves, self.host.take_ops(), loads, removes)
-        for save in ops.disk_saves:
-            self.store.save(save)
+        self.store.save(ops.disk_saves)
         self.host_store.run(ops.copies)
         for load in ops.disk_loads:
             self.store.load(load)
