@@ -109,6 +109,8 @@ class KVCacheManager:
     def finish_disk_reads(self, results: Sequence[tuple[int, bool]]) -> None:
         """The runner's reads from disk that ended: (RAM-tier slot, whether it holds its block now)."""
         assert self.disk is not None and self.tier is not None
+        if not results:  # every step asks; most steps have nothing
+            return
         awaited = set().union(*self._awaiting.values())
         self.tier.pin([key for key in self.disk.finish(results) if key in awaited])
 
